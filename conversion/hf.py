@@ -1,0 +1,334 @@
+"""The official Ling-3 safetensors layout (SPEC §3, §4) and how each tensor becomes a ling-jax param.
+
+One table, `TABLE`, maps every official name to a params path and a transform. Names are templates: `{e}` is
+the expert index, and layer-level names sit under `model.layers.{l}.`. Each rule has a scope saying which layers
+it applies to (KDA or MLA mixer, dense or MoE ffn, the MTP layer), and it applies only where its params path is
+declared by `ling_jax.params.param_specs` (so `q_proj` vs `q_a_proj`/`q_b_proj` follows `q_lora_rank`).
+
+`plan(cfg)` expands the table into one `Entry` per official tensor group, in params order, and checks that the
+entries cover every leaf of `param_specs(cfg)` exactly once with the shapes declared there. Loading
+(`conversion.load`) and synthetic writing (`conversion.synthetic`) both walk that plan, in opposite directions:
+`Transform.to_params` (official arrays -> params arrays) and `Transform.to_hf` (the inverse).
+
+Transforms (official torch layout is [out, in]; ling-jax stores [in, out] with heads split out):
+    IDENTITY  norms, A_log, embed [V, D], expert_bias
+    LINEAR    [prod(out), prod(in)] -> [*in, *out]: the first `n_in` param axes are inputs
+              (w_q [D, H, K] <- [H*K, D]; w_o [H, Dv, D] <- [D, H*Dv]; router [D, E] <- [E, D])
+    CONV      [H*K, 1, W] -> [W, H, K]
+    SPLIT_HEADS  dt_bias [H*K] -> [H, K]
+    KV_B      kv_b_proj [H*(Dn+Dv), R] (rows head-major, [k_nope | v] per head) -> w_k_b [R, H, Dn], w_v_b [R, H, Dv]
+Experts: `mlp.experts.{e}.*` for e = 0..E-1 are transformed one by one and stacked on a leading [E] axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from ling_jax.config import DENSE, KDA, MLA, MOE, LingConfig
+from ling_jax.params import ParamSpec, is_spec, param_specs
+
+Path = tuple[Any, ...]  # a params path, e.g. ("layers", 3, "mixer", "w_q")
+Shape = tuple[int, ...]
+
+
+class Transform:
+    """Official arrays <-> params arrays for one rule. Shapes are the params shapes (one expert's for stacks)."""
+
+    def hf_shape(self, shapes: Sequence[Shape]) -> Shape:
+        raise NotImplementedError
+
+    def to_params(self, x: np.ndarray, shapes: Sequence[Shape]) -> tuple[np.ndarray, ...]:
+        raise NotImplementedError
+
+    def to_hf(self, xs: Sequence[np.ndarray]) -> np.ndarray:
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class Identity(Transform):
+    def hf_shape(self, shapes):
+        return tuple(shapes[0])
+
+    def to_params(self, x, shapes):
+        return (x.reshape(shapes[0]),)
+
+    def to_hf(self, xs):
+        return xs[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Linear(Transform):
+    """torch nn.Linear weight [out, in] -> [*in, *out]; the first `n_in` params axes are the input."""
+    n_in: int = 1
+
+    def hf_shape(self, shapes):
+        s = shapes[0]
+        return (math.prod(s[self.n_in:]), math.prod(s[:self.n_in]))
+
+    def to_params(self, x, shapes):
+        return (x.T.reshape(shapes[0]),)
+
+    def to_hf(self, xs):
+        s = xs[0].shape
+        return xs[0].reshape(math.prod(s[:self.n_in]), math.prod(s[self.n_in:])).T
+
+
+@dataclasses.dataclass(frozen=True)
+class Conv(Transform):
+    """Depthwise conv1d weight [H*K, 1, W] -> [W, H, K] (tap W-1 multiplies the current token)."""
+
+    def hf_shape(self, shapes):
+        w, h, k = shapes[0]
+        return (h * k, 1, w)
+
+    def to_params(self, x, shapes):
+        return (x[:, 0, :].T.reshape(shapes[0]),)
+
+    def to_hf(self, xs):
+        w = xs[0].shape[0]
+        return xs[0].reshape(w, -1).T[:, None, :]
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitHeads(Transform):
+    """[H*K] -> [H, K]."""
+
+    def hf_shape(self, shapes):
+        return (math.prod(shapes[0]),)
+
+    def to_params(self, x, shapes):
+        return (x.reshape(shapes[0]),)
+
+    def to_hf(self, xs):
+        return xs[0].reshape(-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class KvB(Transform):
+    """kv_b_proj [H*(Dn+Dv), R], rows head-major with [k_nope | v] per head -> w_k_b [R, H, Dn], w_v_b [R, H, Dv]."""
+
+    def hf_shape(self, shapes):
+        (r, h, dn), (_, _, dv) = shapes
+        return (h * (dn + dv), r)
+
+    def to_params(self, x, shapes):
+        (r, h, dn), _ = shapes
+        z = x.reshape(h, -1, r)  # [H, Dn+Dv, R]
+        return z[:, :dn].transpose(2, 0, 1), z[:, dn:].transpose(2, 0, 1)
+
+    def to_hf(self, xs):
+        k, v = xs  # [R, H, Dn], [R, H, Dv]
+        z = np.concatenate([k.transpose(1, 2, 0), v.transpose(1, 2, 0)], axis=1)  # [H, Dn+Dv, R]
+        return z.reshape(-1, z.shape[-1])
+
+
+IDENTITY, LINEAR, LINEAR_2IN, CONV, SPLIT_HEADS, KV_B = Identity(), Linear(1), Linear(2), Conv(), SplitHeads(), KvB()
+
+# Scopes: which names a layer carries. GLOBAL names are whole; the others sit under `model.layers.{l}.`.
+GLOBAL, LAYER, MTP = "global", "layer", "mtp"  # LAYER: every decoder layer, the MTP layer included
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    hf: tuple[str, ...]  # accepted names, canonical first; `{e}` = expert index
+    params: tuple[str, ...]  # dotted paths relative to the scope's params root
+    transform: Transform
+    scope: str  # GLOBAL | LAYER | MTP | KDA | MLA | DENSE | MOE
+
+
+def _rule(hf: str | tuple[str, ...], params: str | tuple[str, ...], transform: Transform, scope: str) -> Rule:
+    return Rule((hf,) if isinstance(hf, str) else hf, (params,) if isinstance(params, str) else params,
+                transform, scope)
+
+
+TABLE: tuple[Rule, ...] = (
+    _rule("model.word_embeddings.weight", "embed", IDENTITY, GLOBAL),  # [V, D] kept as is
+    _rule("model.norm.weight", "final_norm", IDENTITY, GLOBAL),
+    _rule("lm_head.weight", "lm_head", LINEAR, GLOBAL),  # [V, D] -> [D, V]
+
+    _rule("input_layernorm.weight", "input_norm", IDENTITY, LAYER),
+    _rule("post_attention_layernorm.weight", "post_norm", IDENTITY, LAYER),
+
+    _rule("attention.q_proj.weight", "mixer.w_q", LINEAR, KDA),
+    _rule("attention.k_proj.weight", "mixer.w_k", LINEAR, KDA),
+    _rule("attention.v_proj.weight", "mixer.w_v", LINEAR, KDA),
+    _rule("attention.f_proj.weight", "mixer.w_f", LINEAR, KDA),
+    _rule("attention.g_proj.weight", "mixer.w_g", LINEAR, KDA),  # output gate [D, H, K]
+    _rule("attention.b_proj.weight", "mixer.w_b", LINEAR, KDA),
+    _rule("attention.q_conv1d.weight", "mixer.conv_q", CONV, KDA),
+    _rule("attention.k_conv1d.weight", "mixer.conv_k", CONV, KDA),
+    _rule("attention.v_conv1d.weight", "mixer.conv_v", CONV, KDA),
+    _rule("attention.A_log", "mixer.A_log", IDENTITY, KDA),
+    _rule("attention.dt_bias", "mixer.dt_bias", SPLIT_HEADS, KDA),
+    _rule("attention.o_norm.weight", "mixer.o_norm", IDENTITY, KDA),
+    # The official KDA name is o_proj; transformers' save_pretrained writes `dense` (its MLA name) for every layer.
+    _rule(("attention.o_proj.weight", "attention.dense.weight"), "mixer.w_o", LINEAR_2IN, KDA),
+
+    _rule("attention.q_proj.weight", "mixer.w_q", LINEAR, MLA),  # q_lora_rank null (Flash)
+    _rule("attention.q_a_proj.weight", "mixer.w_q_a", LINEAR, MLA),  # q_lora_rank set (Tiny)
+    _rule("attention.q_a_layernorm.weight", "mixer.q_a_norm", IDENTITY, MLA),
+    _rule("attention.q_b_proj.weight", "mixer.w_q_b", LINEAR, MLA),
+    _rule("attention.kv_a_proj_with_mqa.weight", "mixer.w_kv_a", LINEAR, MLA),
+    _rule("attention.kv_a_layernorm.weight", "mixer.kv_a_norm", IDENTITY, MLA),
+    _rule("attention.kv_b_proj.weight", ("mixer.w_k_b", "mixer.w_v_b"), KV_B, MLA),
+    _rule("attention.g_proj.weight", "mixer.w_gate", LINEAR, MLA),  # head-wise gate [D, H]
+    _rule("attention.dense.weight", "mixer.w_o", LINEAR_2IN, MLA),
+
+    _rule("mlp.gate_proj.weight", "ffn.w_gate", LINEAR, DENSE),
+    _rule("mlp.up_proj.weight", "ffn.w_up", LINEAR, DENSE),
+    _rule("mlp.down_proj.weight", "ffn.w_down", LINEAR, DENSE),
+
+    _rule("mlp.gate.weight", "ffn.router", LINEAR, MOE),
+    _rule(("mlp.gate.expert_bias", "mlp.gate.e_score_correction_bias"), "ffn.expert_bias", IDENTITY, MOE),
+    _rule("mlp.experts.{e}.gate_proj.weight", "ffn.we_gate", LINEAR, MOE),
+    _rule("mlp.experts.{e}.up_proj.weight", "ffn.we_up", LINEAR, MOE),
+    _rule("mlp.experts.{e}.down_proj.weight", "ffn.we_down", LINEAR, MOE),
+    _rule("mlp.shared_experts.gate_proj.weight", "ffn.ws_gate", LINEAR, MOE),
+    _rule("mlp.shared_experts.up_proj.weight", "ffn.ws_up", LINEAR, MOE),
+    _rule("mlp.shared_experts.down_proj.weight", "ffn.ws_down", LINEAR, MOE),
+
+    _rule("enorm.weight", "enorm", IDENTITY, MTP),
+    _rule("hnorm.weight", "hnorm", IDENTITY, MTP),
+    _rule("eh_proj.weight", "eh_proj", LINEAR, MTP),  # [D, 2D] -> [2D, D]; input = [enorm(e) | hnorm(h)]
+    _rule("final_layernorm.weight", "final_norm", IDENTITY, MTP),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One group of official tensors and the params leaves they become.
+
+    `sources[i]` holds the accepted names of source tensor i (canonical first). A stacked entry (experts) has E
+    sources, one per expert, and one params leaf whose leading axis is E.
+    """
+    sources: tuple[tuple[str, ...], ...]
+    paths: tuple[Path, ...]
+    specs: tuple[ParamSpec, ...]
+    transform: Transform
+    stacked: bool
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(s[0] for s in self.sources)
+
+    @property
+    def item_shapes(self) -> tuple[Shape, ...]:
+        """Params shapes that one source tensor produces (one expert's slice when stacked)."""
+        return tuple(s.shape[1:] if self.stacked else s.shape for s in self.specs)
+
+    @property
+    def hf_shape(self) -> Shape:
+        return self.transform.hf_shape(self.item_shapes)
+
+
+def layer_prefix(layer: int) -> str:
+    return f"model.layers.{layer}."
+
+
+def path_str(path: Path) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def _lookup(tree: Any, dotted: str) -> Any:
+    for key in dotted.split("."):
+        if not isinstance(tree, dict) or key not in tree:
+            return None
+        tree = tree[key]
+    return tree
+
+
+def _applies(scope: str, mixer: str, ffn: str, is_mtp: bool) -> bool:
+    return scope == LAYER or scope in (mixer, ffn) or (scope == MTP and is_mtp)
+
+
+def plan(cfg: LingConfig, *, with_mtp: bool = True) -> list[Entry]:
+    """Every official tensor of `cfg`'s checkpoint, grouped by the params leaves it feeds, in params order."""
+    specs = param_specs(cfg, with_mtp=with_mtp)
+    by_path: dict[Path, Entry] = {}
+
+    def add(rule: Rule, prefix: str, root: Path, scope_specs: Any):
+        leaf_specs = [_lookup(scope_specs, p) for p in rule.params]
+        if any(s is None for s in leaf_specs):
+            assert all(s is None for s in leaf_specs), rule  # a multi-output rule is all or nothing
+            return
+        stacked = "{e}" in rule.hf[0]
+        count = leaf_specs[0].shape[0] if stacked else 1
+        sources = tuple(tuple(prefix + n.format(e=e) for n in rule.hf) for e in range(count))
+        paths = tuple(root + tuple(p.split(".")) for p in rule.params)
+        entry = Entry(sources, paths, tuple(leaf_specs), rule.transform, stacked)
+        for p in paths:
+            assert p not in by_path, f"two rules feed {path_str(p)}"
+            by_path[p] = entry
+
+    def add_layer(layer: int, root: Path, layer_specs: Any, mtp_specs: Any = None):
+        is_mtp = layer >= cfg.num_layers
+        mixer, ffn = (MLA, MOE) if is_mtp else (cfg.mixer_kind(layer), cfg.ffn_kind(layer))
+        for rule in TABLE:
+            if rule.scope == MTP and is_mtp:
+                add(rule, layer_prefix(layer), ("mtp",), mtp_specs)
+            elif rule.scope not in (GLOBAL, MTP) and _applies(rule.scope, mixer, ffn, is_mtp):
+                add(rule, layer_prefix(layer), root, layer_specs)
+
+    for rule in TABLE:
+        if rule.scope == GLOBAL:
+            add(rule, "", (), specs)
+    for i, layer_specs in enumerate(specs["layers"]):
+        add_layer(i, ("layers", i), layer_specs)
+    if "mtp" in specs:
+        add_layer(cfg.num_layers, ("mtp", "layer"), specs["mtp"]["layer"], specs["mtp"])
+
+    # The table must cover param_specs exactly: every leaf once, with the declared shape.
+    leaves = spec_paths(specs)
+    missing = [path_str(p) for p in leaves if p not in by_path]
+    assert not missing, f"no official name maps to params {missing}"
+    for path, spec in leaves.items():
+        entry = by_path[path]
+        assert entry.specs[entry.paths.index(path)] == spec, path
+    order = {p: i for i, p in enumerate(leaves)}
+    entries = {id(e): e for e in by_path.values()}.values()
+    return sorted(entries, key=lambda e: order[e.paths[0]])
+
+
+def spec_paths(specs: Any) -> dict[Path, ParamSpec]:
+    """{params path: ParamSpec} in the canonical (jax.tree) leaf order."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)
+    return {tuple(_key(k) for k in kp): spec for kp, spec in flat}
+
+
+def _key(k: Any) -> Any:
+    if isinstance(k, jax.tree_util.DictKey):
+        return k.key
+    if isinstance(k, jax.tree_util.SequenceKey):
+        return k.idx
+    raise TypeError(f"unexpected params tree key {k!r}")
+
+
+_TEMPLATE_RES = [(rule, re.compile(re.escape(name).replace(re.escape("{e}"), r"(\d+)") + "$"))
+                 for rule in TABLE for name in rule.hf]
+
+
+def explain_unexpected(name: str, cfg: LingConfig) -> str:
+    """A short reason for a name the plan does not expect ('' when none is known)."""
+    m = re.match(r"model\.layers\.(\d+)\.(.*)$", name)
+    if not m:
+        return ""
+    layer, rest = int(m.group(1)), m.group(2)
+    if layer >= cfg.total_layers:
+        return f"layer {layer} >= num_hidden_layers + num_nextn_predict_layers = {cfg.total_layers}"
+    if layer >= cfg.num_layers:
+        kinds = (MLA, MOE)
+    else:
+        kinds = (cfg.mixer_kind(layer), cfg.ffn_kind(layer))
+    scopes = sorted({rule.scope for rule, rx in _TEMPLATE_RES if rule.scope != GLOBAL and rx.match(rest)})
+    if scopes and not any(s in (LAYER, *kinds) or (s == MTP and layer >= cfg.num_layers) for s in scopes):
+        return f"a {'/'.join(scopes)} name, but layer {layer} is {kinds[0]} + {kinds[1]}"
+    if m2 := re.match(r"mlp\.experts\.(\d+)\.", rest):
+        if int(m2.group(1)) >= cfg.num_experts:
+            return f"expert {m2.group(1)} >= num_experts = {cfg.num_experts}"
+    return ""

@@ -1,0 +1,303 @@
+"""Load an official Ling-3 checkpoint directory (config.json + safetensors shards) into a params pytree.
+
+Everything is validated from the safetensors headers before a single tensor is read: one `CheckpointError`
+lists every missing, unexpected, duplicate and mis-shaped tensor and a vocab mismatch. Then the tensors stream
+one `hf.Entry` at a time (one tensor, or the E experts of one layer stacked into one [E, ...] host array), are
+cast on the host, put on device with their target sharding, and freed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import re
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors import safe_open
+
+from conversion import hf
+from ling_jax.config import LingConfig, from_hf
+from ling_jax.params import is_spec, param_specs
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
+_MAX_LISTED = 40  # per problem kind; the count is always exact
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that does not hold the tensors its config.json describes; lists every problem."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    file: str  # shard file name inside the checkpoint directory
+    shape: tuple[int, ...]
+    dtype: str  # safetensors dtype string: BF16, F32, ...
+
+    @property
+    def nbytes(self) -> int:
+        itemsize = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                    "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1}.get(self.dtype, 1)
+        return itemsize * int(np.prod(self.shape))
+
+
+def read_catalog(hf_dir: str | Path) -> tuple[dict[str, TensorInfo], list[str]]:
+    """{name: TensorInfo} from the shard headers, plus problems (missing shard files, duplicates, stale index).
+
+    The shards themselves are the truth; the index only says which files to open and must agree with them.
+    """
+    hf_dir = Path(hf_dir)
+    problems: list[str] = []
+    index_path = hf_dir / INDEX_NAME
+    if index_path.is_file():
+        weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    elif (hf_dir / SINGLE_NAME).is_file():
+        weight_map, files = {}, [SINGLE_NAME]
+    else:
+        raise CheckpointError(f"no {INDEX_NAME} or {SINGLE_NAME} in {hf_dir}: not a safetensors checkpoint")
+    catalog: dict[str, TensorInfo] = {}
+    duplicates: dict[str, list[str]] = {}
+    for file in files:
+        if not (hf_dir / file).is_file():
+            problems.append(f"shard file {file} named in {INDEX_NAME} does not exist")
+            continue
+        with safe_open(hf_dir / file, framework="numpy") as f:
+            for name in f.keys():
+                sl = f.get_slice(name)
+                info = TensorInfo(file, tuple(sl.get_shape()), sl.get_dtype())
+                if name in catalog:
+                    duplicates.setdefault(name, [catalog[name].file]).append(file)
+                catalog[name] = info
+    for name, where in duplicates.items():
+        problems.append(f"duplicate tensor {name} in shards {', '.join(where)}")
+    stale = [n for n, file in weight_map.items() if (hf_dir / file).is_file() and catalog.get(n, None) is None]
+    if stale:
+        problems.append(_listing(f"named in {INDEX_NAME} but absent from their shard", stale))
+    misplaced = [n for n, file in weight_map.items() if n in catalog and catalog[n].file != file
+                 and n not in duplicates]
+    if misplaced:
+        problems.append(_listing(f"in a different shard than {INDEX_NAME} says", misplaced))
+    return catalog, problems
+
+
+def has_mtp_tensors(catalog: dict[str, TensorInfo], cfg: LingConfig) -> bool:
+    prefix = hf.layer_prefix(cfg.num_layers)
+    return any(n.startswith(prefix) for n in catalog)
+
+
+def validate(cfg: LingConfig, catalog: dict[str, TensorInfo], entries: list[hf.Entry], *,
+             ignore_prefix: str | None = None, problems: list[str] | None = None) -> None:
+    """Raise one CheckpointError naming every way `catalog` differs from what `entries` expect."""
+    problems = list(problems or [])
+    expected: dict[str, tuple[hf.Entry, int]] = {}
+    for entry in entries:
+        for i, names in enumerate(entry.sources):
+            for name in names:
+                expected[name] = (entry, i)
+
+    vocab_rows = {"model.word_embeddings.weight": 0, "lm_head.weight": 0}
+    for name, axis in vocab_rows.items():
+        if name in catalog and catalog[name].shape and catalog[name].shape[axis] != cfg.vocab_size:
+            problems.append(f"vocab mismatch: {name} has {catalog[name].shape[axis]} rows but config.json "
+                            f"vocab_size={cfg.vocab_size}; the config and the weights come from different models")
+
+    missing, shapes, dtypes, aliases = [], [], [], []
+    for entry in entries:
+        for names in entry.sources:
+            present = [n for n in names if n in catalog]
+            if not present:
+                missing.append(names[0])
+            elif len(present) > 1:
+                aliases.append(f"{' and '.join(present)} (both name {_leaf_names(entry)})")
+            for name in present:
+                info, want = catalog[name], entry.hf_shape
+                if info.shape != want and not (name in vocab_rows and info.shape[1:] == want[1:]):
+                    shapes.append(f"{name}: expected {list(want)} (for {_leaf_names(entry)}), found {list(info.shape)}")
+                if info.dtype not in _FLOAT_DTYPES:
+                    dtypes.append(f"{name}: {info.dtype}")
+    unexpected = [n for n in catalog if n not in expected and not (ignore_prefix and n.startswith(ignore_prefix))]
+
+    if missing:
+        problems.append(_listing("missing", missing))
+    if unexpected:
+        problems.append(_listing("unexpected", unexpected, lambda n: hf.explain_unexpected(n, cfg)))
+    if aliases:
+        problems.append(_listing("duplicate (two names for one tensor)", aliases))
+    if shapes:
+        problems.append(_listing("wrong shape", shapes))
+    if dtypes:
+        problems.append(_listing("not a float dtype (a quantised checkpoint? ling-jax reads the BF16 release)",
+                                 dtypes))
+    if problems:
+        raise CheckpointError(f"checkpoint does not match its config.json ({len(problems)} problem kinds):\n  "
+                              + "\n  ".join(problems))
+
+
+def load_hf(hf_dir: str | Path, *, dtype=jnp.bfloat16, shardings: Any = None, with_mtp: bool = True,
+            progress: bool = True) -> tuple[LingConfig, Any]:
+    """Read an official checkpoint directory into (cfg, params).
+
+    Args:
+      hf_dir: directory with config.json and `model.safetensors.index.json` + shards (or one `model.safetensors`).
+      dtype: dtype of COMPUTE params; FP32-class params (A_log, dt_bias, convs, router, expert_bias) load as
+        float32 whatever this is (`ParamSpec.dtype`).
+      shardings: None (default device), one `jax.sharding.Sharding` for every leaf, or a pytree of shardings
+        shaped like `param_specs(cfg)` (extra leaves, e.g. an unused "mtp" subtree, are ignored).
+      with_mtp: True loads the MTP layer `model.layers.{num_hidden_layers}.*` when config.json declares it. If
+        the checkpoint holds no tensor under that prefix at all (what transformers' `save_pretrained` writes),
+        the model loads without it and a warning says so; a partial MTP layer is an error. False skips the MTP
+        tensors (they are not reported as unexpected).
+      progress: show a tqdm bar over the bytes read.
+
+    Returns:
+      (cfg, params). `cfg` always describes `params`: when the MTP layer is not loaded, `cfg.num_mtp_layers` is 0,
+      so `param_specs(cfg)` has the structure of `params`. Main-model logits never need the MTP layer.
+
+    Raises:
+      ConfigError: config.json is missing, of an unknown model_type, or invalid.
+      CheckpointError: the tensors differ from what config.json implies (every difference listed).
+    """
+    hf_dir = Path(hf_dir)
+    cfg = from_hf(hf_dir)
+    catalog, problems = read_catalog(hf_dir)
+    mtp_prefix = hf.layer_prefix(cfg.num_layers)
+    load_mtp = bool(with_mtp and cfg.num_mtp_layers)
+    if load_mtp and not has_mtp_tensors(catalog, cfg):
+        msg = (f"{hf_dir}: config.json declares num_nextn_predict_layers={cfg.num_mtp_layers} but the checkpoint has "
+               f"no {mtp_prefix}* tensors (transformers' save_pretrained drops them); loading without the MTP layer")
+        warnings.warn(msg, stacklevel=2)
+        load_mtp = False
+    entries = hf.plan(cfg, with_mtp=load_mtp)
+    ignore = mtp_prefix if (cfg.num_mtp_layers and not load_mtp) else None
+    validate(cfg, catalog, entries, ignore_prefix=ignore, problems=problems)
+    out_cfg = cfg if load_mtp else without_mtp(cfg)
+
+    sharding_of = _sharding_lookup(shardings)
+    total = sum(catalog[_present(names, catalog)].nbytes for e in entries for names in e.sources)
+    arrays: dict[hf.Path, jax.Array] = {}
+    with contextlib.ExitStack() as stack, _progress(total, f"load {hf_dir.name}", progress) as bar:
+        handles: dict[str, Any] = {}
+
+        def read(names: tuple[str, ...]) -> np.ndarray:
+            info = catalog[_present(names, catalog)]
+            if info.file not in handles:
+                handles[info.file] = stack.enter_context(safe_open(hf_dir / info.file, framework="numpy"))
+            x = handles[info.file].get_tensor(_present(names, catalog))
+            bar.update(info.nbytes)
+            return x
+
+        for entry in entries:
+            for path, host in zip(entry.paths, _host_arrays(entry, read, dtype)):
+                arrays[path] = jax.device_put(host, sharding_of(path)).block_until_ready()
+                del host
+
+    specs = param_specs(out_cfg)
+    paths = hf.spec_paths(specs)
+    treedef = jax.tree.structure(specs, is_leaf=is_spec)
+    return out_cfg, jax.tree.unflatten(treedef, [arrays[p] for p in paths])
+
+
+def _host_arrays(entry: hf.Entry, read: Callable[[tuple[str, ...]], np.ndarray], dtype) -> list[np.ndarray]:
+    """The params leaves of one entry as host arrays in their target dtypes; experts fill one [E, ...] array."""
+    targets = [np.dtype(s.dtype(dtype)) for s in entry.specs]
+    if entry.stacked:
+        (spec,), (target,) = entry.specs, targets
+        out = np.empty(spec.shape, target)
+        for e, names in enumerate(entry.sources):
+            out[e] = entry.transform.to_params(read(names), entry.item_shapes)[0].astype(target)
+        return [out]
+    xs = entry.transform.to_params(read(entry.sources[0]), entry.item_shapes)
+    return [np.ascontiguousarray(x.astype(t)) for x, t in zip(xs, targets)]
+
+
+def without_mtp(cfg: LingConfig) -> LingConfig:
+    """`cfg` describing a model loaded without its MTP layer (limit lists trimmed to the main layers)."""
+    if not cfg.num_mtp_layers:
+        return cfg
+    return cfg.replace(num_mtp_layers=0,
+                       expert_swiglu_limits=cfg.expert_swiglu_limits[:cfg.num_layers],
+                       shared_swiglu_limits=cfg.shared_swiglu_limits[:cfg.num_layers])
+
+
+def _present(names: tuple[str, ...], catalog: dict[str, TensorInfo]) -> str:
+    return next(n for n in names if n in catalog)
+
+
+def _leaf_names(entry: hf.Entry) -> str:
+    return " + ".join(hf.path_str(p) for p in entry.paths)
+
+
+def _sharding_lookup(shardings: Any) -> Callable[[hf.Path], Any]:
+    if shardings is None or isinstance(shardings, jax.sharding.Sharding):
+        return lambda path: shardings
+    flat, _ = jax.tree_util.tree_flatten_with_path(shardings,
+                                                   is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    table = {tuple(hf._key(k) for k in kp): s for kp, s in flat}
+
+    def lookup(path: hf.Path):
+        if path not in table:
+            raise ValueError(f"shardings has no entry for params {hf.path_str(path)}: pass a pytree shaped like "
+                             "param_specs(cfg), one Sharding, or None")
+        return table[path]
+    return lookup
+
+
+def _listing(kind: str, items: list[str], explain: Callable[[str], str] | None = None) -> str:
+    """'missing (3): a, b, c' with expert indices folded ({0-511}) and long lists cut (the count stays exact)."""
+    folded = _fold_experts(items)
+    lines = []
+    for item in folded[:_MAX_LISTED]:
+        why = explain(item) if explain and "{" not in item else ""
+        lines.append(f"{item}  [{why}]" if why else item)
+    more = f"\n      ... and {len(folded) - _MAX_LISTED} more" if len(folded) > _MAX_LISTED else ""
+    return f"{kind} ({len(items)}):\n      " + "\n      ".join(lines) + more
+
+
+def _fold_experts(items: list[str]) -> list[str]:
+    groups: dict[str, list[int]] = {}
+    order: list[str] = []
+    for item in items:
+        m = re.search(r"\.experts\.(\d+)\.", item)
+        key = item if m is None else item[:m.start(1)] + "{}" + item[m.end(1):]
+        if key not in groups:
+            groups[key] = []
+            order.append(key)
+        if m is not None:
+            groups[key].append(int(m.group(1)))
+    out = []
+    for key in order:
+        idx = groups[key]
+        if not idx:
+            out.append(key)
+        elif len(idx) == 1:
+            out.append(key.replace("{}", str(idx[0])))
+        else:
+            out.append(key.replace("{}", "{" + _ranges(sorted(idx)) + "}"))
+    return out
+
+
+def _ranges(idx: list[int]) -> str:
+    spans, start = [], idx[0]
+    for a, b in zip(idx, idx[1:] + [None]):
+        if b != a + 1:
+            spans.append(str(start) if start == a else f"{start}-{a}")
+            start = b
+    return ",".join(spans)
+
+
+@contextlib.contextmanager
+def _progress(total: int, desc: str, enabled: bool):
+    from tqdm import tqdm
+    bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=not enabled)
+    try:
+        yield bar
+    finally:
+        bar.close()

@@ -1,0 +1,139 @@
+"""Random checkpoints in the official Ling-3 layout (SPEC §3, §4) for any config, MTP layer included.
+
+The names, shapes and order come from `conversion.hf.plan`; values are drawn in the params layout with the scales
+of `ling_jax.params.init_value` (so activations stay O(1)) and mapped to the official layout with the inverse
+transforms. Each tensor has its own generator seeded from (seed, name), so `synthetic_tensor` regenerates any one
+of them. Shards are planned from the shapes alone, then written tensor by tensor (header first, then the bytes),
+so the writer holds one tensor at a time: the full `ling-3.0-flash` preset (~255 GB) only needs disk.
+
+COMPUTE params are written in `dtype`; FP32-class params (A_log, dt_bias, convs, router, expert_bias) in float32,
+as transformers writes them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import zlib
+from pathlib import Path
+from typing import Iterator
+
+import jax.numpy as jnp
+import numpy as np
+
+from conversion import hf
+from conversion.load import INDEX_NAME, without_mtp
+from ling_jax.config import LingConfig, to_hf_dict
+from ling_jax.params import ParamSpec, _fan_in
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+_ST_DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(jnp.bfloat16): "BF16"}
+
+
+def _item_spec(entry: hf.Entry, spec: ParamSpec) -> ParamSpec:
+    if not entry.stacked:
+        return spec
+    # One expert's slice keeps the stacked spec's fan-in ([E, D, Ie] -> fan-in D).
+    return ParamSpec(spec.shape[1:], spec.axes[1:], spec.dtype_class, spec.init)
+
+
+def _draw(rng: np.random.Generator, spec: ParamSpec, fan_in: int) -> np.ndarray:
+    """`ling_jax.params.init_value` in numpy (float32)."""
+    shape = spec.shape
+    if spec.init == "norm":
+        return 1.0 + 0.1 * rng.standard_normal(shape, np.float32)
+    if spec.init == "A_log":
+        return np.log(rng.uniform(1.0, 16.0, shape)).astype(np.float32)
+    if spec.init == "dt_bias":
+        dt = np.exp(rng.uniform(math.log(1e-3), math.log(1e-1), shape))
+        return (dt + np.log(-np.expm1(-dt))).astype(np.float32)  # inverse softplus
+    if spec.init == "small":
+        return 0.02 * rng.standard_normal(shape, np.float32)
+    if spec.init == "conv":
+        return rng.standard_normal(shape, np.float32) / np.float32(math.sqrt(shape[0]))
+    if spec.init == "embed":
+        return rng.standard_normal(shape, np.float32)
+    return rng.standard_normal(shape, np.float32) / np.float32(math.sqrt(fan_in))
+
+
+def _stored_dtype(entry: hf.Entry, dtype) -> np.dtype:
+    return np.dtype(entry.specs[0].dtype(jnp.dtype(dtype)))
+
+
+def synthetic_tensor(entry: hf.Entry, index: int, *, seed: int = 0, dtype="bfloat16") -> np.ndarray:
+    """Source tensor `index` of `entry` (expert `index` when stacked), in the official layout and stored dtype."""
+    name = entry.names[index]
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+    xs = [_draw(rng, _item_spec(entry, s), _fan_in(s)) for s in entry.specs]
+    x = entry.transform.to_hf(xs)
+    assert x.shape == entry.hf_shape, (name, x.shape, entry.hf_shape)
+    return np.ascontiguousarray(x.astype(_stored_dtype(entry, dtype)))
+
+
+def synthetic_tensors(cfg: LingConfig, *, seed: int = 0, dtype="bfloat16",
+                      with_mtp: bool = True) -> Iterator[tuple[str, np.ndarray]]:
+    """Every tensor of the synthetic checkpoint, one at a time, in file order."""
+    for entry in hf.plan(cfg, with_mtp=with_mtp):
+        for i in range(len(entry.sources)):
+            yield entry.names[i], synthetic_tensor(entry, i, seed=seed, dtype=dtype)
+
+
+def shard_plan(cfg: LingConfig, *, dtype="bfloat16", max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+               with_mtp: bool = True) -> list[list[tuple[hf.Entry, int, int]]]:
+    """Shards as lists of (entry, source index, nbytes), filled in plan order up to `max_shard_bytes` each."""
+    shards: list[list[tuple[hf.Entry, int, int]]] = [[]]
+    size = 0
+    for entry in hf.plan(cfg, with_mtp=with_mtp):
+        nbytes = math.prod(entry.hf_shape) * _stored_dtype(entry, dtype).itemsize
+        for i in range(len(entry.sources)):
+            if shards[-1] and size + nbytes > max_shard_bytes:
+                shards.append([])
+                size = 0
+            shards[-1].append((entry, i, nbytes))
+            size += nbytes
+    return shards
+
+
+def write_synthetic(out_dir: str | Path, cfg: LingConfig, *, seed: int = 0, dtype="bfloat16",
+                    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, with_mtp: bool = True,
+                    progress: bool = True) -> Path:
+    """Write config.json, `model-0000i-of-0000n.safetensors` shards and the index for `cfg` into `out_dir`.
+
+    The MTP layer (`model.layers.{num_hidden_layers}.*`) is written when cfg.num_mtp_layers == 1 and with_mtp.
+    Returns `out_dir`.
+    """
+    from tqdm import tqdm
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shards = shard_plan(cfg, dtype=dtype, max_shard_bytes=max_shard_bytes, with_mtp=with_mtp)
+    total = sum(n for shard in shards for _, _, n in shard)
+    weight_map: dict[str, str] = {}
+    with tqdm(total=total, desc=f"write {out_dir.name}", unit="B", unit_scale=True, unit_divisor=1024,
+              disable=not progress) as bar:
+        for k, shard in enumerate(shards):
+            file = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+            header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
+            offset = 0
+            for entry, i, nbytes in shard:
+                header[entry.names[i]] = {"dtype": _ST_DTYPES[_stored_dtype(entry, dtype)],
+                                          "shape": list(entry.hf_shape), "data_offsets": [offset, offset + nbytes]}
+                offset += nbytes
+                weight_map[entry.names[i]] = file
+            raw = json.dumps(header, separators=(",", ":")).encode()
+            raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+            with open(out_dir / file, "wb") as f:
+                f.write(struct.pack("<Q", len(raw)))
+                f.write(raw)
+                for entry, i, nbytes in shard:
+                    x = synthetic_tensor(entry, i, seed=seed, dtype=dtype)
+                    assert x.nbytes == nbytes
+                    f.write(x.view(np.uint8).reshape(-1).data)
+                    bar.update(nbytes)
+                    del x
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    config = to_hf_dict(cfg if with_mtp else without_mtp(cfg))
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out_dir

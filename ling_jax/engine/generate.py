@@ -1,0 +1,159 @@
+"""Generation: prefill, then decode in jitted blocks of a static number of steps.
+
+Nothing inside a block reads a device value on the host: a block is one `lax.fori_loop` with a static trip count
+over the decode step, EOS is a mask (`done |= token in eos`; finished sequences emit the pad id), and there is no
+`lax.cond` or data-dependent `while_loop` (each would make XLA copy a predicate to the host and wait). The host
+reads a block's tokens only after the next block has been dispatched, so the device never idles on the host
+("one block late"); that read is also where an all-finished batch stops early.
+
+    LoopState                     (donated to every block)
+      model  ModelState           caches + length
+      last   int32 [B]            token to feed next
+      done   bool [B]             sequence has emitted an EOS
+      key    PRNG key             split once per step
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ling_jax.cache import ModelState
+from ling_jax.config import LingConfig
+from ling_jax.model import BACKENDS, forward, prefill
+
+
+class LoopState(NamedTuple):
+    model: ModelState
+    last: jax.Array
+    done: jax.Array
+    key: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateResult:
+    tokens: list[list[int]]  # new tokens per sequence, cut after the first EOS (kept) unless ignore_eos
+    ttft_s: float  # prefill + first token on the host
+    decode_s: float  # every later token, dispatch to last block on the host
+    steps: int  # decode steps run (excluding the prefill token)
+
+    @property
+    def tpot_s(self) -> float:
+        return self.decode_s / max(self.steps, 1)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return (self.steps + 1) / (self.ttft_s + self.decode_s)
+
+
+def _mask_eos(token: jax.Array, done: jax.Array, eos: jax.Array, pad_id: int):
+    token = jnp.where(done, pad_id, token)
+    return token, done | jnp.isin(token, eos)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sampler", "max_len", "backend", "pad_id"))
+def start(params, prompt, key, eos, cfg: LingConfig, sampler, *, max_len: int, backend: str, pad_id: int):
+    """Prefill and pick the first token -> (LoopState, first token [B])."""
+    logits, model, _ = prefill(params, prompt, cfg, max_len=max_len, backend=backend)
+    key, sub = jax.random.split(key)
+    first = sampler.sample(logits[:, -1], sub)
+    first, done = _mask_eos(first, jnp.zeros(first.shape, bool), eos, pad_id)
+    return LoopState(model, first, done, key), first
+
+
+def decode_step(params, loop: LoopState, eos, cfg: LingConfig, sampler, *, backend: str, pad_id: int):
+    """Feed `loop.last`, sample the next token -> (LoopState, token [B])."""
+    model = loop.model
+    logits, _, layers = forward(params, loop.last[:, None], model.layers, model.length, cfg, mode="decode",
+                                backend=backend)
+    key, sub = jax.random.split(loop.key)
+    token = sampler.sample(logits[:, 0], sub)
+    token, done = _mask_eos(token, loop.done, eos, pad_id)
+    return LoopState(ModelState(model.length + 1, layers, model.mtp), token, done, key), token
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sampler", "steps", "backend", "pad_id"),
+                   donate_argnames=("loop",))
+def decode_block(params, loop: LoopState, eos, cfg: LingConfig, sampler, *, steps: int, backend: str,
+                 pad_id: int):
+    """`steps` decode steps in one executable -> (LoopState, tokens [B, steps], done [B])."""
+    out = jnp.zeros((loop.last.shape[0], steps), jnp.int32)
+
+    def body(i, carry):
+        loop, out = carry
+        loop, token = decode_step(params, loop, eos, cfg, sampler, backend=backend, pad_id=pad_id)
+        return loop, jax.lax.dynamic_update_slice(out, token[:, None], (0, i))
+
+    loop, out = jax.lax.fori_loop(0, steps, body, (loop, out))
+    return loop, out, loop.done
+
+
+def generate(params, cfg: LingConfig, prompt, *, max_new_tokens: int, sampler, seed: int = 0,
+             backend: str = "reference", block_size: int = 16, ignore_eos: bool = False) -> GenerateResult:
+    """prompt: [B, T] ints (host) -> GenerateResult. Times come from host clocks around blocking reads."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    prompt = np.asarray(prompt, np.int32)
+    if prompt.ndim != 2 or prompt.shape[1] == 0:
+        raise ValueError(f"prompt shape {prompt.shape} must be [batch, T] with T >= 1")
+    if prompt.min() < 0 or prompt.max() >= cfg.vocab_size:
+        raise ValueError(f"prompt token ids must lie in [0, {cfg.vocab_size}); got [{prompt.min()}, {prompt.max()}]")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    if block_size < 1:
+        raise ValueError(f"block_size={block_size} must be >= 1")
+    n_blocks = -(-(max_new_tokens - 1) // block_size)
+    max_len = prompt.shape[1] + 1 + n_blocks * block_size
+    pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+    eos = jnp.asarray([] if ignore_eos else cfg.eos_token_ids, jnp.int32)
+    prompt_dev, key = jnp.asarray(prompt), jax.random.key(seed)
+    jax.block_until_ready((prompt_dev, key, eos))
+
+    with jax.transfer_guard("disallow"):
+        t0 = time.perf_counter()
+        loop, first = start(params, prompt_dev, key, eos, cfg, sampler, max_len=max_len, backend=backend,
+                            pad_id=pad_id)
+        chunks = [jax.device_get(first)[:, None]]
+        t1 = time.perf_counter()
+        pending, steps = None, 0
+        for _ in range(n_blocks):
+            loop, block_tokens, done = decode_block(params, loop, eos, cfg, sampler, steps=block_size,
+                                                    backend=backend, pad_id=pad_id)
+            steps += block_size
+            if pending is not None and _collect(pending, chunks, ignore_eos):
+                pending = None
+                break
+            pending = (block_tokens, done)
+        if pending is not None:
+            _collect(pending, chunks, ignore_eos)
+        jax.block_until_ready(loop)
+        t2 = time.perf_counter()
+
+    tokens = np.concatenate(chunks, axis=1)[:, :max_new_tokens]
+    return GenerateResult(_cut_after_eos(tokens, cfg.eos_token_ids, ignore_eos), t1 - t0, t2 - t1,
+                          min(steps, max_new_tokens - 1))
+
+
+def _collect(pending, chunks: list, ignore_eos: bool) -> bool:
+    """Copy a finished block to the host; True when every sequence is done (stop dispatching)."""
+    block_tokens, done = jax.device_get(pending)
+    chunks.append(block_tokens)
+    return (not ignore_eos) and bool(done.all())
+
+
+def _cut_after_eos(tokens: np.ndarray, eos_ids: tuple[int, ...], ignore_eos: bool) -> list[list[int]]:
+    out = []
+    for row in tokens.tolist():
+        if not ignore_eos:
+            for i, t in enumerate(row):
+                if t in eos_ids:
+                    row = row[: i + 1]
+                    break
+        out.append(row)
+    return out

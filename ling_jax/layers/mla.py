@@ -1,0 +1,59 @@
+"""Gated multi-head latent attention (SPEC §2.3).
+
+Prefill expands the latents into per-head keys and values (the reference's eager attention). Decode and verify
+attend in the latent space ("absorbed"): q_nope is multiplied into W_uk so scores read the cached [c_kv | k_rope]
+rows directly, and the attention output is lifted back through W_uv. Both write the new latents into the cache
+at positions [start, start + T).
+"""
+
+import jax
+import jax.numpy as jnp
+
+from ling_jax.cache import MLACache
+from ling_jax.config import LingConfig
+from ling_jax.layers.linear import proj
+from ling_jax.layers.norms import rms_norm
+from ling_jax.layers.rope import apply_rope, rope_cos_sin
+from pallas_kernels import mla as mla_ops
+
+
+def _queries(p: dict, x: jnp.ndarray, cfg: LingConfig) -> jnp.ndarray:
+    if cfg.q_lora_rank is None:
+        return proj("btd,dhe->bthe", x, p["w_q"])
+    q_a = rms_norm(proj("btd,dr->btr", x, p["w_q_a"]), p["q_a_norm"], cfg.rms_norm_eps)
+    return proj("btr,rhe->bthe", q_a, p["w_q_b"])  # [B, T, H, Dn + P]
+
+
+def mla_block(p: dict, x: jnp.ndarray, cache: MLACache, start: jax.Array, cfg: LingConfig, *, mode: str,
+              backend: str):
+    """x [B, T, D], tokens at positions start..start+T-1 -> (out [B, T, D], MLACache with them written)."""
+    B, T, _ = x.shape
+    R, Dn = cfg.kv_lora_rank, cfg.qk_nope_head_dim
+    positions = start + jnp.arange(T, dtype=jnp.int32)[None, :]  # [1, T]
+    cos, sin = rope_cos_sin(positions, cfg.qk_rope_head_dim, cfg.rope_theta, x.dtype)
+
+    q = _queries(p, x, cfg)
+    q_nope, q_rope = q[..., :Dn], apply_rope(q[..., Dn:], cos, sin)
+    latent = proj("btd,dc->btc", x, p["w_kv_a"])  # [B, T, R + P]
+    c_kv = rms_norm(latent[..., :R], p["kv_a_norm"], cfg.rms_norm_eps)
+    k_rope = apply_rope(latent[..., R:], cos, sin)  # [B, T, P], shared by all heads
+    kv = jax.lax.dynamic_update_slice(cache.kv, jnp.concatenate([c_kv, k_rope], -1).astype(cache.kv.dtype),
+                                      (0, start, 0))
+    scale = cfg.qk_head_dim ** -0.5
+
+    if mode == "prefill":
+        k_nope = proj("btr,rhn->bthn", c_kv, p["w_k_b"])
+        v = proj("btr,rhv->bthv", c_kv, p["w_v_b"])
+        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None, :], (*k_nope.shape[:3], k_rope.shape[-1]))],
+                            axis=-1)
+        o = mla_ops.mla_prefill_attention(jnp.concatenate([q_nope, q_rope], -1), k, v, scale=scale,
+                                          backend=backend)
+    else:
+        q_latent = jnp.einsum("bthn,rhn->bthr", q_nope, p["w_k_b"].astype(q_nope.dtype),
+                              preferred_element_type=jnp.float32, precision="highest")
+        o_latent = mla_ops.mla_decode_attention(q_latent, q_rope, kv, start, scale=scale, backend=backend)
+        o = proj("bthr,rhv->bthv", o_latent, p["w_v_b"].astype(jnp.float32), out_dtype=x.dtype)
+
+    gate = jax.nn.sigmoid(proj("btd,dh->bth", x, p["w_gate"]).astype(jnp.float32)).astype(x.dtype)
+    o = o * gate[..., None]
+    return proj("bthv,hvd->btd", o, p["w_o"]), MLACache(kv)

@@ -1,0 +1,136 @@
+"""Ling-3 forward passes: `prefill`, `decode`, `verify` (+ `mtp_forward`), all pure and jittable.
+
+All three run one `forward`: embed -> 42 pre-norm blocks (KDA or MLA mixer, dense or MoE FFN) -> final norm ->
+lm_head. The mode only picks how the mixers use their caches:
+
+    prefill  fresh sequence, T tokens: chunked KDA, expanded MLA attention; returns a ModelState
+    decode   one token per sequence from a ModelState: recurrent KDA, absorbed MLA over the latent cache
+    verify   T tokens from a ModelState (last committed + drafts): every position's logits and a StagedState;
+             `ling_jax.cache.commit(staged, n)` keeps the first n positions
+
+Einsum letters: b batch, t tokens, d hidden, h heads, k/v KDA head dims, r kv_lora_rank, n/e MLA head dims,
+i intermediate, c latent + rope. The compute dtype is the dtype of `params["embed"]`; logits come back as float32.
+`backend` ("reference" | "pallas") selects the implementation of every op in pallas_kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from ling_jax.cache import KDACache, MLACache, ModelState, StagedState, init_state
+from ling_jax.config import KDA, MLA, MOE, LingConfig
+from ling_jax.layers.kda import kda_block
+from ling_jax.layers.linear import proj
+from ling_jax.layers.mla import mla_block
+from ling_jax.layers.mlp import dense_mlp
+from ling_jax.layers.moe import moe_block
+from ling_jax.layers.norms import rms_norm
+
+BACKENDS = ("reference", "pallas")
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+
+
+def block(p: dict, h: jnp.ndarray, entry, start: jax.Array, cfg: LingConfig, layer: int, *, mixer: str, ffn: str,
+          mode: str, backend: str):
+    """One pre-norm residual block; `layer` indexes the clamp lists (the MTP layer passes num_layers)."""
+    eps = cfg.rms_norm_eps
+    x = rms_norm(h, p["input_norm"], eps)
+    if mixer == KDA:
+        a, entry = kda_block(p["mixer"], x, entry, cfg, mode=mode, backend=backend)
+    else:
+        a, entry = mla_block(p["mixer"], x, entry, start, cfg, mode=mode, backend=backend)
+    h = h + a
+    x = rms_norm(h, p["post_norm"], eps)
+    m = moe_block(p["ffn"], x, cfg, layer, backend=backend) if ffn == MOE else dense_mlp(p["ffn"], x)
+    return h + m, entry
+
+
+def forward(params: dict, tokens: jax.Array, layers: tuple, start: jax.Array, cfg: LingConfig, *, mode: str,
+            backend: str, all_logits: bool = True):
+    """tokens [B, T] at positions start.. -> (logits [B, T or 1, V] f32, final-normed hidden [B, T, D], layers)."""
+    h = params["embed"][tokens]
+    new_layers = []
+    for i, (p, entry) in enumerate(zip(params["layers"], layers)):
+        mixer, ffn = cfg.layer_kinds[i]
+        with jax.named_scope(f"layer{i}_{mixer}_{ffn}"):
+            h, entry = block(p, h, entry, start, cfg, i, mixer=mixer, ffn=ffn, mode=mode, backend=backend)
+        new_layers.append(entry)
+    hidden = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
+    head_in = hidden if all_logits else hidden[:, -1:]
+    logits = proj("btd,dv->btv", head_in, params["lm_head"]).astype(jnp.float32)
+    return logits, hidden, tuple(new_layers)
+
+
+def _check_tokens(tokens: jax.Array, cfg: LingConfig) -> None:
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens.shape={tokens.shape} must be [batch, T]")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"tokens.dtype={tokens.dtype} must be an integer type")
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "max_len", "backend", "all_logits", "with_mtp"))
+def prefill(params: dict, tokens: jax.Array, cfg: LingConfig, *, max_len: int, backend: str = "reference",
+            all_logits: bool = False, with_mtp: bool = False):
+    """Start sequences from `tokens` [B, T] -> (logits [B, T or 1, V], ModelState, hidden [B, T, D]).
+
+    `max_len` sizes the MLA latent caches (prompt + every token to come). With `with_mtp` the state also holds an
+    (empty) MTP-layer cache for speculative decoding.
+    """
+    _check_backend(backend)
+    _check_tokens(tokens, cfg)
+    B, T = tokens.shape
+    if T > max_len:
+        raise ValueError(f"prompt length {T} exceeds max_len={max_len}")
+    dtype = params["embed"].dtype
+    state = init_state(cfg, B, max_len, dtype, with_mtp=with_mtp)
+    logits, hidden, layers = forward(params, tokens, state.layers, state.length, cfg, mode="prefill",
+                                     backend=backend, all_logits=all_logits)
+    return logits, ModelState(jnp.asarray(T, jnp.int32), layers, state.mtp), hidden
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "backend"), donate_argnames=("state",))
+def decode(params: dict, state: ModelState, token: jax.Array, cfg: LingConfig, *, backend: str = "reference"):
+    """One token per sequence, token [B] -> (logits [B, V], ModelState, hidden [B, D])."""
+    _check_backend(backend)
+    logits, hidden, layers = forward(params, token[:, None], state.layers, state.length, cfg, mode="decode",
+                                     backend=backend)
+    return logits[:, 0], ModelState(state.length + 1, layers, state.mtp), hidden[:, 0]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "backend"))
+def verify(params: dict, state: ModelState, tokens: jax.Array, cfg: LingConfig, *, backend: str = "reference"):
+    """tokens [B, T] from `state` -> (logits [B, T, V], StagedState, hidden [B, T, D]); commit with cache.commit."""
+    _check_backend(backend)
+    _check_tokens(tokens, cfg)
+    logits, hidden, layers = forward(params, tokens, state.layers, state.length, cfg, mode="verify",
+                                     backend=backend)
+    return logits, StagedState(state.length, layers, state.mtp), hidden
+
+
+def mtp_forward(params: dict, hidden: jax.Array, next_tokens: jax.Array, cache: MLACache, start: jax.Array,
+                cfg: LingConfig, *, mode: str, backend: str = "reference"):
+    """The NextN layer (SPEC §4) for tokens at positions start..start+T-1.
+
+    hidden [B, T, D]: the main model's final-normed hidden state at each position i; next_tokens [B, T]: the token
+    at i + 1. Returns (logits [B, T, V] f32 predicting the token at i + 2, the layer's output before its final norm
+    [B, T, D] (fed to the next chained draft step), MLACache).
+    """
+    if "mtp" not in params:
+        raise ValueError("params have no 'mtp' entry: this config/checkpoint has no MTP layer "
+                         "(num_nextn_predict_layers=0, or it was loaded with with_mtp=False)")
+    p = params["mtp"]
+    eps = cfg.rms_norm_eps
+    e = params["embed"][next_tokens]
+    u = proj("btc,cd->btd", jnp.concatenate([rms_norm(e, p["enorm"], eps), rms_norm(hidden, p["hnorm"], eps)], -1),
+             p["eh_proj"])
+    u, cache = block(p["layer"], u, cache, start, cfg, cfg.num_layers, mixer=MLA, ffn=MOE, mode=mode,
+                     backend=backend)
+    out = rms_norm(u, p["final_norm"], eps)
+    return proj("btd,dv->btv", out, params["lm_head"]).astype(jnp.float32), u, cache

@@ -1,0 +1,206 @@
+"""Every parameter of the model, declared once: shape, dtype class, logical axes and initialiser.
+
+`param_specs(cfg)` returns the params pytree with a `ParamSpec` at every leaf. Random init, shardings, the
+checkpoint converter and the synthetic-checkpoint writer all derive from it, so nothing drifts.
+
+Layout (ling-jax names; weights stored [in, out], unlike torch's [out, in]):
+
+    embed [V, D] · final_norm [D] · lm_head [D, V]
+    layers[i] = {input_norm, post_norm, mixer, ffn}
+      mixer, KDA: w_q w_k w_v w_f w_g [D, H, K] · w_b [D, H] · conv_q conv_k conv_v [W, H, K] (fp32)
+                  A_log [H] (fp32) · dt_bias [H, K] (fp32) · o_norm [K] · w_o [H, K, D]
+      mixer, MLA: w_q [D, H, Dqk]  or  w_q_a [D, Rq] · q_a_norm [Rq] · w_q_b [Rq, H, Dqk]
+                  w_kv_a [D, R + P] · kv_a_norm [R] · w_k_b [R, H, Dn] · w_v_b [R, H, Dv] · w_gate [D, H]
+                  w_o [H, Dv, D]
+      ffn, dense: w_gate w_up [D, I] · w_down [I, D]
+      ffn, MoE:   router [D, E] (fp32) · expert_bias [E] (fp32) · we_gate we_up [E, D, Ie] · we_down [E, Ie, D]
+                  ws_gate ws_up [D, Is] · ws_down [Is, D]   (shared expert; absent when num_shared_experts = 0)
+    mtp (when num_mtp_layers = 1) = {enorm, hnorm [D], eh_proj [2D, D], final_norm [D], layer = MLA + MoE layer}
+
+Letters: D hidden, H heads, K KDA head dim, W conv taps, R kv_lora_rank, P rope dims, Dn/Dv/Dqk MLA head dims,
+I/Ie/Is dense/expert/shared intermediate, E experts, V vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ling_jax.config import KDA, MLA, MOE, LingConfig
+
+# Parameters kept in float32 whatever the compute dtype: every implementation keeps them so (SPEC §3), and
+# transformers pins them with `_keep_in_fp32_modules_strict`.
+FP32 = "fp32"
+COMPUTE = "compute"
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]  # logical axes, mapped to mesh axes by ling_jax.sharding.RULES
+    dtype_class: str = COMPUTE
+    init: str = "fan_in"  # fan_in | norm | A_log | dt_bias | small
+
+    def __post_init__(self):
+        assert len(self.shape) == len(self.axes), (self.shape, self.axes)
+
+    def dtype(self, compute_dtype) -> jnp.dtype:
+        return jnp.dtype(jnp.float32 if self.dtype_class == FP32 else compute_dtype)
+
+
+def _norm(n: int) -> ParamSpec:
+    return ParamSpec((n,), (None,), init="norm")
+
+
+def kda_specs(c: LingConfig) -> dict[str, ParamSpec]:
+    D, H, K, W = c.hidden_size, c.num_heads, c.head_dim, c.conv_kernel_size
+    proj = ParamSpec((D, H, K), ("embed", "heads", None))
+    conv = ParamSpec((W, H, K), (None, "heads", None), FP32, init="conv")
+    return {
+        "w_q": proj, "w_k": proj, "w_v": proj, "w_f": proj, "w_g": proj,
+        "w_b": ParamSpec((D, H), ("embed", "heads")),
+        "conv_q": conv, "conv_k": conv, "conv_v": conv,
+        "A_log": ParamSpec((H,), ("heads",), FP32, init="A_log"),
+        "dt_bias": ParamSpec((H, K), ("heads", None), FP32, init="dt_bias"),
+        "o_norm": _norm(K),
+        "w_o": ParamSpec((H, K, D), ("heads", None, "embed")),
+    }
+
+
+def mla_specs(c: LingConfig) -> dict[str, ParamSpec]:
+    D, H, R, P = c.hidden_size, c.num_heads, c.kv_lora_rank, c.qk_rope_head_dim
+    specs: dict[str, ParamSpec] = {}
+    if c.q_lora_rank is None:
+        specs["w_q"] = ParamSpec((D, H, c.qk_head_dim), ("embed", "heads", None))
+    else:
+        specs["w_q_a"] = ParamSpec((D, c.q_lora_rank), ("embed", None))
+        specs["q_a_norm"] = _norm(c.q_lora_rank)
+        specs["w_q_b"] = ParamSpec((c.q_lora_rank, H, c.qk_head_dim), (None, "heads", None))
+    specs.update({
+        "w_kv_a": ParamSpec((D, R + P), ("embed", None)),
+        "kv_a_norm": _norm(R),
+        "w_k_b": ParamSpec((R, H, c.qk_nope_head_dim), (None, "heads", None)),
+        "w_v_b": ParamSpec((R, H, c.v_head_dim), (None, "heads", None)),
+        "w_gate": ParamSpec((D, H), ("embed", "heads")),
+        "w_o": ParamSpec((H, c.v_head_dim, D), ("heads", None, "embed")),
+    })
+    return specs
+
+
+def dense_specs(c: LingConfig) -> dict[str, ParamSpec]:
+    D, I = c.hidden_size, c.intermediate_size
+    return {"w_gate": ParamSpec((D, I), ("embed", "ffn")), "w_up": ParamSpec((D, I), ("embed", "ffn")),
+            "w_down": ParamSpec((I, D), ("ffn", "embed"))}
+
+
+def moe_specs(c: LingConfig) -> dict[str, ParamSpec]:
+    D, E, Ie, Is = c.hidden_size, c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
+    specs = {
+        "router": ParamSpec((D, E), ("embed", None), FP32),
+        "expert_bias": ParamSpec((E,), (None,), FP32, init="small"),
+        "we_gate": ParamSpec((E, D, Ie), ("experts", "embed", "ffn")),
+        "we_up": ParamSpec((E, D, Ie), ("experts", "embed", "ffn")),
+        "we_down": ParamSpec((E, Ie, D), ("experts", "ffn", "embed")),
+    }
+    if c.num_shared_experts:
+        specs.update({"ws_gate": ParamSpec((D, Is), ("embed", "ffn")), "ws_up": ParamSpec((D, Is), ("embed", "ffn")),
+                      "ws_down": ParamSpec((Is, D), ("ffn", "embed"))})
+    return specs
+
+
+def layer_specs(c: LingConfig, layer: int) -> dict[str, Any]:
+    mixer, ffn = (c.mixer_kind(layer), c.ffn_kind(layer)) if layer < c.num_layers else (MLA, MOE)
+    return {
+        "input_norm": _norm(c.hidden_size),
+        "post_norm": _norm(c.hidden_size),
+        "mixer": kda_specs(c) if mixer == KDA else mla_specs(c),
+        "ffn": moe_specs(c) if ffn == MOE else dense_specs(c),
+    }
+
+
+def mtp_specs(c: LingConfig) -> dict[str, Any]:
+    D = c.hidden_size
+    return {"enorm": _norm(D), "hnorm": _norm(D), "eh_proj": ParamSpec((2 * D, D), (None, "embed")),
+            "final_norm": _norm(D), "layer": layer_specs(c, c.num_layers)}
+
+
+def param_specs(c: LingConfig, *, with_mtp: bool = True) -> dict[str, Any]:
+    D, V = c.hidden_size, c.vocab_size
+    specs: dict[str, Any] = {
+        "embed": ParamSpec((V, D), (None, "embed"), init="embed"),
+        "layers": [layer_specs(c, i) for i in range(c.num_layers)],
+        "final_norm": _norm(D),
+        "lm_head": ParamSpec((D, V), ("embed", "vocab")),
+    }
+    if with_mtp and c.num_mtp_layers:
+        specs["mtp"] = mtp_specs(c)
+    return specs
+
+
+def is_spec(x) -> bool:
+    return isinstance(x, ParamSpec)
+
+
+def abstract_params(c: LingConfig, dtype=jnp.bfloat16, **kw) -> Any:
+    """ShapeDtypeStructs of the params pytree."""
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype(dtype)), param_specs(c, **kw),
+                        is_leaf=is_spec)
+
+
+def init_value(spec: ParamSpec, key: jax.Array, dtype) -> jax.Array:
+    """Random values that keep activations O(1) through the stack (so tests never run on near-zeros)."""
+    out_dtype = spec.dtype(dtype)
+    shape = spec.shape
+    if spec.init == "norm":
+        x = 1.0 + 0.1 * jax.random.normal(key, shape, jnp.float32)
+    elif spec.init == "A_log":
+        x = jnp.log(jax.random.uniform(key, shape, jnp.float32, 1.0, 16.0))
+    elif spec.init == "dt_bias":
+        dt = jnp.exp(jax.random.uniform(key, shape, jnp.float32, math.log(1e-3), math.log(1e-1)))
+        x = dt + jnp.log(-jnp.expm1(-dt))  # inverse softplus, as the reference initialiser
+    elif spec.init == "small":
+        x = 0.02 * jax.random.normal(key, shape, jnp.float32)
+    elif spec.init == "conv":
+        x = jax.random.normal(key, shape, jnp.float32) / math.sqrt(shape[0])
+    elif spec.init == "embed":
+        x = jax.random.normal(key, shape, jnp.float32)
+    else:
+        fan_in = _fan_in(spec)
+        x = jax.random.normal(key, shape, jnp.float32) / math.sqrt(fan_in)
+    return x.astype(out_dtype)
+
+
+def _fan_in(spec: ParamSpec) -> int:
+    """Input width of a weight: the dims before the first output-side axis ('heads' on w_o counts as input)."""
+    shape, axes = spec.shape, spec.axes
+    if axes[0] == "experts":
+        return shape[1]
+    if axes[0] == "heads":  # w_o [H, K, D]
+        return shape[0] * shape[1]
+    return shape[0]
+
+
+def init_params(c: LingConfig, key: jax.Array, dtype=jnp.float32, *, with_mtp: bool = True,
+                shardings: Any = None) -> Any:
+    """Random params for `c` (the `toy` preset's weights, benchmarks at full size)."""
+    specs = param_specs(c, with_mtp=with_mtp)
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
+    keys = jax.random.split(key, len(leaves))
+    out_shardings = None if shardings is None else jax.tree.leaves(shardings)
+
+    def one(i: int, spec: ParamSpec):
+        fn: Callable = lambda k: init_value(spec, k, dtype)
+        if out_shardings is not None:
+            fn = jax.jit(fn, out_shardings=out_shardings[i])
+        return fn(keys[i])
+
+    return jax.tree.unflatten(treedef, [one(i, s) for i, s in enumerate(leaves)])
+
+
+def count_params(c: LingConfig, *, with_mtp: bool = True) -> int:
+    return sum(int(np.prod(s.shape)) for s in jax.tree.leaves(param_specs(c, with_mtp=with_mtp), is_leaf=is_spec))

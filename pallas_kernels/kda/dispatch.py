@@ -1,0 +1,179 @@
+"""Public KDA entry points: prefill, decode, verify (+ commit / replay), one per mode.
+
+All modes share one signature: the part of a Ling-3.0 KDA layer between the input projections and o_proj.
+
+    qkv:  [B, T, 3, H, K]  pre-conv projections q|k|v (compute dtype: float32 or bfloat16), K == V
+    f:    [B, T, H, K]     f_proj output (gate input, compute dtype)
+    b:    [B, T, H]        b_proj output (beta logits, compute dtype)
+    z:    [B, T, H, K]     g_proj output (output gate, compute dtype, not activated)
+    conv_window: [B, W-1, 3, H, K] previous W-1 pre-conv rows, oldest first (zeros when fresh), compute dtype
+    state: [B, H, K, V] float32 recurrent state
+    conv_w: [W, 3, H, K] float32 depthwise causal conv taps (tap W-1 multiplies the current token)
+    A_log: [H] f32; dt_bias: [H, K] f32; o_norm_w: [K] gated-RMSNorm weight shared by heads
+
+`backend="reference"` runs the pure-jnp spec (reference.py); `backend="pallas"` runs the Pallas-Triton kernels
+(interpret mode on CPU). Shapes the kernels cannot take raise; nothing falls back silently.
+
+Speculative verify keeps one of two staged forms (DESIGN §3):
+  * ``store="states"`` (design A): every position's post-state; commit selects ``states[n-1]``.
+  * ``store="inputs"`` (design B): the committed state plus per-token (k̂, v, g, beta); commit replays the
+    accepted prefix into the committed state (``kda_replay``), bit-identical to design A's selected state.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.kda import reference
+
+BACKENDS = ("reference", "pallas")
+STORES = ("states", "inputs")
+_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KDAStaged:
+    """What a verify step keeps so that commit can pick the state after any accepted position.
+
+    Attributes:
+        conv_rows: [B, W-1+T, 3, H, K] the old conv window followed by the T verify rows (pre-conv);
+            the window after position t is ``conv_rows[:, t+1 : t+W]``.
+        states: [B, T, H, K, V] fp32 post-state of every position (design A), else None.
+        state0: [B, H, K, V] fp32 committed state the verify started from (design B), else None.
+        k: [B, T, H, K] fp32 L2-normalised keys (design B), else None.
+        v: [B, T, H, V] fp32 values after the conv (design B), else None.
+        g: [B, T, H, K] fp32 log decay (design B), else None.
+        beta: [B, T, H] fp32 (design B), else None.
+        backend: static; the backend that produced it (and that commit uses for the replay).
+    """
+    conv_rows: jax.Array
+    states: jax.Array | None = None
+    state0: jax.Array | None = None
+    k: jax.Array | None = None
+    v: jax.Array | None = None
+    g: jax.Array | None = None
+    beta: jax.Array | None = None
+    backend: str = dataclasses.field(default="reference", metadata=dict(static=True))
+
+    @property
+    def store(self):
+        return "states" if self.states is not None else "inputs"
+
+
+def _check(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, lower_bound, backend,
+           mode, max_t=None):
+    if backend not in BACKENDS:
+        raise ValueError(f"{backend=} must be one of {BACKENDS}")
+    if qkv.ndim != 5 or qkv.shape[2] != 3:
+        raise ValueError(f"{qkv.shape=} must be [B, T, 3, H, K]")
+    B, T, _, H, K = qkv.shape
+    if jnp.dtype(qkv.dtype) not in _DTYPES:
+        raise ValueError(f"{qkv.dtype=} must be float32 or bfloat16")
+    dtype = qkv.dtype
+    if conv_w.ndim != 4 or conv_w.shape[0] < 2:
+        raise ValueError(f"{conv_w.shape=} must be [W, 3, H, K] with W >= 2")
+    W = conv_w.shape[0]
+    expect = {
+        "f": (f, (B, T, H, K), dtype),
+        "b": (b, (B, T, H), dtype),
+        "z": (z, (B, T, H, K), dtype),
+        "conv_window": (conv_window, (B, W - 1, 3, H, K), dtype),
+        "state": (state, (B, H, K, K), jnp.float32),
+        "conv_w": (conv_w, (W, 3, H, K), jnp.float32),
+        "A_log": (A_log, (H,), jnp.float32),
+        "dt_bias": (dt_bias, (H, K), jnp.float32),
+        "o_norm_w": (o_norm_w, (K,), None),
+    }
+    for name, (x, shape, dt) in expect.items():
+        if tuple(x.shape) != shape:
+            raise ValueError(f"{name}.shape={tuple(x.shape)} must be {shape} "
+                             f"(from qkv.shape={tuple(qkv.shape)} = [B, T, 3, H, K], W={W}; state is [B, H, K, V], K == V)")
+        if dt is not None and jnp.dtype(x.dtype) != jnp.dtype(dt):
+            raise ValueError(f"{name}.dtype={x.dtype} must be {jnp.dtype(dt)}")
+    if not -5.0 <= lower_bound < 0.0:
+        raise ValueError(f"{lower_bound=} must be in [-5, 0): the chunked form is only safe for gates >= -5")
+    if mode == "decode" and T != 1:
+        raise ValueError(f"kda_decode needs T == 1, got {qkv.shape=}")
+    if max_t is not None and T > max_t:
+        raise ValueError(f"{mode} takes T <= {max_t}, got {qkv.shape=}")
+    if backend == "pallas":
+        from pallas_kernels.kda import kernels
+        kernels.check_shapes(B=B, T=T, H=H, K=K, W=W, mode=mode)
+
+
+def kda_prefill(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, *, lower_bound=-5.0,
+                eps=1e-6, backend="reference", chunk_size=64):
+    """Chunked prefill (C = 64) for any T, from ``state``. Returns ``(y, new_conv_window, new_state)``."""
+    args = (qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w)
+    _check(*args, lower_bound, backend, "prefill")
+    if backend == "reference":
+        return _ref_layer(*args, lower_bound=lower_bound, eps=eps, mode="chunk")
+    from pallas_kernels.kda import kernels
+    return kernels.prefill(*args, lower_bound=lower_bound, eps=eps, chunk_size=chunk_size)
+
+
+def kda_decode(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, *, lower_bound=-5.0,
+               eps=1e-6, backend="reference"):
+    """One token (T == 1). Returns ``(y, new_conv_window, new_state)``; the Pallas kernel updates the state in
+    place when the caller donates it."""
+    args = (qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w)
+    _check(*args, lower_bound, backend, "decode")
+    if backend == "reference":
+        return _ref_layer(*args, lower_bound=lower_bound, eps=eps, mode="recurrent")
+    from pallas_kernels.kda import kernels
+    return kernels.decode(*args, lower_bound=lower_bound, eps=eps)
+
+
+def kda_verify(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, *, lower_bound=-5.0,
+               eps=1e-6, backend="reference", store="states"):
+    """T draft positions from the committed ``state`` (read only). Returns ``(y, staged: KDAStaged)``.
+
+    store: "states" (design A, every post-state) or "inputs" (design B, replay on commit).
+    """
+    args = (qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w)
+    _check(*args, lower_bound, backend, "verify", max_t=64)
+    if store not in STORES:
+        raise ValueError(f"{store=} must be one of {STORES}")
+    if backend == "reference":
+        y, conv_rows, states, (k, v, g, beta) = _ref_verify(*args, lower_bound=lower_bound, eps=eps)
+        if store == "states":
+            return y, KDAStaged(conv_rows, states=states, backend=backend)
+        return y, KDAStaged(conv_rows, state0=state, k=k, v=v, g=g, beta=beta, backend=backend)
+    from pallas_kernels.kda import kernels
+    return kernels.verify(*args, lower_bound=lower_bound, eps=eps, store=store)
+
+
+def kda_commit(staged, n):
+    """Conv window and state after verify position n-1.
+
+    n: int32 device scalar (or [B]) in [1, T], the number of verify positions kept. Never read on the host;
+    no lax.cond. Design A selects ``states[n-1]``; design B replays the first n tokens into ``state0``.
+    """
+    conv_rows = staged.conv_rows
+    B, R = conv_rows.shape[:2]
+    T = staged.states.shape[1] if staged.states is not None else staged.k.shape[1]
+    Wm1 = R - T
+    n = jnp.broadcast_to(jnp.asarray(n, jnp.int32), (B,))
+    window = jax.vmap(lambda rows, i: lax.dynamic_slice_in_dim(rows, i, Wm1, axis=0))(conv_rows, n)
+    if staged.states is not None:
+        state = jax.vmap(lambda s, i: lax.dynamic_index_in_dim(s, i - 1, axis=0, keepdims=False))(staged.states, n)
+        return window, state
+    return window, kda_replay(staged, n)
+
+
+def kda_replay(staged, n):
+    """Design B: replay the first n staged tokens into ``staged.state0``; returns the state only."""
+    if staged.state0 is None:
+        raise ValueError("kda_replay needs a staged form from kda_verify(..., store='inputs')")
+    if staged.backend == "reference":
+        return _ref_replay(staged.state0, staged.k, staged.v, staged.g, staged.beta, n)
+    from pallas_kernels.kda import kernels
+    return kernels.replay(staged, n)
+
+
+_ref_layer = jax.jit(reference.kda_layer, static_argnames=("lower_bound", "eps", "mode"))
+_ref_verify = jax.jit(reference.kda_verify_layer, static_argnames=("lower_bound", "eps"))
+_ref_replay = jax.jit(reference.replay_kda)

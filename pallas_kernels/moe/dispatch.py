@@ -1,0 +1,112 @@
+"""Public MoE entry points: validate shapes and dtypes, then run the chosen backend (never a silent fallback).
+
+`backend="reference"` runs `reference.py` (pure jnp). `backend="pallas"` runs the Pallas-Triton kernels in
+`router.py` / `experts.py` (compiled on a GPU, interpreted on CPU).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from pallas_kernels.common import COMPUTE_DTYPES, check_backend, check_dtype, check_rank, check_shape
+from pallas_kernels.moe import reference
+
+
+def route(x, router, expert_bias, *, n_group, topk_group, top_k, routed_scaling_factor, norm_topk_prob=True,
+          backend="reference"):
+    """Grouped top-k sigmoid router (SPEC §2.5 steps 1-7).
+
+    Args:
+      x: [N, D] compute dtype (float32 or bfloat16).
+      router: [D, E] float32 (the checkpoint's `mlp.gate.weight`, transposed).
+      expert_bias: [E] float32; added to the sigmoid scores for selection only.
+      n_group, topk_group, top_k: E splits into n_group equal groups; the best topk_group groups (by the sum of
+        their top-2 biased scores) are kept and top_k experts are chosen among them. Ties go to the lower index.
+      routed_scaling_factor: multiplies the (renormalised) weights.
+      norm_topk_prob: renormalise the selected unbiased scores to sum to 1 (eps 1e-20).
+      backend: "reference" | "pallas".
+    Returns:
+      weights [N, top_k] float32, ids [N, top_k] int32.
+    """
+    check_backend(backend)
+    check_rank("x", x, 2, "[N, D]")
+    check_dtype("x", x, COMPUTE_DTYPES)
+    n, d = x.shape
+    check_rank("router", router, 2, "[D, E]")
+    if router.shape[0] != d:
+        raise ValueError(f"router.shape={tuple(router.shape)} must be [D, E] with D = x.shape[1] = {d}")
+    check_dtype("router", router, (jnp.float32,))
+    e = router.shape[1]
+    check_shape("expert_bias", expert_bias, (e,), "[E]")
+    check_dtype("expert_bias", expert_bias, (jnp.float32,))
+    if n_group < 1 or e % n_group:
+        raise ValueError(f"{n_group=} must divide the number of experts E={e}")
+    if e // n_group < 2:
+        raise ValueError(f"group size E/n_group={e // n_group} must be >= 2 (group score = sum of the top-2)")
+    if not 1 <= topk_group <= n_group:
+        raise ValueError(f"{topk_group=} must be in [1, {n_group=}]")
+    if not 1 <= top_k <= topk_group * (e // n_group):
+        raise ValueError(f"{top_k=} must be in [1, topk_group·E/n_group = {topk_group * (e // n_group)}]")
+    kw = dict(n_group=n_group, topk_group=topk_group, top_k=top_k, routed_scaling_factor=routed_scaling_factor,
+              norm_topk_prob=norm_topk_prob)
+    if backend == "reference":
+        return reference.route(x, router, expert_bias, **kw)
+    from pallas_kernels.moe import router as router_kernel
+
+    return router_kernel.route(x, router, expert_bias, **kw)
+
+
+def moe_experts(x, weights, ids, we_gate, we_up, we_down, ws_gate=None, ws_up=None, ws_down=None, *, limit=0.0,
+                shared_limit=0.0, backend="reference"):
+    """Routed SwiGLU experts with weighted combine, plus the optional shared expert (SPEC §2.5).
+
+    Args:
+      x: [N, D] compute dtype (float32 or bfloat16).
+      weights: [N, K] float32 routing weights; ids: [N, K] int32 expert ids in [0, E).
+      we_gate, we_up: [E, D, I]; we_down: [E, I, D]; compute dtype.
+      ws_gate, ws_up: [D, Is]; ws_down: [Is, D]; compute dtype; all three or none.
+      limit, shared_limit: static floats, 0 = no clamp; else act = min(silu(g), L) · clip(u, -L, L).
+      backend: "reference" | "pallas".
+    Returns:
+      y [N, D] in the compute dtype: fp32 combine of the routed experts rounded once, plus the shared expert.
+    """
+    check_backend(backend)
+    check_rank("x", x, 2, "[N, D]")
+    check_dtype("x", x, COMPUTE_DTYPES)
+    n, d = x.shape
+    check_rank("ids", ids, 2, "[N, K]")
+    if ids.shape[0] != n:
+        raise ValueError(f"ids.shape={tuple(ids.shape)} must be [N, K] with N = x.shape[0] = {n}")
+    check_dtype("ids", ids, (jnp.int32,))
+    k = ids.shape[1]
+    check_shape("weights", weights, (n, k), "[N, K]")
+    check_dtype("weights", weights, (jnp.float32,))
+    check_rank("we_gate", we_gate, 3, "[E, D, I]")
+    e, _, i = we_gate.shape
+    check_shape("we_gate", we_gate, (e, d, i), "[E, D, I]")
+    check_shape("we_up", we_up, (e, d, i), "[E, D, I]")
+    check_shape("we_down", we_down, (e, i, d), "[E, I, D]")
+    for name, w in (("we_gate", we_gate), ("we_up", we_up), ("we_down", we_down)):
+        check_dtype(name, w, (x.dtype,))
+    shared = (ws_gate, ws_up, ws_down)
+    if any(w is None for w in shared) and not all(w is None for w in shared):
+        raise ValueError("ws_gate, ws_up and ws_down must be given together (all three or none)")
+    if ws_gate is not None:
+        check_rank("ws_gate", ws_gate, 2, "[D, Is]")
+        i_s = ws_gate.shape[1]
+        check_shape("ws_gate", ws_gate, (d, i_s), "[D, Is]")
+        check_shape("ws_up", ws_up, (d, i_s), "[D, Is]")
+        check_shape("ws_down", ws_down, (i_s, d), "[Is, D]")
+        for name, w in (("ws_gate", ws_gate), ("ws_up", ws_up), ("ws_down", ws_down)):
+            check_dtype(name, w, (x.dtype,))
+    for name, lim in (("limit", limit), ("shared_limit", shared_limit)):
+        if not isinstance(lim, (int, float)) or lim < 0:
+            raise ValueError(f"{name}={lim!r} must be a static Python float >= 0 (0 = no clamp)")
+    limit, shared_limit = float(limit), float(shared_limit)
+    if backend == "reference":
+        return reference.moe_experts(x, weights, ids, we_gate, we_up, we_down, ws_gate, ws_up, ws_down,
+                                     limit=limit, shared_limit=shared_limit)
+    from pallas_kernels.moe import experts as experts_kernel
+
+    return experts_kernel.moe_experts(x, weights, ids, we_gate, we_up, we_down, ws_gate, ws_up, ws_down,
+                                      limit=limit, shared_limit=shared_limit)

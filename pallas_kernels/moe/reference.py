@@ -1,0 +1,106 @@
+"""Pure-jnp MoE router and experts: the specification the Pallas kernels are tested against (SPEC §2.5).
+
+Router (`route`): fp32 GEMV, sigmoid, `expert_bias` for selection only, grouped top-k (sum of the top-2 biased
+scores per group, best `topk_group` groups, then `top_k` experts among them; ties toward the lower index, which is
+what `lax.top_k` does), weights from the unbiased scores, renormalised (eps 1e-20) and scaled.
+
+Experts (`moe_experts`): SwiGLU MLP per selected expert in the compute dtype (fp32-accumulated matmuls rounded to
+the compute dtype), the optional post-SiLU clamp min(silu(g), L) * clip(u, -L, L) (SGLang's `BailingMLP` form),
+fp32 weighted combine rounded once, plus the shared expert (no routing weight) added in the compute dtype.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# Above this many (token, expert) pairs the gather path would materialise too many expert weights
+# (each pair copies 3·D·I values); the sorted ragged_dot path computes the same math without the copies.
+GATHER_MAX_PAIRS = 256
+
+_HI = lax.Precision.HIGHEST
+
+
+def route(x, router, expert_bias, *, n_group, topk_group, top_k, routed_scaling_factor, norm_topk_prob=True):
+    """x [N, D], router [D, E] fp32, expert_bias [E] fp32 -> (weights [N, top_k] fp32, ids [N, top_k] int32)."""
+    logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32), precision=_HI)  # [N, E]
+    s = jax.nn.sigmoid(logits)
+    choice = s + expert_bias.astype(jnp.float32)[None, :]
+    n, e = choice.shape
+    group_scores = lax.top_k(choice.reshape(n, n_group, e // n_group), 2)[0].sum(-1)  # [N, G]
+    _, top_groups = lax.top_k(group_scores, topk_group)  # [N, topk_group]
+    group_keep = jnp.zeros((n, n_group), bool).at[jnp.arange(n)[:, None], top_groups].set(True)
+    expert_keep = jnp.repeat(group_keep, e // n_group, axis=1)  # [N, E]
+    masked = jnp.where(expert_keep, choice, -jnp.inf)
+    _, ids = lax.top_k(masked, top_k)  # [N, top_k]
+    w = jnp.take_along_axis(s, ids, axis=1)
+    if norm_topk_prob:
+        w = w / (w.sum(-1, keepdims=True) + 1e-20)
+    return (w * routed_scaling_factor).astype(jnp.float32), ids.astype(jnp.int32)
+
+
+def swiglu(g, u, limit):
+    """g, u in the compute dtype -> act in the compute dtype. SiLU in fp32, rounded, then the product rounded."""
+    dt = g.dtype
+    sg = jax.nn.silu(g.astype(jnp.float32)).astype(dt)
+    if limit:
+        sg = jnp.minimum(sg, jnp.asarray(limit, dt))
+        u = jnp.clip(u, jnp.asarray(-limit, dt), jnp.asarray(limit, dt))
+    return sg * u
+
+
+def mlp(x, w_gate, w_up, w_down, limit):
+    """One SwiGLU MLP: x [N, D] · w_gate/w_up [D, I] · w_down [I, D] -> [N, D] compute dtype."""
+    dt = x.dtype
+    prec = _HI if dt == jnp.float32 else None
+    g = jnp.dot(x, w_gate, preferred_element_type=jnp.float32, precision=prec).astype(dt)
+    u = jnp.dot(x, w_up, preferred_element_type=jnp.float32, precision=prec).astype(dt)
+    h = swiglu(g, u, limit)
+    return jnp.dot(h, w_down, preferred_element_type=jnp.float32, precision=prec).astype(dt)
+
+
+def _routed_gather(x, weights, ids, we_gate, we_up, we_down, limit):
+    """Per (token, k): gather the expert's weights. [N, D] -> [N, D] fp32 (unrounded combine)."""
+    dt = x.dtype
+    prec = _HI if dt == jnp.float32 else None
+    wg, wu, wd = we_gate[ids], we_up[ids], we_down[ids]  # [N, K, D, I], [N, K, D, I], [N, K, I, D]
+    g = jnp.einsum("nd,nkdi->nki", x, wg, preferred_element_type=jnp.float32, precision=prec).astype(dt)
+    u = jnp.einsum("nd,nkdi->nki", x, wu, preferred_element_type=jnp.float32, precision=prec).astype(dt)
+    h = swiglu(g, u, limit)
+    out = jnp.einsum("nki,nkid->nkd", h, wd, preferred_element_type=jnp.float32, precision=prec).astype(dt)
+    return jnp.einsum("nk,nkd->nd", weights, out.astype(jnp.float32), precision=_HI)
+
+
+def _routed_sorted(x, weights, ids, we_gate, we_up, we_down, limit):
+    """Same math as `_routed_gather`, grouping (token, k) pairs by expert and using ragged_dot (large N)."""
+    dt = x.dtype
+    n, k = ids.shape
+    e = we_gate.shape[0]
+    prec = _HI if dt == jnp.float32 else None
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    tok = order // k
+    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+    xs = x[tok]  # [N·K, D]
+    g = lax.ragged_dot(xs, we_gate, sizes, preferred_element_type=jnp.float32, precision=prec).astype(dt)
+    u = lax.ragged_dot(xs, we_up, sizes, preferred_element_type=jnp.float32, precision=prec).astype(dt)
+    h = swiglu(g, u, limit)
+    out = lax.ragged_dot(h, we_down, sizes, preferred_element_type=jnp.float32, precision=prec).astype(dt)
+    contrib = out.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+    # Sum the K contributions per token in k order (scatter back to [N, K, D] first) so the fp32 sum matches
+    # the gather path's order exactly.
+    per_pair = jnp.zeros((n * k, x.shape[1]), jnp.float32).at[order].set(contrib).reshape(n, k, -1)
+    return per_pair.sum(1)
+
+
+def moe_experts(x, weights, ids, we_gate, we_up, we_down, ws_gate=None, ws_up=None, ws_down=None, *,
+                limit=0.0, shared_limit=0.0, path="auto"):
+    """x [N, D] -> y [N, D] compute dtype. `path`: "gather", "sorted" or "auto" (gather for small N·top_k)."""
+    if path == "auto":
+        path = "gather" if ids.size <= GATHER_MAX_PAIRS else "sorted"
+    fn = {"gather": _routed_gather, "sorted": _routed_sorted}[path]
+    routed = fn(x, weights.astype(jnp.float32), ids, we_gate, we_up, we_down, limit).astype(x.dtype)
+    if ws_gate is None:
+        return routed
+    return routed + mlp(x, ws_gate, ws_up, ws_down, shared_limit)

@@ -1,0 +1,127 @@
+"""transformers' BailingHybridForCausalLM as the reference model for parity tests.
+
+transformers picks its KDA implementation when `modeling_bailing_hybrid` is imported: with fla-core importable it
+binds fla's GPU Triton kernels, which fail on CPU. `import_reference_model()` imports it with `fla` hidden, so it
+binds its pure-torch path, then un-hides fla so that `fla.ops.kda.naive` (an independent KDA reference) still
+imports in the same process. `assert_torch_paths()` proves the binding took.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+
+import numpy as np
+import torch
+
+
+def import_reference_model():
+    saved = sys.modules.get("fla", "absent")
+    sys.modules["fla"] = None  # makes `import fla` raise ImportError
+    try:
+        from transformers.models.bailing_hybrid import modeling_bailing_hybrid as mod
+    finally:
+        if saved == "absent":
+            del sys.modules["fla"]
+        else:
+            sys.modules["fla"] = saved
+    return mod
+
+
+MOD = import_reference_model()
+
+
+def assert_torch_paths():
+    """The reference must run transformers' own torch code for KDA, not a kernel package."""
+    for name in ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention"):
+        fn = getattr(MOD, name)
+        impl = [c.cell_contents for c in (fn.__closure__ or ()) if callable(c.cell_contents)]
+        mods = {getattr(f, "__module__", "") for f in impl}
+        assert not any(m.startswith("fla") for m in mods), f"{name} is bound to {mods}: fla leaked into transformers"
+
+
+@dataclasses.dataclass(frozen=True)
+class SmallConfig:
+    """A random small BailingHybrid config; fields are transformers' names."""
+
+    name: str
+    num_hidden_layers: int
+    layer_group_size: int
+    q_lora_rank: int | None
+    first_k_dense_replace: int
+    num_local_experts: int
+    n_group: int
+    topk_group: int
+    num_experts_per_tok: int
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    head_dim: int = 16  # KDA head dim; deliberately != qk_rope_head_dim (transformers overwrites head_dim)
+    qk_rope_head_dim: int = 8
+    qk_nope_head_dim: int = 16
+    v_head_dim: int = 12
+    kv_lora_rank: int = 32
+    intermediate_size: int = 96
+    moe_intermediate_size: int = 32
+    vocab_size: int = 211
+
+    def hf(self):
+        kw = dataclasses.asdict(self)
+        kw.pop("name")
+        cfg = MOD.BailingHybridConfig(num_key_value_heads=self.num_attention_heads, pad_token_id=0, eos_token_id=1,
+                                      num_mtp_layers=0, **kw)
+        cfg._attn_implementation = "eager"
+        return cfg
+
+
+CONFIGS = [
+    SmallConfig("g2-qnull-dense1-e16g4", num_hidden_layers=4, layer_group_size=2, q_lora_rank=None,
+                first_k_dense_replace=1, num_local_experts=16, n_group=4, topk_group=2, num_experts_per_tok=3),
+    SmallConfig("g3-qlora24-dense0-e24g3", num_hidden_layers=6, layer_group_size=3, q_lora_rank=24,
+                first_k_dense_replace=0, num_local_experts=24, n_group=3, topk_group=2, num_experts_per_tok=4),
+    SmallConfig("g4-qnull-dense2-e32g8", num_hidden_layers=4, layer_group_size=4, q_lora_rank=None,
+                first_k_dense_replace=2, num_local_experts=32, n_group=8, topk_group=4, num_experts_per_tok=6,
+                num_attention_heads=2, head_dim=32),
+]
+
+
+def randomize_(model: torch.nn.Module, seed: int) -> None:
+    """O(1)-activation random weights (transformers' 0.02 init leaves logits nearly flat and routing trivial)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("A_log", "dt_bias")):
+                continue  # keep transformers' realistic gate init
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif "conv1d" in name:
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+            elif "embed_tokens" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:
+                fan_in = p.shape[-1]
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(fan_in))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn(b.shape, generator=g))
+
+
+def build(small: SmallConfig, seed: int = 0):
+    """(float32 model, float64 model) with the same random weights."""
+    torch.manual_seed(seed)
+    m32 = MOD.BailingHybridForCausalLM(small.hf()).eval()
+    randomize_(m32, seed)
+    m64 = MOD.BailingHybridForCausalLM(small.hf()).eval()
+    m64.load_state_dict(m32.state_dict())
+    m64.config._experts_implementation = "eager"  # the grouped-matmul default rejects float64
+    return m32, m64.double()
+
+
+def logits64(model64, ids: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return model64(torch.as_tensor(ids, dtype=torch.long)).logits.double().numpy()
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))

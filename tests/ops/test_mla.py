@@ -1,0 +1,123 @@
+"""MLA attention: absorbed decode against the expanded (non-absorbed) attention, prefill against a PyTorch
+eager replica, the Pallas decode kernel (interpreted on CPU) against the reference, and the dispatcher's errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import mla
+
+POISON = [np.nan, 1e30]
+
+
+def rel_err(got, want):
+    """max |got - want| / max |want|: the error measure every tolerance in this file refers to."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+
+
+def _decode_case(seed, *, b, t, h, length, start, r=64, p=16, dn=32, dv=32, poison=np.nan):
+    """Random MLA decode inputs plus everything the expanded form needs (W_uk, W_uv, q_nope)."""
+    rng = np.random.default_rng(seed)
+    c_kv = rng.standard_normal((b, length, r)).astype(np.float32)
+    k_rope = rng.standard_normal((b, length, p)).astype(np.float32)
+    w_uk = (rng.standard_normal((h, r, dn)) / np.sqrt(r)).astype(np.float32)
+    w_uv = (rng.standard_normal((h, r, dv)) / np.sqrt(r)).astype(np.float32)
+    q_nope = rng.standard_normal((b, t, h, dn)).astype(np.float32)
+    q_rope = rng.standard_normal((b, t, h, p)).astype(np.float32)
+    cache = np.concatenate([c_kv, k_rope], -1)
+    cache[:, start + t:] = poison
+    return dict(c_kv=c_kv, k_rope=k_rope, w_uk=w_uk, w_uv=w_uv, q_nope=q_nope, q_rope=q_rope, cache=cache)
+
+
+def expanded_attention(case, start, scale):
+    """Non-absorbed MLA in float64: k = [c_kv·W_uk | k_rope], v = c_kv·W_uv per head, causal from `start`."""
+    f = {k: v.astype(np.float64) for k, v in case.items()}
+    b, t, h, _ = f["q_nope"].shape
+    n = start + t
+    k_nope = np.einsum("blr,hrd->blhd", f["c_kv"][:, :n], f["w_uk"])
+    v = np.einsum("blr,hrd->blhd", f["c_kv"][:, :n], f["w_uv"])
+    s = np.einsum("bthd,blhd->bhtl", f["q_nope"], k_nope) + np.einsum("bthp,blp->bhtl", f["q_rope"],
+                                                                        f["k_rope"][:, :n])
+    s = s * scale
+    visible = np.arange(n)[None, :] <= start + np.arange(t)[:, None]
+    s = np.where(visible[None, None], s, -np.inf)
+    pr = np.exp(s - s.max(-1, keepdims=True))
+    pr /= pr.sum(-1, keepdims=True)
+    return np.einsum("bhtl,blhd->bthd", pr, v)
+
+
+def absorbed(case, start, scale, backend, dtype=jnp.float32):
+    q_latent = jnp.einsum("bthd,hrd->bthr", case["q_nope"], case["w_uk"], precision="highest")
+    o = mla.mla_decode_attention(q_latent, jnp.asarray(case["q_rope"], dtype), jnp.asarray(case["cache"], dtype),
+                                 jnp.int32(start), scale=scale, backend=backend)
+    assert o.dtype == jnp.float32 and o.shape == q_latent.shape
+    return o
+
+
+@pytest.mark.parametrize("poison", POISON, ids=["nan", "1e30"])
+@pytest.mark.parametrize("b,t,h,length,start", [(1, 1, 4, 37, 20), (2, 6, 4, 64, 0), (1, 3, 2, 50, 47)],
+                         ids=lambda v: str(v))
+def test_decode_reference_vs_expanded(b, t, h, length, start, poison):
+    case = _decode_case(0, b=b, t=t, h=h, length=length, start=start, poison=poison)
+    scale = 48 ** -0.5
+    o = absorbed(case, start, scale, "reference")
+    want = expanded_attention(case, start, scale)
+    got = np.einsum("bthr,hrd->bthd", np.asarray(o, np.float64), case["w_uv"])
+    assert np.isfinite(got).all()
+    assert rel_err(got, want) <= 1e-5
+
+
+def test_decode_reference_traced_start():
+    case = _decode_case(1, b=1, t=2, h=2, length=32, start=9)
+    scale = 0.1
+    q_latent = jnp.einsum("bthd,hrd->bthr", case["q_nope"], case["w_uk"], precision="highest")
+    f = jax.jit(lambda s: mla.mla_decode_attention(q_latent, jnp.asarray(case["q_rope"]), jnp.asarray(case["cache"]),
+                                                   s, scale=scale))
+    got = np.einsum("bthr,hrd->bthd", np.asarray(f(jnp.int32(9)), np.float64), case["w_uv"])
+    assert rel_err(got, expanded_attention(case, 9, scale)) <= 1e-5
+
+
+def torch_eager(q, k, v, scale):
+    """transformers' eager_attention_forward for a causal MLA prefill, in the inputs' dtype."""
+    q, k, v = (a.transpose(1, 2) for a in (q, k, v))  # [B, H, T, D]
+    w = torch.matmul(q, k.transpose(2, 3)) * scale
+    t = q.shape[2]
+    mask = torch.triu(torch.full((t, t), torch.finfo(w.dtype).min, dtype=w.dtype), 1)
+    w = torch.softmax(w + mask, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(w, v).transpose(1, 2)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prefill_reference_vs_torch(dtype):
+    rng = np.random.default_rng(3)
+    b, t, h, dqk, dv = 2, 13, 4, 48, 32
+    arrs = [rng.standard_normal((b, t, h, d)).astype(np.float32) for d in (dqk, dqk, dv)]
+    tdt = getattr(torch, dtype)
+    want = torch_eager(*(torch.tensor(a).to(tdt) for a in arrs), dqk ** -0.5).float().numpy()
+    got = mla.mla_prefill_attention(*(jnp.asarray(a, dtype) for a in arrs), scale=dqk ** -0.5)
+    assert got.dtype == jnp.dtype(dtype)
+    assert rel_err(got, want) <= (1e-5 if dtype == "float32" else 1e-2)
+
+
+def test_dispatch_errors():
+    case = _decode_case(0, b=1, t=2, h=2, length=16, start=3)
+    ql = jnp.zeros((1, 2, 2, 64), jnp.float32)
+    qr = jnp.asarray(case["q_rope"])
+    cache = jnp.asarray(case["cache"])
+    with pytest.raises(ValueError, match=r"q_latent.dtype=bfloat16 must be one of \['float32'\]"):
+        mla.mla_decode_attention(ql.astype(jnp.bfloat16), qr, cache, 3, scale=1.0)
+    with pytest.raises(ValueError, match=r"kv_cache.shape=\(1, 16, 79\) must be \[B, L, R \+ P\]"):
+        mla.mla_decode_attention(ql, qr, cache[..., :79], 3, scale=1.0)
+    with pytest.raises(ValueError, match="must be an integer scalar"):
+        mla.mla_decode_attention(ql, qr, cache, jnp.zeros(2, jnp.int32), scale=1.0)
+    q = jnp.zeros((1, 4, 2, 8))
+    with pytest.raises(ValueError, match=r"k.shape=\(1, 4, 2, 7\) must be \[B, T, H, Dqk\]"):
+        mla.mla_prefill_attention(q, q[..., :7], q, scale=1.0)
+    with pytest.raises(NotImplementedError, match="no Pallas kernel"):
+        mla.mla_prefill_attention(q, q, q, scale=1.0, backend="pallas")

@@ -1,0 +1,202 @@
+"""MoE router and experts: the reference against independent NumPy loops, the Pallas kernels (interpreted on
+CPU, compiled on a GPU) against the reference, and the dispatcher's error messages."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import moe
+from pallas_kernels.moe import reference
+
+def rel_err(got, want):
+    """max |got - want| / max |want|: the error measure every tolerance in this file refers to."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+
+
+ROUTE_KW = dict(n_group=8, topk_group=4, top_k=8, routed_scaling_factor=2.5)
+
+
+def np_route(x, router, bias, *, n_group, topk_group, top_k, routed_scaling_factor, norm_topk_prob=True):
+    """Token-by-token NumPy router with explicit lower-index tie breaking (stable sort of the negated key)."""
+    logits = x.astype(np.float64) @ router.astype(np.float64)
+    s = 1.0 / (1.0 + np.exp(-logits))
+    choice = s + bias.astype(np.float64)
+    n, e = choice.shape
+    gsz = e // n_group
+    ws, ids = [], []
+    for row_s, row in zip(s, choice):
+        groups = row.reshape(n_group, gsz)
+        gscore = np.array([np.sort(g)[-2:].sum() for g in groups])
+        keep = np.argsort(-gscore, kind="stable")[:topk_group]
+        masked = np.full(e, -np.inf)
+        for g in keep:
+            masked[g * gsz:(g + 1) * gsz] = row[g * gsz:(g + 1) * gsz]
+        sel = np.argsort(-masked, kind="stable")[:top_k]
+        w = row_s[sel]
+        if norm_topk_prob:
+            w = w / (w.sum() + 1e-20)
+        ws.append(w * routed_scaling_factor)
+        ids.append(sel)
+    return np.array(ws), np.array(ids)
+
+
+def _router_inputs(seed, n, d=256, e=512, ties=False):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, d)).astype(np.float32)
+    router = (rng.standard_normal((d, e)) / np.sqrt(d)).astype(np.float32)
+    bias = (0.01 * rng.standard_normal(e)).astype(np.float32)
+    if ties:
+        # Exact ties: duplicated router columns and biases, inside a group and across groups, plus whole groups
+        # duplicated so that group scores tie too.
+        gsz = e // ROUTE_KW["n_group"]
+        for a, b in [(3, 5), (7, 200), (64, 65), (130, 400)]:
+            router[:, b] = router[:, a]
+            bias[b] = bias[a]
+        router[:, 2 * gsz:3 * gsz] = router[:, 5 * gsz:6 * gsz]
+        bias[2 * gsz:3 * gsz] = bias[5 * gsz:6 * gsz]
+        # Near tie: a duplicated column whose bias is larger by a few fp32 ulps of the biased score (~1).
+        router[:, 11] = router[:, 10]
+        bias[11] = bias[10] + np.float32(3e-7)
+        # Make the duplicated experts strong so the ties decide the top-8.
+        x[:, :] += 3.0 * np.sign(router[:, 3] + router[:, 64] + router[:, 10])[None, :]
+    return x, router, bias
+
+
+@pytest.mark.parametrize("ties", [False, True], ids=["random", "ties"])
+def test_route_reference(ties):
+    x, router, bias = _router_inputs(0, 64, ties=ties)
+    w, ids = moe.route(jnp.asarray(x), jnp.asarray(router), jnp.asarray(bias), **ROUTE_KW)
+    w_np, ids_np = np_route(x, router, bias, **ROUTE_KW)
+    np.testing.assert_array_equal(np.asarray(ids), ids_np)
+    np.testing.assert_allclose(np.asarray(w), w_np, rtol=1e-5, atol=1e-6)
+    assert w.dtype == jnp.float32 and ids.dtype == jnp.int32
+
+
+def test_route_hand_table():
+    # E = 8 in 4 groups of 2; keep 2 groups; top 3. choice = s + bias with logits 0 (s = 0.5) and hand biases.
+    bias = np.array([0.1, 0.0, 0.3, 0.2, 0.0, 0.0, 0.3, 0.2], np.float32)
+    x = np.zeros((1, 4), np.float32)
+    router = np.zeros((4, 8), np.float32)
+    w, ids = moe.route(jnp.asarray(x), jnp.asarray(router), jnp.asarray(bias), n_group=4, topk_group=2, top_k=3,
+                       routed_scaling_factor=2.5)
+    # Group scores: g0 = 1.1, g1 = 1.5, g2 = 1.0, g3 = 1.5 -> groups 1 and 3 (tie at 1.5: both kept).
+    # Choice in kept groups: e2 0.8, e3 0.7, e6 0.8, e7 0.7 -> e2, e6 (tie at 0.8), then e3 beats e7 (lower index).
+    np.testing.assert_array_equal(np.asarray(ids), [[2, 6, 3]])
+    np.testing.assert_allclose(np.asarray(w), [[2.5 / 3] * 3], rtol=1e-6)
+    _, ids_nonorm = moe.route(jnp.asarray(x), jnp.asarray(router), jnp.asarray(bias), n_group=4, topk_group=1,
+                              top_k=2, routed_scaling_factor=1.0, norm_topk_prob=False)
+    # Group tie 1 vs 3 at 1.5 -> group 1 (lower index).
+    np.testing.assert_array_equal(np.asarray(ids_nonorm), [[2, 3]])
+
+
+def np_mlp(x, wg, wu, wd, limit):
+    g, u = x @ wg, x @ wu
+    sg = g / (1 + np.exp(-g))
+    if limit:
+        sg, u = np.minimum(sg, limit), np.clip(u, -limit, limit)
+    return (sg * u) @ wd
+
+
+def np_moe(x, weights, ids, we_gate, we_up, we_down, ws=None, *, limit=0.0, shared_limit=0.0):
+    x, weights = x.astype(np.float64), weights.astype(np.float64)
+    y = np.zeros_like(x)
+    for n in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = ids[n, k]
+            y[n] += weights[n, k] * np_mlp(x[n], we_gate[e], we_up[e], we_down[e], limit)
+    if ws is not None:
+        y += np_mlp(x, *ws, shared_limit)
+    return y
+
+
+def _expert_inputs(seed, n, *, d=128, i=64, e=16, k=4, i_s=64, dtype=jnp.float32, repeat=True, big=False):
+    rng = np.random.default_rng(seed)
+    # Scale so that |g|, |u| reach a few units: the clamps at 4/5/7 engage with `big`.
+    amp = 3.0 if big else 1.0
+    x = (amp * rng.standard_normal((n, d))).astype(np.float32)
+    wscale = 1.0 / np.sqrt(d)
+    we_gate = (wscale * rng.standard_normal((e, d, i))).astype(np.float32)
+    we_up = (wscale * rng.standard_normal((e, d, i))).astype(np.float32)
+    we_down = (rng.standard_normal((e, i, d)) / np.sqrt(i)).astype(np.float32)
+    ws = tuple(a.astype(np.float32) for a in (wscale * rng.standard_normal((d, i_s)),
+                                               wscale * rng.standard_normal((d, i_s)),
+                                               rng.standard_normal((i_s, d)) / np.sqrt(i_s)))
+    if repeat:
+        # Tokens share experts: draw from a pool smaller than n·k so most experts repeat across tokens.
+        pool = rng.choice(e, size=min(e, k + 2), replace=False)
+        ids = np.stack([rng.choice(pool, size=k, replace=False) for _ in range(n)])
+    else:
+        ids = np.stack([rng.choice(e, size=k, replace=False) for _ in range(n)])
+    weights = rng.uniform(0.1, 1.0, (n, k)).astype(np.float32)
+    cast = lambda a: jnp.asarray(a, dtype)  # noqa: E731
+    args = (cast(x), jnp.asarray(weights), jnp.asarray(ids, jnp.int32), cast(we_gate), cast(we_up), cast(we_down))
+    np_args = (x, weights, ids, we_gate, we_up, we_down)
+    if dtype == jnp.bfloat16:
+        np_args = tuple(np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32) if a.dtype == np.float32
+                        and j != 1 else a for j, a in enumerate(np_args))
+        ws = tuple(np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32) for a in ws)
+    return args, tuple(cast(a) for a in ws), np_args, ws
+
+
+@pytest.mark.parametrize("limits", [(0.0, 0.0), (4.0, 5.0)], ids=["noclamp", "clamp"])
+@pytest.mark.parametrize("n", [1, 3, 16])
+def test_experts_reference_f32(n, limits):
+    args, ws, np_args, np_ws = _expert_inputs(n, n, big=limits[0] > 0)
+    y = moe.moe_experts(*args, *ws, limit=limits[0], shared_limit=limits[1])
+    want = np_moe(*np_args, np_ws, limit=limits[0], shared_limit=limits[1])
+    assert y.dtype == jnp.float32
+    assert rel_err(y, want) <= 1e-5
+
+
+def test_experts_reference_clamp_engages():
+    args, ws, _, _ = _expert_inputs(7, 4, big=True)
+    y0 = moe.moe_experts(*args, *ws)
+    y1 = moe.moe_experts(*args, *ws, limit=1.0, shared_limit=1.0)
+    assert float(jnp.max(jnp.abs(y0 - y1))) > 1e-2
+
+
+def test_experts_reference_paths_agree():
+    for dtype in (jnp.float32, jnp.bfloat16):
+        args, ws, _, _ = _expert_inputs(3, 40, dtype=dtype, big=True)
+        a = reference.moe_experts(*args, *ws, limit=4.0, shared_limit=5.0, path="gather")
+        b = reference.moe_experts(*args, *ws, limit=4.0, shared_limit=5.0, path="sorted")
+        assert rel_err(a, b) <= (1e-6 if dtype == jnp.float32 else 1e-2)
+
+
+def test_experts_reference_bf16():
+    args, ws, np_args, np_ws = _expert_inputs(5, 6, dtype=jnp.bfloat16, big=True)
+    y = moe.moe_experts(*args, *ws, limit=4.0, shared_limit=5.0)
+    want = np_moe(*np_args, np_ws, limit=4.0, shared_limit=5.0)
+    assert y.dtype == jnp.bfloat16
+    assert rel_err(y, want) <= 2e-2
+
+
+def test_experts_no_shared():
+    args, _, np_args, _ = _expert_inputs(2, 2)
+    y = moe.moe_experts(*args)
+    assert rel_err(y, np_moe(*np_args)) <= 1e-5
+
+
+def test_dispatch_errors():
+    args, ws, _, _ = _expert_inputs(0, 2)
+    x, w, ids, wg, wu, wd = args
+    with pytest.raises(ValueError, match=r"x.shape=\(128,\) must be \[N, D\]"):
+        moe.moe_experts(x[0], w, ids, wg, wu, wd)
+    with pytest.raises(ValueError, match=r"we_down.shape=.* must be \[E, I, D\]"):
+        moe.moe_experts(x, w, ids, wg, wu, wg)
+    with pytest.raises(ValueError, match="all three or none"):
+        moe.moe_experts(x, w, ids, wg, wu, wd, ws[0])
+    with pytest.raises(ValueError, match="backend='triton' must be one of"):
+        moe.moe_experts(x, w, ids, wg, wu, wd, backend="triton")
+    with pytest.raises(ValueError, match=r"we_gate.dtype=bfloat16 must be one of \['float32'\]"):
+        moe.moe_experts(x, w, ids, wg.astype(jnp.bfloat16), wu, wd)
+    router = jnp.zeros((128, 512), jnp.float32)
+    with pytest.raises(ValueError, match=r"router.dtype=bfloat16"):
+        moe.route(x, router.astype(jnp.bfloat16), jnp.zeros(512), **ROUTE_KW)
+    with pytest.raises(ValueError, match="n_group=7 must divide"):
+        moe.route(x, router, jnp.zeros(512), **{**ROUTE_KW, "n_group": 7})

@@ -1,0 +1,214 @@
+"""The model on its own: cache consistency across modes, clamps, decode-loop structure, EOS masking, sampling."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ling_jax import model
+from ling_jax.cache import commit
+from ling_jax.config import preset
+from ling_jax.engine import generate as G
+from ling_jax.engine.sampling import Greedy, TopP, make_sampler
+from ling_jax.layers.moe import moe_block
+from ling_jax.params import init_params
+
+# Different code paths (chunked vs recurrent KDA, expanded vs absorbed MLA) agree to fp32 rounding: measured
+# ~1e-6 relative on the toy config; 1e-5 leaves room for the accumulation order of other XLA versions.
+TOL_F32 = 1e-5
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.fixture(scope="module")
+def toy():
+    cfg = preset("toy")
+    return cfg, init_params(cfg, jax.random.key(0), jnp.float32, with_mtp=False)
+
+
+@pytest.fixture(scope="module")
+def tokens(toy):
+    cfg, _ = toy
+    return jax.random.randint(jax.random.key(1), (2, 107), 0, cfg.vocab_size)  # batch 2, T off the chunk size
+
+
+@pytest.fixture(scope="module")
+def full_logits(toy, tokens):
+    cfg, params = toy
+    logits, _, _ = model.prefill(params, tokens, cfg, max_len=128, all_logits=True)
+    return logits
+
+
+def test_prefill_then_decode_matches_full_sequence(toy, tokens, full_logits):
+    cfg, params = toy
+    P = 67
+    logits, state, _ = model.prefill(params, tokens[:, :P], cfg, max_len=128, all_logits=True)
+    assert rel(logits, full_logits[:, :P]) < TOL_F32
+    steps = []
+    for t in range(P, P + 40):
+        step_logits, state, _ = model.decode(params, state, tokens[:, t], cfg)
+        steps.append(step_logits)
+    assert int(state.length) == P + 40
+    assert rel(jnp.stack(steps, 1), full_logits[:, P:P + 40]) < TOL_F32
+
+
+def test_verify_equals_decode_steps(toy, tokens):
+    cfg, params = toy
+    P, T = 50, 7
+    _, state, _ = model.prefill(params, tokens[:, :P], cfg, max_len=128)
+    v_logits, staged, _ = model.verify(params, state, tokens[:, P:P + T], cfg)
+    _, state, _ = model.prefill(params, tokens[:, :P], cfg, max_len=128)  # decode donates its state
+    d_logits = []
+    for t in range(P, P + T):
+        step_logits, state, _ = model.decode(params, state, tokens[:, t], cfg)
+        d_logits.append(step_logits)
+    assert rel(v_logits, jnp.stack(d_logits, 1)) < TOL_F32
+    committed = commit(staged, jnp.int32(T))
+    assert int(committed.length) == P + T
+    for mine, ref in zip(jax.tree.leaves(committed.layers), jax.tree.leaves(state.layers)):
+        assert rel(mine, ref) < TOL_F32
+
+
+@pytest.mark.parametrize("keep", [1, 3, 6])
+def test_commit_keeps_prefix(toy, tokens, full_logits, keep):
+    cfg, params = toy
+    P = 40
+    _, state, _ = model.prefill(params, tokens[:, :P], cfg, max_len=128)
+    # Drafts past the kept prefix are wrong tokens: they must not leak into the committed state.
+    drafts = tokens[:, P:P + 6].at[:, keep:].set((tokens[:, P + keep:P + 6] + 1) % cfg.vocab_size)
+    _, staged, _ = model.verify(params, state, drafts, cfg)
+    state = commit(staged, jnp.int32(keep))
+    logits, state, _ = model.decode(params, state, tokens[:, P + keep], cfg)
+    assert rel(logits, full_logits[:, P + keep]) < TOL_F32
+
+
+def test_clamped_layer_matches_float64_formula():
+    """MoE with limits set: min(silu(g), L) * clip(u, -L, L) on routed (L) and shared (Ls) experts."""
+    cfg = preset("toy")
+    layer = cfg.num_layers - 1
+    limit, shared_limit = cfg.swiglu_limits(layer)
+    assert limit > 0 and shared_limit > 0
+    p = init_params(cfg, jax.random.key(3), jnp.float32, with_mtp=False)["layers"][layer]["ffn"]
+    # Scale weights up so many gate/up pre-activations exceed the limits (the clamp must bite).
+    p = {k: (v * 4.0 if k.startswith(("we_", "ws_")) and k != "we_down" and k != "ws_down" else v)
+         for k, v in p.items()}
+    x = jax.random.normal(jax.random.key(4), (5, cfg.hidden_size), jnp.float32)
+    got = moe_block(p, x, cfg, layer, backend="reference")
+
+    P = {k: np.asarray(v, np.float64) for k, v in p.items()}
+    X = np.asarray(x, np.float64)
+
+    def act(g, u, L):
+        silu = g / (1 + np.exp(-g))
+        return np.minimum(silu, L) * np.clip(u, -L, L)
+
+    s = 1 / (1 + np.exp(-(X @ P["router"])))
+    choice = (s + P["expert_bias"]).reshape(5, cfg.n_group, -1)
+    want = np.zeros_like(X)
+    clamped = 0
+    for n in range(5):
+        group_score = np.sort(choice[n], axis=-1)[:, -2:].sum(-1)
+        groups = np.argsort(-group_score, kind="stable")[:cfg.topk_group]
+        masked = np.full(choice[n].shape, -np.inf)
+        masked[groups] = choice[n][groups]
+        ids = np.argsort(-masked.reshape(-1), kind="stable")[:cfg.num_experts_per_tok]
+        w = s[n, ids] / (s[n, ids].sum() + 1e-20) * cfg.routed_scaling_factor
+        for e, we in zip(ids, w):
+            g, u = X[n] @ P["we_gate"][e], X[n] @ P["we_up"][e]
+            clamped += int(np.sum(np.abs(u) > limit))
+            want[n] += we * (act(g, u, limit) @ P["we_down"][e])
+        want[n] += act(X[n] @ P["ws_gate"], X[n] @ P["ws_up"], shared_limit) @ P["ws_down"]
+    assert clamped > 0, "test inputs never reach the clamp"
+    assert rel(got, want) < TOL_F32
+    unclamped = moe_block(p, x, cfg.replace(apply_swiglu_clamps=False), layer, backend="reference")
+    assert rel(unclamped, want) > 1e-3
+
+
+def _compiled_decode_block(cfg, params, steps=4):
+    eos = jnp.asarray(cfg.eos_token_ids, jnp.int32)
+    prompt = jnp.asarray([[5, 9, 11, 3]], jnp.int32)
+    loop, _ = G.start(params, prompt, jax.random.key(0), eos, cfg, Greedy(), max_len=32, backend="reference",
+                      pad_id=0)
+    return G.decode_block.lower(params, loop, eos, cfg, Greedy(), steps=steps, backend="reference",
+                                pad_id=0).compile().as_text()
+
+
+def test_decode_loop_has_no_host_synchronising_control_flow(toy):
+    """No `conditional`, and every `while` has a trip count XLA knows statically (no predicate read back)."""
+    cfg, params = toy
+    hlo = _compiled_decode_block(cfg, params)
+    assert "conditional(" not in hlo
+    whiles = [line for line in hlo.splitlines() if re.search(r"\bwhile\(", line)]
+    assert whiles, "expected the decode fori_loop to compile to a while"
+    for line in whiles:
+        assert "known_trip_count" in line, f"data-dependent while in the decode loop: {line[:200]}"
+
+
+def test_decode_loop_runs_under_transfer_guard(toy):
+    cfg, params = toy
+    eos = jnp.asarray(cfg.eos_token_ids, jnp.int32)
+    prompt = jnp.asarray([[5, 9, 11, 3]], jnp.int32)
+    loop, _ = G.start(params, prompt, jax.random.key(0), eos, cfg, Greedy(), max_len=40, backend="reference",
+                      pad_id=0)
+    with jax.transfer_guard("disallow"):
+        loop, block, done = G.decode_block(params, loop, eos, cfg, Greedy(), steps=8, backend="reference",
+                                           pad_id=0)
+        jax.block_until_ready(block)
+        # The guard is live: a host array smuggled into the step is refused.
+        with pytest.raises(Exception, match="[Dd]isallowed"):
+            G.decode_block(params, loop, np.asarray(cfg.eos_token_ids, np.int32), cfg, Greedy(), steps=8,
+                           backend="reference", pad_id=0)
+    assert block.shape == (1, 8)
+
+
+def test_generate_matches_manual_greedy_and_stops_at_eos(toy):
+    cfg, params = toy
+    prompt = [[5, 9, 11, 3, 200, 17]]
+    free = G.generate(params, cfg, prompt, max_new_tokens=20, sampler=Greedy(), block_size=4, ignore_eos=True)
+    tokens = free.tokens[0]
+    assert len(tokens) == 20
+
+    ids = jnp.asarray(prompt, jnp.int32)
+    logits, state, _ = model.prefill(params, ids, cfg, max_len=64)
+    manual = [int(jnp.argmax(logits[0, -1]))]
+    for _ in range(19):
+        step_logits, state, _ = model.decode(params, state, jnp.asarray([manual[-1]], jnp.int32), cfg)
+        manual.append(int(jnp.argmax(step_logits[0])))
+    assert tokens == manual
+
+    stop = tokens[6]
+    first = tokens.index(stop)
+    eos_cfg = cfg.replace(eos_token_ids=(stop,))
+    res = G.generate(params, eos_cfg, prompt, max_new_tokens=20, sampler=Greedy(), block_size=4)
+    assert res.tokens[0] == tokens[:first + 1]
+
+
+def test_eos_mask_pads_finished_sequences():
+    token = jnp.asarray([4, 2, 7], jnp.int32)
+    done = jnp.asarray([False, False, True])
+    out, new_done = G._mask_eos(token, done, jnp.asarray([2], jnp.int32), pad_id=0)
+    assert out.tolist() == [4, 2, 0]
+    assert new_done.tolist() == [False, True, True]
+
+
+def test_samplers():
+    logits = jnp.asarray([[0.0, 3.0, 1.0, -2.0], [5.0, 4.9, 0.0, 0.0]])
+    assert Greedy().sample(logits, None).tolist() == [1, 0]
+    # top_p tiny keeps only the top token whatever the temperature.
+    assert TopP(temperature=5.0, top_p=1e-6).sample(logits, jax.random.key(0)).tolist() == [1, 0]
+    keys = jax.random.split(jax.random.key(1), 4000)
+    draws = jax.vmap(lambda k: TopP(1.0, 1.0).sample(logits[:1], k))(keys)[:, 0]
+    freq = np.bincount(np.asarray(draws), minlength=4) / 4000
+    assert np.abs(freq - np.asarray(jax.nn.softmax(logits[0]))).max() < 0.03
+    # top_p = 0.9 on probs [0.04, 0.84, 0.11, 0.006]: tokens 1 and 2 reach 0.95 >= 0.9, so 0 and 3 never appear.
+    draws = jax.vmap(lambda k: TopP(1.0, 0.9).sample(logits[:1], k))(keys)[:, 0]
+    assert set(np.asarray(draws).tolist()) <= {1, 2}
+    with pytest.raises(ValueError, match="temperature"):
+        make_sampler(-1.0)
+    with pytest.raises(ValueError, match="top_p"):
+        make_sampler(1.0, 1.5)
