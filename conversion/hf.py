@@ -3,7 +3,10 @@
 One table, `TABLE`, maps every official name to a params path and a transform. Names are templates: `{e}` is
 the expert index, and layer-level names sit under `model.layers.{l}.`. Each rule has a scope saying which layers
 it applies to (KDA or MLA mixer, dense or MoE ffn, the MTP layer), and it applies only where its params path is
-declared by `ling_jax.params.param_specs` (so `q_proj` vs `q_a_proj`/`q_b_proj` follows `q_lora_rank`).
+declared by `ling_jax.params.param_specs` (so `q_proj` vs `q_a_proj`/`q_b_proj` follows `q_lora_rank`). A rule may
+accept aliases (canonical name first): `mlp.gate.e_score_correction_bias`, and KDA `attention.dense.weight`, which
+transformers' `save_pretrained` writes instead of the official `attention.o_proj.weight`. The templates also compile
+to regexes that explain an unexpected name (`explain_unexpected`).
 
 `plan(cfg)` expands the table into one `Entry` per official tensor group, in params order, and checks that the
 entries cover every leaf of `param_specs(cfg)` exactly once with the shapes declared there. Loading

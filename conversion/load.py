@@ -181,6 +181,7 @@ def load_hf(hf_dir: str | Path, *, dtype=jnp.bfloat16, shardings: Any = None, wi
     out_cfg = cfg if load_mtp else without_mtp(cfg)
 
     sharding_of = _sharding_lookup(shardings)
+    placement = {path: sharding_of(path) for entry in entries for path in entry.paths}  # fail before reading
     total = sum(catalog[_present(names, catalog)].nbytes for e in entries for names in e.sources)
     arrays: dict[hf.Path, jax.Array] = {}
     with contextlib.ExitStack() as stack, _progress(total, f"load {hf_dir.name}", progress) as bar:
@@ -196,8 +197,7 @@ def load_hf(hf_dir: str | Path, *, dtype=jnp.bfloat16, shardings: Any = None, wi
 
         for entry in entries:
             for path, host in zip(entry.paths, _host_arrays(entry, read, dtype)):
-                arrays[path] = jax.device_put(host, sharding_of(path)).block_until_ready()
-                del host
+                arrays[path] = jax.device_put(host, placement[path]).block_until_ready()
 
     specs = param_specs(out_cfg)
     paths = hf.spec_paths(specs)

@@ -38,23 +38,26 @@ def _item_spec(entry: hf.Entry, spec: ParamSpec) -> ParamSpec:
     return ParamSpec(spec.shape[1:], spec.axes[1:], spec.dtype_class, spec.init)
 
 
-def _draw(rng: np.random.Generator, spec: ParamSpec, fan_in: int) -> np.ndarray:
-    """`ling_jax.params.init_value` in numpy (float32)."""
+def _draw(rng: np.random.Generator, spec: ParamSpec, full: ParamSpec) -> np.ndarray:
+    """`ling_jax.params.init_value` in numpy (float32, scaled in place); `full` is the stacked spec of an expert
+    slice `spec`."""
     shape = spec.shape
-    if spec.init == "norm":
-        return 1.0 + 0.1 * rng.standard_normal(shape, np.float32)
     if spec.init == "A_log":
         return np.log(rng.uniform(1.0, 16.0, shape)).astype(np.float32)
     if spec.init == "dt_bias":
         dt = np.exp(rng.uniform(math.log(1e-3), math.log(1e-1), shape))
         return (dt + np.log(-np.expm1(-dt))).astype(np.float32)  # inverse softplus
-    if spec.init == "small":
-        return 0.02 * rng.standard_normal(shape, np.float32)
-    if spec.init == "conv":
-        return rng.standard_normal(shape, np.float32) / np.float32(math.sqrt(shape[0]))
-    if spec.init == "embed":
-        return rng.standard_normal(shape, np.float32)
-    return rng.standard_normal(shape, np.float32) / np.float32(math.sqrt(fan_in))
+    x = rng.standard_normal(shape, np.float32)
+    if spec.init == "norm":
+        x *= 0.1
+        x += 1.0
+    elif spec.init == "small":
+        x *= 0.02
+    elif spec.init == "conv":
+        x /= math.sqrt(shape[0])
+    elif spec.init != "embed":
+        x /= math.sqrt(_fan_in(full))
+    return x
 
 
 def _stored_dtype(entry: hf.Entry, dtype) -> np.dtype:
@@ -65,7 +68,7 @@ def synthetic_tensor(entry: hf.Entry, index: int, *, seed: int = 0, dtype="bfloa
     """Source tensor `index` of `entry` (expert `index` when stacked), in the official layout and stored dtype."""
     name = entry.names[index]
     rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
-    xs = [_draw(rng, _item_spec(entry, s), _fan_in(s)) for s in entry.specs]
+    xs = [_draw(rng, _item_spec(entry, s), s) for s in entry.specs]
     x = entry.transform.to_hf(xs)
     assert x.shape == entry.hf_shape, (name, x.shape, entry.hf_shape)
     return np.ascontiguousarray(x.astype(_stored_dtype(entry, dtype)))

@@ -195,7 +195,7 @@ _HF_DEFAULTS = {"conv_kernel_size": 4, "kda_lower_bound": -5.0, "q_lora_rank": N
                 "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "num_shared_experts": 1,
                 "routed_scaling_factor": 2.5, "norm_topk_prob": True, "num_mtp_layers": 0, "n_group": 1,
                 "topk_group": 1, "expert_swiglu_limits": None, "shared_swiglu_limits": None, "pad_token_id": None,
-                "first_k_dense_replace": 0}
+                "first_k_dense_replace": 0, "shared_expert_intermediate_size": None}
 SUPPORTED_MODEL_TYPES = ("bailing_hybrid",)
 
 

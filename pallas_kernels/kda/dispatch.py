@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.kda import reference
+from pallas_kernels.kda import chunk, recurrent, reference
 
 BACKENDS = ("reference", "pallas")
 STORES = ("states", "inputs")
@@ -99,9 +99,8 @@ def _check(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, l
         raise ValueError(f"kda_decode needs T == 1, got {qkv.shape=}")
     if max_t is not None and T > max_t:
         raise ValueError(f"{mode} takes T <= {max_t}, got {qkv.shape=}")
-    if backend == "pallas":
-        from pallas_kernels.kda import kernels
-        kernels.check_shapes(B=B, T=T, H=H, K=K, W=W, mode=mode)
+    if backend == "pallas" and (K & (K - 1) or K < 16):
+        raise ValueError(f"backend='pallas' needs K a power of two >= 16 (Triton block shapes), got {K=}")
 
 
 def kda_prefill(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, *, lower_bound=-5.0,
@@ -111,8 +110,7 @@ def kda_prefill(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm
     _check(*args, lower_bound, backend, "prefill")
     if backend == "reference":
         return _ref_layer(*args, lower_bound=lower_bound, eps=eps, mode="chunk")
-    from pallas_kernels.kda import kernels
-    return kernels.prefill(*args, lower_bound=lower_bound, eps=eps, chunk_size=chunk_size)
+    return chunk.prefill(*args, lower_bound=lower_bound, eps=eps, chunk_size=chunk_size)
 
 
 def kda_decode(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, *, lower_bound=-5.0,
@@ -123,8 +121,7 @@ def kda_decode(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_
     _check(*args, lower_bound, backend, "decode")
     if backend == "reference":
         return _ref_layer(*args, lower_bound=lower_bound, eps=eps, mode="recurrent")
-    from pallas_kernels.kda import kernels
-    return kernels.decode(*args, lower_bound=lower_bound, eps=eps)
+    return recurrent.decode(*args, lower_bound=lower_bound, eps=eps)
 
 
 def kda_verify(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, *, lower_bound=-5.0,
@@ -142,8 +139,7 @@ def kda_verify(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_
         if store == "states":
             return y, KDAStaged(conv_rows, states=states, backend=backend)
         return y, KDAStaged(conv_rows, state0=state, k=k, v=v, g=g, beta=beta, backend=backend)
-    from pallas_kernels.kda import kernels
-    return kernels.verify(*args, lower_bound=lower_bound, eps=eps, store=store)
+    return recurrent.verify(*args, lower_bound=lower_bound, eps=eps, store=store)
 
 
 def kda_commit(staged, n):
@@ -170,8 +166,7 @@ def kda_replay(staged, n):
         raise ValueError("kda_replay needs a staged form from kda_verify(..., store='inputs')")
     if staged.backend == "reference":
         return _ref_replay(staged.state0, staged.k, staged.v, staged.g, staged.beta, n)
-    from pallas_kernels.kda import kernels
-    return kernels.replay(staged, n)
+    return recurrent.replay(staged.state0, staged.k, staged.v, staged.g, staged.beta, n)
 
 
 _ref_layer = jax.jit(reference.kda_layer, static_argnames=("lower_bound", "eps", "mode"))

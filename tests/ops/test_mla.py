@@ -121,3 +121,34 @@ def test_dispatch_errors():
         mla.mla_prefill_attention(q, q[..., :7], q, scale=1.0)
     with pytest.raises(NotImplementedError, match="no Pallas kernel"):
         mla.mla_prefill_attention(q, q, q, scale=1.0, backend="pallas")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("b,t,h,length,start", [(1, 1, 4, 48, 20), (2, 6, 4, 64, 0), (1, 3, 2, 64, 61),
+                                                (1, 16, 2, 256, 100)], ids=lambda v: str(v))
+def test_decode_pallas(b, t, h, length, start, dtype):
+    """Pallas decode kernel (interpreted on CPU) vs the reference and vs the expanded attention, NaN poison."""
+    case = _decode_case(2, b=b, t=t, h=h, length=length, start=start, poison=np.nan)
+    scale = 48 ** -0.5
+    o = absorbed(case, start, scale, "pallas", jnp.dtype(dtype))
+    o_ref = absorbed(case, start, scale, "reference", jnp.dtype(dtype))
+    assert np.isfinite(np.asarray(o)).all()
+    assert rel_err(o, o_ref) <= 1e-5
+    if dtype == "float32":
+        got = np.einsum("bthr,hrd->bthd", np.asarray(o, np.float64), case["w_uv"])
+        assert rel_err(got, expanded_attention(case, start, scale)) <= 1e-5
+
+
+def test_decode_pallas_1e30_poison_traced_start():
+    case = _decode_case(4, b=1, t=2, h=4, length=64, start=30, poison=1e30)
+    q_latent = jnp.einsum("bthd,hrd->bthr", case["q_nope"], case["w_uk"], precision="highest")
+    f = jax.jit(lambda s: mla.mla_decode_attention(q_latent, jnp.asarray(case["q_rope"]), jnp.asarray(case["cache"]),
+                                                   s, scale=0.2, backend="pallas"))
+    got = np.einsum("bthr,hrd->bthd", np.asarray(f(jnp.int32(30)), np.float64), case["w_uv"])
+    assert rel_err(got, expanded_attention(case, 30, 0.2)) <= 1e-5
+
+
+def test_decode_pallas_rejects_unaligned_cache():
+    case = _decode_case(0, b=1, t=1, h=2, length=37, start=5)
+    with pytest.raises(ValueError, match="L=37 to be a multiple of 16"):
+        absorbed(case, 5, 0.1, "pallas")

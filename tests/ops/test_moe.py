@@ -200,3 +200,55 @@ def test_dispatch_errors():
         moe.route(x, router.astype(jnp.bfloat16), jnp.zeros(512), **ROUTE_KW)
     with pytest.raises(ValueError, match="n_group=7 must divide"):
         moe.route(x, router, jnp.zeros(512), **{**ROUTE_KW, "n_group": 7})
+
+
+@pytest.mark.parametrize("n", [1, 7, 40])
+def test_route_pallas(n):
+    """Pallas router (interpreted on CPU) selects exactly the reference's experts, over many inputs and ties."""
+    for seed in range(6):
+        x, router, bias = _router_inputs(100 + seed, n, ties=seed % 2 == 1)
+        args = (jnp.asarray(x), jnp.asarray(router), jnp.asarray(bias))
+        w, ids = moe.route(*args, **ROUTE_KW, backend="pallas")
+        w_ref, ids_ref = moe.route(*args, **ROUTE_KW)
+        np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids_ref))
+        np.testing.assert_allclose(np.asarray(w), np.asarray(w_ref), rtol=1e-5, atol=1e-6)
+        assert ids.dtype == jnp.int32 and w.dtype == jnp.float32
+
+
+def test_route_pallas_bf16_input_and_hand_table():
+    x, router, bias = _router_inputs(7, 9, ties=True)
+    args = (jnp.asarray(x, jnp.bfloat16), jnp.asarray(router), jnp.asarray(bias))
+    np.testing.assert_array_equal(np.asarray(moe.route(*args, **ROUTE_KW, backend="pallas")[1]),
+                                  np.asarray(moe.route(*args, **ROUTE_KW)[1]))
+    bias = jnp.asarray([0.1, 0.0, 0.3, 0.2, 0.0, 0.0, 0.3, 0.2], jnp.float32)
+    _, ids = moe.route(jnp.zeros((1, 16)), jnp.zeros((16, 8)), bias, n_group=4, topk_group=2, top_k=4,
+                       routed_scaling_factor=2.5, backend="pallas")
+    np.testing.assert_array_equal(np.asarray(ids), [[2, 6, 3, 7]])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("limits", [(0.0, 0.0), (4.0, 5.0)], ids=["noclamp", "clamp"])
+@pytest.mark.parametrize("n", [1, 3, 6, 16])
+def test_experts_pallas(n, limits, dtype):
+    """Fused experts kernel (interpreted on CPU) vs the reference; tokens share experts (each read once)."""
+    dtype = jnp.dtype(dtype)
+    args, ws, _, _ = _expert_inputs(10 + n, n, k=8, e=32, dtype=dtype, big=limits[0] > 0)
+    kw = dict(limit=limits[0], shared_limit=limits[1])
+    y = moe.moe_experts(*args, *ws, **kw, backend="pallas")
+    y_ref = moe.moe_experts(*args, *ws, **kw)
+    assert y.dtype == dtype and y.shape == y_ref.shape
+    assert np.isfinite(np.asarray(y, np.float32)).all()
+    assert rel_err(y, y_ref) <= (1e-5 if dtype == jnp.float32 else 2e-2)
+
+
+def test_experts_pallas_no_shared_and_distinct():
+    args, _, _, _ = _expert_inputs(4, 5, k=8, e=64, repeat=False)
+    assert rel_err(moe.moe_experts(*args, backend="pallas"), moe.moe_experts(*args)) <= 1e-5
+    args, _, _, _ = _expert_inputs(5, 1, k=8, e=64)
+    assert rel_err(moe.moe_experts(*args, backend="pallas"), moe.moe_experts(*args)) <= 1e-5
+
+
+def test_pallas_rejects_unsupported_shapes():
+    args, ws, _, _ = _expert_inputs(0, 2, k=3)
+    with pytest.raises(ValueError, match="power-of-two top_k, got K=3"):
+        moe.moe_experts(*args, *ws, backend="pallas")

@@ -1,0 +1,71 @@
+"""Tensor parallelism over one mesh axis `tp` (DESIGN §4): logical axes -> mesh axes, in one table.
+
+Column-parallel by head (KDA q/k/v/f/g/b, MLA q, kv_b, gate) and by intermediate (dense, shared and every
+expert's gate/up: all experts on every device, so batch-1 load stays balanced); row-parallel for o_proj/dense and
+the down projections, where XLA inserts the all-reduce. lm_head is split by vocab. Activations are replicated.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from ling_jax.cache import KDACache, MLACache, ModelState
+from ling_jax.config import LingConfig
+from ling_jax.params import is_spec, param_specs
+
+RULES: dict[str, str | None] = {
+    "heads": "tp",
+    "ffn": "tp",
+    "vocab": "tp",
+    "embed": None,
+    "experts": None,
+}
+
+
+def make_mesh(n: int | None = None, devices=None) -> Mesh:
+    devices = list(devices if devices is not None else jax.devices())
+    n = len(devices) if n is None else n
+    if n < 1 or n > len(devices):
+        raise ValueError(f"tensor parallelism over {n} devices needs {n} devices; {len(devices)} are visible "
+                         f"({jax.default_backend()}). On CPU set --xla_force_host_platform_device_count={n}")
+    return Mesh(np.asarray(devices[:n]), ("tp",))
+
+
+def logical_to_spec(axes: tuple[str | None, ...]) -> PartitionSpec:
+    mesh_axes = [RULES.get(a) if a is not None else None for a in axes]
+    used = [a for a in mesh_axes if a is not None]
+    if len(used) != len(set(used)):
+        raise ValueError(f"logical axes {axes} map mesh axis {used} more than once; fix sharding.RULES")
+    return PartitionSpec(*mesh_axes)
+
+
+def check_divisible(cfg: LingConfig, n: int) -> None:
+    sizes = {"num_attention_heads": cfg.num_heads, "intermediate_size": cfg.intermediate_size,
+             "moe_intermediate_size": cfg.moe_intermediate_size,
+             "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size, "vocab_size": cfg.vocab_size}
+    bad = {k: v for k, v in sizes.items() if v % n}
+    if bad:
+        raise ValueError(f"tensor parallelism over {n} devices needs these sizes divisible by {n}: {bad}; "
+                         f"choose a device count that divides them")
+
+
+def param_shardings(cfg: LingConfig, mesh: Mesh, *, with_mtp: bool = True):
+    check_divisible(cfg, mesh.shape["tp"])
+    return jax.tree.map(lambda s: NamedSharding(mesh, logical_to_spec(s.axes)), param_specs(cfg, with_mtp=with_mtp),
+                        is_leaf=is_spec)
+
+
+def state_shardings(state: ModelState, mesh: Mesh) -> ModelState:
+    """KDA state and conv windows split by head; MLA latent caches replicated (every head reads them)."""
+    rep = NamedSharding(mesh, PartitionSpec())
+
+    def entry(e):
+        if isinstance(e, KDACache):
+            return KDACache(NamedSharding(mesh, PartitionSpec(None, None, None, "tp", None)),
+                            NamedSharding(mesh, PartitionSpec(None, "tp", None, None)))
+        assert isinstance(e, MLACache)
+        return MLACache(rep)
+
+    return ModelState(rep, tuple(entry(e) for e in state.layers), None if state.mtp is None else MLACache(rep))

@@ -1,0 +1,275 @@
+"""Fused recurrent KDA in Pallas-Triton: decode (T = 1), speculative verify (T <= 64) and replay.
+
+One program per (sequence, head, V tile of BV columns) keeps a [K, BV] fp32 state tile in registers and walks
+the T tokens: conv update + SiLU → L2 norm and scale → safe gate and beta → fp32 delta step → output. With
+BV == V the gated RMSNorm is fused (the program holds the whole head); otherwise the kernel emits o and the
+norm runs as one XLA fusion after it.
+
+Every program reads the conv window and q/k rows of its head in full (the L2 norm and Sᵀq reduce over K), so
+the conv window is never updated in place: the new window goes to a fresh buffer, written by V-tile 0 for q/k
+and by each V tile for its own v columns. The state tile is private to its program and is updated in place
+(``input_output_aliases``) in decode.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.kda import reference
+
+
+def _pow2(x):
+    return x > 0 and (x & (x - 1)) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class RecurrentConfig:
+    """Tiling of the recurrent kernels. BV == V fuses the gated RMSNorm."""
+    BV: int = 32
+    num_warps: int = 4
+    num_stages: int = 1
+
+    def __post_init__(self):
+        if not _pow2(self.BV) or self.BV < 16:
+            raise ValueError(f"{self.BV=} must be a power of two >= 16")
+        if not _pow2(self.num_warps):
+            raise ValueError(f"{self.num_warps=} must be a power of two")
+
+
+DEFAULT_DECODE = RecurrentConfig(BV=32, num_warps=4)
+DEFAULT_VERIFY = RecurrentConfig(BV=32, num_warps=4)
+
+
+def _interpret():
+    return jax.default_backend() == "cpu"
+
+
+def _silu(x):
+    return x * jax.nn.sigmoid(x)
+
+
+def delta_step(b_h, b_k, b_v, b_g, b_beta):
+    """One fp32 delta-rule step on a [K, BV] tile: decay the key rows, then write beta·(v − Sᵀk) along k.
+
+    Shared by verify and replay so that both compile to the same arithmetic (design B must be bit-exact).
+    In interpret mode XLA would fuse (and FMA-contract) the step differently with its neighbours in the two
+    kernels, so the step is fenced with optimization barriers there; Triton has no such primitive and
+    compiles the identical op sequence on identical tile layouts.
+    """
+    fence = lax.optimization_barrier if _interpret() else (lambda x: x)
+    b_h, b_k, b_v, b_g, b_beta = fence((b_h, b_k, b_v, b_g, b_beta))
+    b_h = b_h * jnp.exp(b_g)[:, None]
+    b_kh = jnp.sum(b_k[:, None] * b_h, axis=0)  # [BV]
+    b_u = b_beta * (b_v - b_kh)
+    return fence(b_h + b_k[:, None] * b_u[None, :])
+
+
+def recurrent_kda_fwd_kernel(
+    qkv_ref,    # [B, T, 3, H, K] pre-conv rows
+    f_ref,      # [B, T, H, K]
+    b_ref,      # [B, T, H]
+    z_ref,      # [B, T, H, K]
+    win_ref,    # [B, W-1, 3, H, K]
+    h0_ref,     # [B, H, K, V] fp32
+    convw_ref,  # [W, 3, H, K] fp32
+    alog_ref,   # [H] fp32
+    dtb_ref,    # [H, K] fp32
+    normw_ref,  # [K]
+    *out_refs,
+    T, W, K, BV, lower_bound, eps, scale, FUSE_NORM, MODE,
+):
+    """MODE: "decode" (outs: y|o, new window, ht), "states" (outs: y|o, per-token states) or "inputs"
+    (outs: y|o, k̂, v, g, beta per token)."""
+    i_b, i_h, i_v = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    o_v = pl.ds(i_v * BV, BV)
+    dtype = qkv_ref.dtype
+    f32 = jnp.float32
+    y_ref = out_refs[0]
+
+    # Conv taps [K] / [BV] per tap, oldest first; tap W-1 multiplies the current row.
+    b_wq = [convw_ref[j, 0, i_h, :] for j in range(W)]
+    b_wk = [convw_ref[j, 1, i_h, :] for j in range(W)]
+    b_wv = [convw_ref[j, 2, i_h, o_v] for j in range(W)]
+    b_a = jnp.exp(alog_ref[i_h])
+    b_dtb = dtb_ref[i_h, :]
+    if FUSE_NORM:
+        b_nw = normw_ref[...].astype(f32)
+
+    def conv(rows, taps, x):
+        acc = taps[W - 1] * x.astype(f32)
+        for j in range(W - 1):
+            acc = acc + taps[j] * rows[j].astype(f32)
+        return _silu(acc).astype(dtype).astype(f32)
+
+    def l2(x):
+        return x * lax.rsqrt(jnp.sum(x * x) + 1e-6)
+
+    def body(t, carry):
+        b_h, rq, rk, rv = carry
+        x_q = qkv_ref[i_b, t, 0, i_h, :]
+        x_k = qkv_ref[i_b, t, 1, i_h, :]
+        x_v = qkv_ref[i_b, t, 2, i_h, o_v]
+        b_q = l2(conv(rq, b_wq, x_q)) * scale
+        b_k = l2(conv(rk, b_wk, x_k))
+        b_v = conv(rv, b_wv, x_v)
+        b_f = f_ref[i_b, t, i_h, :].astype(f32)
+        # Safe gate in fp32, then rounded to the compute dtype as the HF reference does.
+        b_g = (lower_bound * jax.nn.sigmoid(b_a * (b_f + b_dtb))).astype(dtype).astype(f32)
+        b_beta = jax.nn.sigmoid(b_ref[i_b, t, i_h].astype(f32)).astype(dtype).astype(f32)
+        b_h = delta_step(b_h, b_k, b_v, b_g, b_beta)
+        b_o = jnp.sum(b_q[:, None] * b_h, axis=0).astype(dtype)  # [BV]
+        if FUSE_NORM:
+            b_of = b_o.astype(f32)
+            b_z = z_ref[i_b, t, i_h, :].astype(f32)
+            b_y = b_of * lax.rsqrt(jnp.mean(b_of * b_of) + eps) * b_nw * jax.nn.sigmoid(b_z)
+            y_ref[i_b, t, i_h, :] = b_y.astype(y_ref.dtype)
+        else:
+            y_ref[i_b, t, i_h, o_v] = b_o.astype(y_ref.dtype)
+        if MODE == "states":
+            out_refs[1][i_b, t, i_h, :, o_v] = b_h
+        elif MODE == "inputs":
+            kk_ref, vv_ref, gg_ref, bb_ref = out_refs[1:5]
+            m_first = i_v == 0
+            t = jnp.int32(t)
+            pltriton.store(kk_ref.at[i_b, t, i_h, :], b_k, mask=jnp.broadcast_to(m_first, (K,)))
+            pltriton.store(gg_ref.at[i_b, t, i_h, :], b_g, mask=jnp.broadcast_to(m_first, (K,)))
+            pltriton.store(bb_ref.at[i_b, t, i_h, pl.ds(0, 1)], jnp.broadcast_to(b_beta, (1,)),
+                           mask=jnp.broadcast_to(m_first, (1,)))
+            vv_ref[i_b, t, i_h, o_v] = b_v
+        rq = (*rq[1:], x_q)
+        rk = (*rk[1:], x_k)
+        rv = (*rv[1:], x_v)
+        return b_h, rq, rk, rv
+
+    rq = tuple(win_ref[i_b, j, 0, i_h, :] for j in range(W - 1))
+    rk = tuple(win_ref[i_b, j, 1, i_h, :] for j in range(W - 1))
+    rv = tuple(win_ref[i_b, j, 2, i_h, o_v] for j in range(W - 1))
+    b_h = h0_ref[i_b, i_h, :, o_v].astype(f32)
+    carry = (b_h, rq, rk, rv)
+    if T == 1:
+        carry = body(0, carry)
+    else:
+        carry = lax.fori_loop(0, T, body, carry)
+    b_h, rq, rk, rv = carry
+
+    if MODE == "decode":
+        nw_ref, ht_ref = out_refs[1], out_refs[2]
+        m_first = jnp.broadcast_to(i_v == 0, (K,))
+        for j in range(W - 1):
+            # Masked-store indices must be traced values for the interpret-mode discharge rule.
+            j_, c0, c1 = jnp.int32(j), jnp.int32(0), jnp.int32(1)
+            pltriton.store(nw_ref.at[i_b, j_, c0, i_h, :], rq[j], mask=m_first)
+            pltriton.store(nw_ref.at[i_b, j_, c1, i_h, :], rk[j], mask=m_first)
+            nw_ref[i_b, j, 2, i_h, o_v] = rv[j]
+        ht_ref[i_b, i_h, :, o_v] = b_h
+
+
+def replay_kda_fwd_kernel(
+    n_ref,    # [B] int32 accepted counts
+    h0_ref,   # [B, H, K, V] fp32 committed state
+    kk_ref,   # [B, T, H, K] fp32
+    vv_ref,   # [B, T, H, V] fp32
+    gg_ref,   # [B, T, H, K] fp32
+    bb_ref,   # [B, T, H, 1] fp32
+    ht_ref,   # [B, H, K, V] out
+    *, T, BV,
+):
+    """Design B commit: replay tokens t < n into the committed state; masked tokens (g = 0, beta = 0) leave
+    the tile bit-identical, so the trip count stays static."""
+    i_b, i_h, i_v = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    o_v = pl.ds(i_v * BV, BV)
+    n = n_ref[i_b]
+
+    def body(t, b_h):
+        keep = t < n
+        b_k = kk_ref[i_b, t, i_h, :]
+        b_v = vv_ref[i_b, t, i_h, o_v]
+        b_g = jnp.where(keep, gg_ref[i_b, t, i_h, :], 0.0)
+        b_beta = jnp.where(keep, bb_ref[i_b, t, i_h, 0], 0.0)
+        return delta_step(b_h, b_k, b_v, b_g, b_beta)
+
+    b_h = h0_ref[i_b, i_h, :, o_v]
+    ht_ref[i_b, i_h, :, o_v] = lax.fori_loop(0, T, body, b_h)
+
+
+def _recurrent_call(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, *, lower_bound, eps,
+                    mode, cfg):
+    B, T, _, H, K = qkv.shape
+    V = K
+    W = conv_w.shape[0]
+    BV = min(cfg.BV, V)
+    NV = V // BV
+    fuse_norm = BV == V
+    dtype = qkv.dtype
+    sds = jax.ShapeDtypeStruct
+    y_shape = sds((B, T, H, V), dtype)
+    if mode == "decode":
+        out_shape = [y_shape, sds(conv_window.shape, dtype), sds(state.shape, jnp.float32)]
+        aliases = {5: 2}
+    elif mode == "states":
+        out_shape = [y_shape, sds((B, T, H, K, V), jnp.float32)]
+        aliases = {}
+    else:
+        out_shape = [y_shape, sds((B, T, H, K), jnp.float32), sds((B, T, H, V), jnp.float32),
+                     sds((B, T, H, K), jnp.float32), sds((B, T, H, 1), jnp.float32)]
+        aliases = {}
+    kernel = functools.partial(
+        recurrent_kda_fwd_kernel, T=T, W=W, K=K, BV=BV, lower_bound=float(lower_bound), eps=float(eps),
+        scale=K ** -0.5, FUSE_NORM=fuse_norm, MODE=mode)
+    outs = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(B, H, NV),
+        input_output_aliases=aliases,
+        interpret=_interpret(),
+        name=f"kda_recurrent_{mode}",
+        compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+    )(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w)
+    y = outs[0]
+    if not fuse_norm:
+        y = reference.gated_rms_norm(y, z, o_norm_w, eps)
+    return y, outs[1:]
+
+
+@functools.partial(jax.jit, static_argnames=("lower_bound", "eps", "cfg"), donate_argnums=())
+def decode(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, *, lower_bound=-5.0, eps=1e-6,
+           cfg=DEFAULT_DECODE):
+    y, (new_window, new_state) = _recurrent_call(
+        qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, lower_bound=lower_bound, eps=eps,
+        mode="decode", cfg=cfg)
+    return y, new_window, new_state
+
+
+@functools.partial(jax.jit, static_argnames=("lower_bound", "eps", "store", "cfg"))
+def verify(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, *, lower_bound=-5.0, eps=1e-6,
+           store="states", cfg=DEFAULT_VERIFY):
+    from pallas_kernels.kda.dispatch import KDAStaged
+    y, staged = _recurrent_call(
+        qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, lower_bound=lower_bound, eps=eps,
+        mode=store, cfg=cfg)
+    conv_rows = jnp.concatenate([conv_window, qkv], axis=1)
+    if store == "states":
+        return y, KDAStaged(conv_rows, states=staged[0], backend="pallas")
+    kk, vv, gg, bb = staged
+    return y, KDAStaged(conv_rows, state0=state, k=kk, v=vv, g=gg, beta=bb[..., 0], backend="pallas")
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def replay(state0, k, v, g, beta, n, *, cfg=DEFAULT_VERIFY):
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    BV = min(cfg.BV, V)
+    n = jnp.broadcast_to(jnp.asarray(n, jnp.int32), (B,))
+    return pl.pallas_call(
+        functools.partial(replay_kda_fwd_kernel, T=T, BV=BV),
+        out_shape=jax.ShapeDtypeStruct(state0.shape, jnp.float32),
+        grid=(B, H, V // BV),
+        interpret=_interpret(),
+        name="kda_replay",
+        compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+    )(n, state0, k, v, g, beta[..., None])

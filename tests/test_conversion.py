@@ -1,0 +1,447 @@
+"""Checkpoint conversion: official layout -> params (exact), orbax round trip, synthetic checkpoints, bad inputs.
+
+The transformers-written checkpoint is checked against transformers' *in-memory* weights, mapped to the params
+layout by the transforms written out again below (independently of `conversion.hf`'s table), so a wrong table
+entry cannot agree with itself.
+"""
+
+import json
+import math
+import shutil
+import tracemalloc
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from jax.sharding import NamedSharding, PartitionSpec as P
+from safetensors.numpy import load_file, save_file
+
+from conversion import CheckpointError, convert, hf, load_hf, load_params, save_params, synthetic, write_synthetic
+from conversion.load import INDEX_NAME
+from hf_ref import MOD
+from ling_jax.config import ConfigError, from_hf, preset, to_hf_dict
+from ling_jax.params import abstract_params, is_spec, param_specs
+
+
+def leaves_by_path(tree) -> dict[str, jax.Array]:
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_spec)
+    return {hf.path_str(tuple(hf._key(k) for k in kp)): v for kp, v in flat}
+
+
+# ---- a transformers-written checkpoint -------------------------------------------------------------------
+
+HF_CONFIGS = {
+    # KDA width H*K = 64 != hidden 48 and every MLA dim distinct, so a wrong transpose cannot keep its shape.
+    "qnull": dict(num_hidden_layers=4, layer_group_size=2, q_lora_rank=None, first_k_dense_replace=1),
+    "qlora": dict(num_hidden_layers=3, layer_group_size=3, q_lora_rank=24, first_k_dense_replace=0),
+}
+
+
+def hf_config(**kw):
+    return MOD.BailingHybridConfig(
+        vocab_size=97, hidden_size=48, intermediate_size=80, moe_intermediate_size=24, num_attention_heads=4,
+        num_key_value_heads=4, head_dim=16, kv_lora_rank=20, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10,
+        num_local_experts=16, n_group=4, topk_group=2, num_experts_per_tok=4, pad_token_id=0, eos_token_id=1,
+        num_mtp_layers=1, max_position_embeddings=128, **kw)
+
+
+@pytest.fixture(scope="module", params=sorted(HF_CONFIGS))
+def hf_checkpoint(request, tmp_path_factory):
+    """(dir, transformers config, state dict) of a random BailingHybridForCausalLM saved in several shards."""
+    hcfg = hf_config(**HF_CONFIGS[request.param])
+    torch.manual_seed(0)
+    model = MOD.BailingHybridForCausalLM(hcfg)
+    with torch.no_grad():  # transformers initialises norms to 1 and the bias to 0; randomise every tensor
+        for t in model.state_dict().values():
+            t.copy_(torch.randn_like(t))
+    path = tmp_path_factory.mktemp(f"hf_{request.param}")
+    model.save_pretrained(path, max_shard_size="100KB")
+    sd = {k: v.numpy().copy() for k, v in model.state_dict().items()}
+    return path, hcfg, sd
+
+
+def expected_params(hcfg, sd) -> dict[str, np.ndarray]:
+    """transformers' in-memory weights in the params layout (ling_jax.params docstring), written out by hand."""
+    D, H, K, W = hcfg.hidden_size, hcfg.num_attention_heads, hcfg.linear_head_dim, hcfg.linear_conv_kernel_dim
+    Dn, Dv, R, I = hcfg.qk_nope_head_dim, hcfg.v_head_dim, hcfg.kv_lora_rank, hcfg.moe_intermediate_size
+    out = {"embed": sd["model.embed_tokens.weight"], "final_norm": sd["model.norm.weight"],
+           "lm_head": sd["lm_head.weight"].T}
+    for l in range(hcfg.num_hidden_layers):
+        src, dst = f"model.layers.{l}.", f"layers.{l}."
+        a, m = src + "self_attn.", src + "mlp."
+        out[dst + "input_norm"] = sd[src + "input_layernorm.weight"]
+        out[dst + "post_norm"] = sd[src + "post_attention_layernorm.weight"]
+        if hcfg.layer_types[l] == "linear_attention":
+            for ours, theirs in [("w_q", "q_proj"), ("w_k", "k_proj"), ("w_v", "v_proj"), ("w_g", "g_proj"),
+                                 ("w_f", "forget_gate.f_proj")]:
+                out[dst + "mixer." + ours] = sd[a + theirs + ".weight"].T.reshape(D, H, K)
+            out[dst + "mixer.w_b"] = sd[a + "b_proj.weight"].T
+            conv = sd[a + "conv1d.weight"][:, 0, :]  # [3*H*K, W]: q | k | v channels
+            for i, ours in enumerate(["conv_q", "conv_k", "conv_v"]):
+                out[dst + "mixer." + ours] = conv[i * H * K:(i + 1) * H * K].T.reshape(W, H, K)
+            out[dst + "mixer.A_log"] = sd[a + "forget_gate.A_log"]
+            out[dst + "mixer.dt_bias"] = sd[a + "forget_gate.dt_bias"].reshape(H, K)
+            out[dst + "mixer.o_norm"] = sd[a + "o_norm.weight"]
+            out[dst + "mixer.w_o"] = sd[a + "o_proj.weight"].T.reshape(H, K, D)
+        else:
+            if hcfg.q_lora_rank is None:
+                out[dst + "mixer.w_q"] = sd[a + "q_proj.weight"].T.reshape(D, H, Dn + hcfg.qk_rope_head_dim)
+            else:
+                out[dst + "mixer.w_q_a"] = sd[a + "q_a_proj.weight"].T
+                out[dst + "mixer.q_a_norm"] = sd[a + "q_a_layernorm.weight"]
+                out[dst + "mixer.w_q_b"] = sd[a + "q_b_proj.weight"].T.reshape(hcfg.q_lora_rank, H, -1)
+            out[dst + "mixer.w_kv_a"] = sd[a + "kv_a_proj_with_mqa.weight"].T
+            out[dst + "mixer.kv_a_norm"] = sd[a + "kv_a_layernorm.weight"]
+            kv_b = sd[a + "kv_b_proj.weight"].reshape(H, Dn + Dv, R)
+            out[dst + "mixer.w_k_b"] = kv_b[:, :Dn].transpose(2, 0, 1)
+            out[dst + "mixer.w_v_b"] = kv_b[:, Dn:].transpose(2, 0, 1)
+            out[dst + "mixer.w_gate"] = sd[a + "g_proj.weight"].T
+            out[dst + "mixer.w_o"] = sd[a + "o_proj.weight"].T.reshape(H, Dv, D)
+        if hcfg.mlp_layer_types[l] == "dense":
+            for p in ("gate", "up", "down"):
+                out[dst + f"ffn.w_{p}"] = sd[m + f"{p}_proj.weight"].T
+        else:
+            out[dst + "ffn.router"] = sd[m + "gate.weight"].T
+            out[dst + "ffn.expert_bias"] = sd[m + "gate.e_score_correction_bias"]
+            gate_up = sd[m + "experts.gate_up_proj"]  # [E, 2I, D], gate rows first
+            out[dst + "ffn.we_gate"] = gate_up[:, :I].transpose(0, 2, 1)
+            out[dst + "ffn.we_up"] = gate_up[:, I:].transpose(0, 2, 1)
+            out[dst + "ffn.we_down"] = sd[m + "experts.down_proj"].transpose(0, 2, 1)  # [E, D, I] -> [E, I, D]
+            for p in ("gate", "up", "down"):
+                out[dst + f"ffn.ws_{p}"] = sd[m + f"shared_experts.{p}_proj.weight"].T
+    return out
+
+
+def test_transformers_checkpoint_loads_exactly(hf_checkpoint):
+    path, hcfg, sd = hf_checkpoint
+    assert len(list(path.glob("*.safetensors"))) > 3
+    with pytest.warns(UserWarning, match=r"no model\.layers\.\d+\.\* tensors .* loading without the MTP layer"):
+        cfg, params = load_hf(path, dtype=jnp.float32, progress=False)
+    assert cfg.head_dim == hcfg.linear_head_dim and cfg.qk_rope_head_dim == hcfg.qk_rope_head_dim
+    assert cfg.num_mtp_layers == 0 and "mtp" not in params
+    assert jax.tree.structure(params) == jax.tree.structure(abstract_params(cfg, jnp.float32))
+
+    got, want = leaves_by_path(params), expected_params(hcfg, sd)
+    assert sorted(got) == sorted(want)
+    for name, x in got.items():
+        assert x.dtype == jnp.float32 and x.shape == want[name].shape, name
+        np.testing.assert_array_equal(np.asarray(x), want[name], err_msg=name)
+
+
+def test_transformers_checkpoint_bf16(hf_checkpoint):
+    path, hcfg, sd = hf_checkpoint
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg, params = load_hf(path, progress=False)
+    specs, want = leaves_by_path(param_specs(cfg)), expected_params(hcfg, sd)
+    for name, x in leaves_by_path(params).items():
+        assert x.dtype == specs[name].dtype(jnp.bfloat16), name
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(jnp.asarray(want[name]).astype(x.dtype)), name)
+
+
+# ---- synthetic checkpoints -------------------------------------------------------------------------------
+
+def mid_config():
+    """Tiny's widths (hidden 1536, head dims 128, q_lora 256, kv_lora 512) in 4 layers, 16 experts, plus MTP."""
+    return preset("ling-3.0-tiny", num_layers=4, vocab_size=4096, num_experts=16, n_group=4, topk_group=2,
+                  num_experts_per_tok=4, num_mtp_layers=1, first_k_dense_replace=1, moe_intermediate_size=256,
+                  shared_expert_intermediate_size=256, eos_token_ids=(2,), pad_token_id=0)
+
+
+@pytest.fixture(scope="module")
+def toy_synthetic(tmp_path_factory):
+    cfg = preset("toy")
+    path = write_synthetic(tmp_path_factory.mktemp("toy_synth"), cfg, seed=3, max_shard_bytes=256 * 1024,
+                           progress=False)
+    return path, cfg
+
+
+def test_synthetic_round_trip_toy(toy_synthetic):
+    path, cfg = toy_synthetic
+    assert from_hf(path) == cfg
+    assert len(json.loads((path / INDEX_NAME).read_text())["weight_map"]) == sum(
+        len(e.sources) for e in hf.plan(cfg))
+    assert len(list(path.glob("*.safetensors"))) > 3
+    loaded_cfg, params = load_hf(path, progress=False)
+    assert loaded_cfg == cfg and "mtp" in params
+    got = leaves_by_path(params)
+    want = leaves_by_path(abstract_params(cfg, jnp.bfloat16))
+    assert {k: (v.shape, v.dtype) for k, v in got.items()} == {k: (v.shape, v.dtype) for k, v in want.items()}
+    # Loaded params mapped back by the inverse transforms give exactly the generated tensors.
+    for entry in hf.plan(cfg):
+        xs = [np.asarray(got[hf.path_str(p)]) for p in entry.paths]
+        for i in range(len(entry.sources)):
+            item = [x[i] for x in xs] if entry.stacked else xs
+            np.testing.assert_array_equal(entry.transform.to_hf(item),
+                                          synthetic.synthetic_tensor(entry, i, seed=3), entry.names[i])
+    # Scales follow init_value: norms near 1, O(1) embeddings, fan-in-scaled projections.
+    assert abs(float(jnp.mean(got["layers.0.input_norm"].astype(jnp.float32))) - 1.0) < 0.05
+    assert 0.9 < float(jnp.std(got["embed"].astype(jnp.float32))) < 1.1
+    w = got["layers.0.mixer.w_q"].astype(jnp.float32)
+    assert abs(float(jnp.std(w)) * math.sqrt(cfg.hidden_size) - 1.0) < 0.1
+
+
+def test_synthetic_without_mtp_is_skipped_quietly(toy_synthetic):
+    path, cfg = toy_synthetic
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg0, params = load_hf(path, with_mtp=False, progress=False)
+    assert cfg0.num_mtp_layers == 0 and "mtp" not in params
+    assert jax.tree.structure(params) == jax.tree.structure(abstract_params(cfg0))
+
+
+def test_synthetic_mid_size_streams(tmp_path):
+    cfg = mid_config()
+    entries = hf.plan(cfg)
+    largest = max(math.prod(e.item_shapes[0]) * 4 for e in entries)  # one float32 tensor
+    tracemalloc.start()
+    write_synthetic(tmp_path, cfg, max_shard_bytes=100 * 2**20, progress=False)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    total = sum(f.stat().st_size for f in tmp_path.glob("*.safetensors"))
+    assert total > 300 * 2**20 and len(list(tmp_path.glob("*.safetensors"))) >= 4
+    # Holds about one tensor (float32 draw + bf16 copy), never a shard or the checkpoint.
+    assert peak < 3 * largest < 100 * 2**20, (peak, largest)
+
+    loaded_cfg, params = load_hf(tmp_path, progress=False)
+    assert loaded_cfg == cfg
+    got = leaves_by_path(params)
+    assert {k: (v.shape, v.dtype) for k, v in got.items()} == {
+        k: (v.shape, v.dtype) for k, v in leaves_by_path(abstract_params(cfg)).items()}
+    assert got["mtp.layer.mixer.w_q_b"].shape == (256, 16, 192)
+    entry = next(e for e in entries if e.paths[0] == ("mtp", "layer", "mixer", "w_k_b"))
+    kv_b = entry.transform.to_hf([np.asarray(got["mtp.layer.mixer.w_k_b"]), np.asarray(got["mtp.layer.mixer.w_v_b"])])
+    np.testing.assert_array_equal(kv_b, synthetic.synthetic_tensor(entry, 0))
+
+
+def test_flash_layout_matches_spec():
+    """SPEC §3/§4 names and shapes of the full preset, and its size, without writing ~255 GB."""
+    cfg = preset("ling-3.0-flash")
+    shapes = {n: e.hf_shape for e in hf.plan(cfg) for n in e.names}
+    assert len(shapes) == 3 + 42 * 2 + 35 * 13 + 7 * 6 + 2 * 3 + 40 * (2 + 3 * 512 + 3) + (4 + 2 + 6 + 2 + 3 * 512 + 3)
+    spec3 = {
+        "model.word_embeddings.weight": (157184, 2560), "lm_head.weight": (157184, 2560),
+        "model.layers.0.attention.q_proj.weight": (4096, 2560), "model.layers.0.attention.b_proj.weight": (32, 2560),
+        "model.layers.0.attention.q_conv1d.weight": (4096, 1, 4), "model.layers.0.attention.A_log": (32,),
+        "model.layers.0.attention.dt_bias": (4096,), "model.layers.0.attention.o_norm.weight": (128,),
+        "model.layers.0.attention.o_proj.weight": (2560, 4096), "model.layers.1.mlp.gate_proj.weight": (6144, 2560),
+        "model.layers.5.attention.q_proj.weight": (6144, 2560),
+        "model.layers.5.attention.kv_a_proj_with_mqa.weight": (576, 2560),
+        "model.layers.5.attention.kv_b_proj.weight": (8192, 512), "model.layers.5.attention.g_proj.weight": (32, 2560),
+        "model.layers.5.attention.dense.weight": (2560, 4096), "model.layers.41.mlp.gate.weight": (512, 2560),
+        "model.layers.41.mlp.gate.expert_bias": (512,), "model.layers.2.mlp.experts.511.down_proj.weight": (2560, 768),
+        "model.layers.2.mlp.shared_experts.up_proj.weight": (768, 2560), "model.layers.42.eh_proj.weight": (2560, 5120),
+        "model.layers.42.enorm.weight": (2560,), "model.layers.42.attention.kv_b_proj.weight": (8192, 512),
+        "model.layers.42.mlp.experts.0.gate_proj.weight": (768, 2560),
+    }
+    assert {n: shapes[n] for n in spec3} == spec3
+    shards = synthetic.shard_plan(cfg)
+    total = sum(n for s in shards for _, _, n in s)
+    assert 250e9 < total < 260e9 and len(shards) == math.ceil(total / synthetic.DEFAULT_MAX_SHARD_BYTES)
+
+
+@pytest.mark.parametrize("name", ["toy", "ling-3.0-tiny", "ling-3.0-flash"])
+def test_config_json_round_trip(name):
+    cfg = preset(name)
+    assert from_hf(to_hf_dict(cfg)) == cfg
+
+
+# ---- orbax -----------------------------------------------------------------------------------------------
+
+def tp_shardings(cfg, mesh):
+    """Split the first experts/heads/vocab/ffn axis that divides over the mesh; replicate the rest."""
+    n = mesh.devices.size
+
+    def one(spec):
+        axes, used = [], False
+        for dim, ax in zip(spec.shape, spec.axes):
+            take = not used and ax in ("experts", "heads", "vocab", "ffn") and dim % n == 0
+            axes.append("tp" if take else None)
+            used |= take
+        return NamedSharding(mesh, P(*axes))
+    return jax.tree.map(one, param_specs(cfg), is_leaf=is_spec)
+
+
+def test_orbax_round_trip_sharded(toy_synthetic, tmp_path):
+    path, cfg = toy_synthetic
+    mesh = jax.make_mesh((len(jax.devices()),), ("tp",))
+    shardings = tp_shardings(cfg, mesh)
+    cfg_in, params = load_hf(path, shardings=shardings, progress=False)
+    assert params["layers"][1]["ffn"]["we_gate"].sharding == shardings["layers"][1]["ffn"]["we_gate"]
+    n = mesh.devices.size  # conftest gives 4 host devices: the experts really are split
+    assert params["layers"][1]["ffn"]["we_gate"].addressable_shards[0].data.shape == (32 // n, 128, 64)
+
+    save_params(tmp_path / "ck", cfg_in, params)
+    assert (tmp_path / "ck" / "config.json").is_file()
+    cfg_out, restored = load_params(tmp_path / "ck", shardings=shardings)
+    assert cfg_out == cfg_in
+    for (name, a), b, s in zip(leaves_by_path(params).items(), jax.tree.leaves(restored), jax.tree.leaves(shardings)):
+        assert a.dtype == b.dtype and b.sharding == s, name
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), name)
+
+    _, as_f32 = load_params(tmp_path / "ck", dtype=jnp.float32)
+    assert {x.dtype for x in jax.tree.leaves(as_f32)} == {jnp.dtype(jnp.float32)}
+    np.testing.assert_array_equal(np.asarray(as_f32["embed"]), np.asarray(params["embed"]).astype(np.float32))
+    with pytest.raises(FileExistsError):
+        save_params(tmp_path / "ck", cfg_in, params)
+
+
+def test_convert(hf_checkpoint, tmp_path):
+    path, hcfg, sd = hf_checkpoint
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = convert(path, tmp_path / "out", dtype=jnp.float32, progress=False)
+    cfg2, params = load_params(tmp_path / "out")
+    assert cfg2 == cfg
+    want = expected_params(hcfg, sd)
+    for name, x in leaves_by_path(params).items():
+        np.testing.assert_array_equal(np.asarray(x), want[name], err_msg=name)
+
+
+def test_orbax_structure_mismatch(toy_synthetic, tmp_path):
+    path, cfg = toy_synthetic
+    _, params = load_hf(path, progress=False)
+    save_params(tmp_path / "ck", cfg, params)
+    cfg_json = to_hf_dict(cfg.replace(hidden_size=64))
+    (tmp_path / "ck" / "config.json").write_text(json.dumps(cfg_json))
+    with pytest.raises(CheckpointError, match=r"wrong shape \(\d+\): embed: expected \[512, 64\], found \[512, 128\]"):
+        load_params(tmp_path / "ck")
+
+
+# ---- bad inputs ------------------------------------------------------------------------------------------
+
+def mutate(src, dst, fn, config=None):
+    """Copy checkpoint `src` to `dst`, rewriting every shard's {name: array} with `fn(name, tensors)`."""
+    shutil.copytree(src, dst)
+    index = json.loads((dst / INDEX_NAME).read_text())
+    for file in sorted(set(index["weight_map"].values())):
+        tensors = load_file(dst / file)
+        fn(file, tensors)
+        save_file(tensors, dst / file, metadata={"format": "pt"})
+    index["weight_map"] = {n: f for f in sorted(set(index["weight_map"].values())) for n in load_file(dst / f)}
+    (dst / INDEX_NAME).write_text(json.dumps(index))
+    if config:
+        raw = json.loads((dst / "config.json").read_text())
+        raw.update(config)
+        (dst / "config.json").write_text(json.dumps(raw))
+    return dst
+
+
+def expect_error(path, *patterns, error=CheckpointError):
+    with pytest.raises(error) as info:
+        load_hf(path, progress=False)
+    for p in patterns:
+        assert p in str(info.value), f"{p!r} not in:\n{info.value}"
+    return str(info.value)
+
+
+Q = "model.layers.0.attention.q_proj.weight"
+
+
+def test_missing_tensor(toy_synthetic, tmp_path):
+    path, _ = toy_synthetic
+    bad = mutate(path, tmp_path / "ck", lambda f, t: t.pop(Q, None))
+    expect_error(bad, f"missing (1):\n      {Q}")
+
+
+def test_missing_experts_are_folded(toy_synthetic, tmp_path):
+    path, _ = toy_synthetic
+    drop = lambda f, t: [t.pop(n) for n in list(t) if n.startswith("model.layers.2.mlp.experts.")]
+    bad = mutate(path, tmp_path / "ck", drop)
+    expect_error(bad, "missing (96):", "model.layers.2.mlp.experts.{0-31}.gate_proj.weight",
+                 "model.layers.2.mlp.experts.{0-31}.down_proj.weight")
+
+
+def test_unexpected_tensor(toy_synthetic, tmp_path):
+    path, _ = toy_synthetic
+
+    def add(file, t):
+        if Q in t:
+            t["model.layers.0.attention.bogus.weight"] = np.zeros(3, np.float32)
+            t["model.layers.0.attention.kv_b_proj.weight"] = np.zeros(3, np.float32)
+            t["model.layers.1.mlp.experts.32.up_proj.weight"] = np.zeros(3, np.float32)
+    bad = mutate(path, tmp_path / "ck", add)
+    expect_error(bad, "unexpected (3):", "model.layers.0.attention.bogus.weight",
+                 "model.layers.0.attention.kv_b_proj.weight  [a mla name, but layer 0 is kda + dense]",
+                 "model.layers.1.mlp.experts.32.up_proj.weight  [expert 32 >= num_experts = 32]")
+
+
+def test_wrong_shape(toy_synthetic, tmp_path):
+    path, _ = toy_synthetic
+    names = ("model.layers.0.attention.b_proj.weight", "model.layers.2.attention.kv_b_proj.weight")
+    bad = mutate(path, tmp_path / "ck", lambda f, t: t.update(
+        {n: np.ascontiguousarray(x.T) for n, x in t.items() if n in names}))
+    expect_error(bad, "wrong shape (2):",
+                 f"{names[0]}: expected [4, 128] (for layers.0.mixer.w_b), found [128, 4]",
+                 f"{names[1]}: expected [256, 64] (for layers.2.mixer.w_k_b + layers.2.mixer.w_v_b), found [64, 256]")
+
+
+def test_unknown_model_type(toy_synthetic, tmp_path):
+    path, _ = toy_synthetic
+    bad = mutate(path, tmp_path / "ck", lambda f, t: None, config={"model_type": "llama"})
+    msg = expect_error(bad, "unknown model_type 'llama'", error=ConfigError)
+    assert "bailing_hybrid" in msg
+
+
+def test_vocab_mismatch(toy_synthetic, tmp_path):
+    path, _ = toy_synthetic
+    bad = mutate(path, tmp_path / "ck", lambda f, t: None, config={"vocab_size": 500})
+    msg = expect_error(bad, "vocab mismatch: model.word_embeddings.weight has 512 rows but config.json vocab_size=500",
+                       "vocab mismatch: lm_head.weight has 512 rows")
+    assert "wrong shape" not in msg
+
+
+def test_duplicates(toy_synthetic, tmp_path):
+    path, _ = toy_synthetic
+    bias = "model.layers.1.mlp.gate.expert_bias"
+
+    def dup(file, t):
+        if bias in t:
+            t["model.layers.1.mlp.gate.e_score_correction_bias"] = t[bias]
+    bad = mutate(path, tmp_path / "ck", dup)
+    expect_error(bad, f"duplicate (two names for one tensor) (1):\n      {bias} and "
+                      "model.layers.1.mlp.gate.e_score_correction_bias (both name layers.1.ffn.expert_bias)")
+
+    bad2 = tmp_path / "ck2"
+    shutil.copytree(path, bad2)
+    index = json.loads((bad2 / INDEX_NAME).read_text())
+    first, second = sorted(set(index["weight_map"].values()))[:2]
+    t = load_file(bad2 / second)
+    t["model.norm.weight"] = np.ones(128, np.float32)
+    save_file(t, bad2 / second)
+    expect_error(bad2, "duplicate tensor model.norm.weight in shards")
+
+
+def test_all_problems_in_one_error(toy_synthetic, tmp_path):
+    path, _ = toy_synthetic
+
+    def many(file, t):
+        t.pop(Q, None)
+        t.pop("model.layers.6.eh_proj.weight", None)  # a partial MTP layer is an error, not a warning
+        if "model.norm.weight" in t:
+            t["model.norm.weight"] = np.ones(7, np.float32)
+            t["extra.weight"] = np.ones(1, np.float32)
+    bad = mutate(path, tmp_path / "ck", many, config={"vocab_size": 500})
+    expect_error(bad, "vocab mismatch", f"missing (2):\n      {Q}\n      model.layers.6.eh_proj.weight",
+                 "unexpected (1):\n      extra.weight", "model.norm.weight: expected [128]")
+
+
+def test_alias_and_single_file(toy_synthetic, tmp_path):
+    """`e_score_correction_bias` alone and KDA `dense` (what transformers writes) load; so does one unsharded file."""
+    path, cfg = toy_synthetic
+    _, ref = load_hf(path, progress=False)
+    renames = {"model.layers.1.mlp.gate.expert_bias": "model.layers.1.mlp.gate.e_score_correction_bias",
+               "model.layers.0.attention.o_proj.weight": "model.layers.0.attention.dense.weight"}
+    one = tmp_path / "one"
+    one.mkdir()
+    tensors = {}
+    for f in path.glob("*.safetensors"):
+        tensors.update(load_file(f))
+    save_file({renames.get(n, n): x for n, x in tensors.items()}, one / "model.safetensors")
+    shutil.copy(path / "config.json", one / "config.json")
+    _, params = load_hf(one, progress=False)
+    for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
