@@ -29,6 +29,7 @@ def _parser() -> argparse.ArgumentParser:
     conv.add_argument("--out", required=True, help="output directory for the orbax checkpoint")
     conv.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     conv.add_argument("--no-mtp", action="store_true", help="leave the MTP layer out")
+    conv.add_argument("--force", action="store_true", help="overwrite an existing --out checkpoint")
 
     gen = sub.add_parser("generate", help="generate tokens")
     src = gen.add_mutually_exclusive_group()
@@ -145,7 +146,7 @@ def _convert(args) -> int:
     import jax.numpy as jnp
 
     from conversion.orbax_io import convert
-    convert(args.hf_dir, args.out, dtype=jnp.dtype(args.dtype), with_mtp=not args.no_mtp)
+    convert(args.hf_dir, args.out, dtype=jnp.dtype(args.dtype), with_mtp=not args.no_mtp, force=args.force)
     print(f"wrote {args.out}")
     return 0
 
@@ -155,10 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv or ["generate"])
     sub = parser._subparsers._group_actions[0].choices[args.command]  # errors name the subcommand
+    from conversion.load import CheckpointError
     from ling_jax.config import ConfigError
     try:
         return _generate(args, sub) if args.command == "generate" else _convert(args)
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, CheckpointError, FileNotFoundError, FileExistsError) as e:
         sub.error(str(e))
 
 

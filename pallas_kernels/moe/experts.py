@@ -84,13 +84,13 @@ def experts_fwd_kernel_gate_up(x_ref, ids_ref, wg_ref, wu_ref, sg_ref, su_ref, h
     e, owner = _ownership(ids_ref[...], s, n_routed)
     o_i = pl.multiple_of(i_i * BI, BI)
 
-    def compute(g_ref, u_ref, lim):
+    def compute(load_g, load_u, lim):
         def body(c, carry):
             acc_g, acc_u = carry
             o_k = pl.multiple_of(c * BK, BK)
             b_x = x_ref[:, pl.ds(o_k, BK)]  # [TP, BK]
-            acc_g = acc_g + _matmul(b_x, g_ref[pl.ds(o_k, BK), pl.ds(o_i, BI)])
-            acc_u = acc_u + _matmul(b_x, u_ref[pl.ds(o_k, BK), pl.ds(o_i, BI)])
+            acc_g = acc_g + _matmul(b_x, load_g(pl.ds(o_k, BK)))
+            acc_u = acc_u + _matmul(b_x, load_u(pl.ds(o_k, BK)))
             return acc_g, acc_u
 
         zeros = jnp.zeros(h_ref.shape, jnp.float32)
@@ -98,14 +98,17 @@ def experts_fwd_kernel_gate_up(x_ref, ids_ref, wg_ref, wu_ref, sg_ref, su_ref, h
         dt = h_ref.dtype
         h_ref[...] = _swiglu(acc_g.astype(dt), acc_u.astype(dt), lim)
 
+    # One indexer per load (the Triton lowering takes no `ref.at[e][...]` chains).
+    cols = pl.ds(o_i, BI)
+
     @pl.when(owner)
     def _():
-        compute(wg_ref.at[e], wu_ref.at[e], limit)
+        compute(lambda ks: wg_ref[e, ks, cols], lambda ks: wu_ref[e, ks, cols], limit)
 
     if has_shared:
         @pl.when(s == n_routed)
         def _():
-            compute(sg_ref, su_ref, shared_limit)
+            compute(lambda ks: sg_ref[ks, cols], lambda ks: su_ref[ks, cols], shared_limit)
 
 
 def experts_fwd_kernel_down(h_ref, ids_ref, ids2_ref, w_ref, wd_ref, sd_ref, o_ref, *, BKI, n_chunks, n_routed,
@@ -119,10 +122,12 @@ def experts_fwd_kernel_down(h_ref, ids_ref, ids2_ref, w_ref, wd_ref, sd_ref, o_r
     ids2 = ids2_ref[...]
     wts = w_ref[...]
 
-    def expert_out(s, d_ref):
+    cols = pl.ds(o_d, bd)
+
+    def expert_out(s, load_d):
         def body(c, acc):
             o_k = pl.multiple_of(c * BKI, BKI)
-            return acc + _matmul(h_ref[s, :, pl.ds(o_k, BKI)], d_ref[pl.ds(o_k, BKI), pl.ds(o_d, bd)])
+            return acc + _matmul(h_ref[s, :, pl.ds(o_k, BKI)], load_d(pl.ds(o_k, BKI)))
 
         acc = lax.fori_loop(0, n_chunks, body, jnp.zeros((tp, bd), jnp.float32))
         return acc.astype(dt)  # [TP, BD] compute dtype, as the reference rounds each expert's output
@@ -133,7 +138,7 @@ def experts_fwd_kernel_down(h_ref, ids_ref, ids2_ref, w_ref, wd_ref, sd_ref, o_r
         def add(acc):
             w_tok = jnp.sum(jnp.where(ids2 == e, wts, 0.0), axis=1)  # [TP] routing weight of e per token
             used = jnp.sum(jnp.where(ids2 == e, 1, 0), axis=1) > 0
-            out = expert_out(s, wd_ref.at[e]).astype(jnp.float32)
+            out = expert_out(s, lambda ks: wd_ref[e, ks, cols]).astype(jnp.float32)
             return acc + jnp.where(used[:, None], w_tok[:, None] * out, 0.0)
 
         return lax.cond(owner, add, lambda a: a, acc)
@@ -141,7 +146,7 @@ def experts_fwd_kernel_down(h_ref, ids_ref, ids2_ref, w_ref, wd_ref, sd_ref, o_r
     routed = lax.fori_loop(0, n_routed, slot, jnp.zeros((tp, bd), jnp.float32))
     y = routed.astype(dt)
     if has_shared:
-        y = y + expert_out(n_routed, sd_ref)  # compute-dtype add, as the reference adds the shared expert
+        y = y + expert_out(n_routed, lambda ks: sd_ref[ks, cols])  # compute-dtype add, as the reference adds the shared expert
     o_ref[...] = y
 
 
