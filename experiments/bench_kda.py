@@ -1,0 +1,373 @@
+"""KDA kernels on the GPU: compiled correctness checks, then decode / verify / prefill timings vs fla.
+
+Question: how close do the Pallas-Triton KDA kernels get to the HBM floor (decode, verify) and to fla's Triton
+kernels (decode: fused_recurrent_kda; prefill: chunk_kda) at the Ling-3.0-flash shape (H = 32, K = V = 128)?
+
+Method: jitted loops with static trip counts and donated states; decode/verify rotate over L_COLD layers' worth
+of states (> 60 MB, so the 2 MiB-per-layer state is read cold from HBM); median of N_REP timed calls after
+warm-up, block_until_ready around each. fla's kernels are timed through a CUDA graph over the same number of
+layers (no Python launch overhead), with CUDA events.
+
+Usage: python experiments/bench_kda.py [--smoke] [--sections check,decode,verify,prefill]
+Writes experiments/results/kda_bench.json (and $OUT/kda_bench.json when OUT is set).
+"""
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import numpy as np  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests", "ops"))
+
+from pallas_kernels import kda  # noqa: E402
+from pallas_kernels.kda import chunk, recurrent  # noqa: E402
+
+HBM_BPS = 4.3e12  # measured device-to-device copy on this workplace's H200s (KINDS.md)
+ROWS = []
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def rel_err(a, b):
+    a = np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+    b = np.asarray(jnp.asarray(b, jnp.float32), np.float64)
+    if not np.isfinite(a).all():
+        return float("inf")
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def record(section, name, **kw):
+    ROWS.append(dict(section=section, name=name, **kw))
+    log(f"[{section}] {name}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                          for k, v in kw.items()))
+
+
+def median_time(fn, *args, n_rep=30, n_warm=3):
+    out = None
+    for _ in range(n_warm):
+        out = fn(*args)
+        jax.block_until_ready(out)
+    ts = []
+    for _ in range(n_rep):
+        t0 = time.perf_counter()
+        out = fn(*args)
+        jax.block_until_ready(out)
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts), out
+
+
+def inputs(seed, B, T, H, K, dtype=jnp.float32, gate="strong"):
+    from test_kda import layer_inputs
+    return layer_inputs(seed, B, T, H, K, dtype, gate)
+
+
+# --- correctness, compiled --------------------------------------------------------------------------------
+
+def check(H, K, smoke):
+    ok = True
+
+    def verdict(name, err, tol):
+        nonlocal ok
+        passed = err <= tol
+        ok &= passed
+        record("check", name, rel_err=err, tol=tol, passed=passed)
+
+    for cfg in [recurrent.RecurrentConfig(BV=32), recurrent.RecurrentConfig(BV=64),
+                recurrent.RecurrentConfig(BV=128, num_warps=8)]:
+        args = inputs(1, 1, 1, H, K)
+        y, w, S = recurrent.decode(*args, cfg=cfg)
+        yr, wr, Sr = kda.kda_decode(*args)
+        verdict(f"decode f32 BV{cfg.BV} y", rel_err(y, yr), 1e-5)
+        verdict(f"decode f32 BV{cfg.BV} state", rel_err(S, Sr), 1e-5)
+        verdict(f"decode f32 BV{cfg.BV} window", rel_err(w, wr), 0.0)
+    args = inputs(2, 1, 1, H, K, jnp.bfloat16)
+    verdict("decode bf16 y", rel_err(kda.kda_decode(*args, backend="pallas")[0], kda.kda_decode(*args)[0]), 2e-2)
+
+    for T in (2, 6, 9):
+        args = inputs(3, 2, T + 1, H, K)
+        cur = [a[:, :T] for a in args[:4]]
+        nxt = [a[:, T:] for a in args[:4]]
+        rest = args[4:]
+        y_a, st_a = kda.kda_verify(*cur, *rest, backend="pallas")
+        y_b, st_b = kda.kda_verify(*cur, *rest, backend="pallas", store="inputs")
+        y_r, st_r = kda.kda_verify(*cur, *rest)
+        verdict(f"verify T{T} y vs ref", rel_err(y_a, y_r), 1e-5)
+        verdict(f"verify T{T} states vs ref", rel_err(st_a.states, st_r.states), 1e-5)
+        n = jnp.array([1, T], jnp.int32)
+        wa, Sa = kda.kda_commit(st_a, n)
+        wb, Sb = kda.kda_commit(st_b, n)
+        verdict(f"verify T{T} commit A==B state (bitwise)", float(np.abs(np.asarray(Sa) - np.asarray(Sb)).max()), 0.0)
+        ya = kda.kda_decode(*nxt, wa, Sa, *args[6:], backend="pallas")[0]
+        yb = kda.kda_decode(*nxt, wb, Sb, *args[6:], backend="pallas")[0]
+        verdict(f"verify T{T} next-step y A==B (bitwise)", float(np.abs(np.asarray(ya) - np.asarray(yb)).max()), 0.0)
+
+    import torch
+    from test_kda import torch_layer
+    for T in (1, 7, 64, 100, 300):
+        for dtype in (jnp.float32, jnp.bfloat16):
+            args = inputs(4 + T, 1, T, H, K, dtype)
+            y, w, S = kda.kda_prefill(*args, backend="pallas")
+            yr, wr, Sr = kda.kda_prefill(*args)
+            yt, _, St = torch_layer(*args)
+            tol = 1e-4 if dtype == jnp.float32 else 2e-2
+            dn = jnp.dtype(dtype).name
+            verdict(f"prefill {dn} T{T} y vs ref", rel_err(y, yr), tol)
+            verdict(f"prefill {dn} T{T} state vs ref", rel_err(S, Sr), tol)
+            verdict(f"prefill {dn} T{T} y vs fla naive_recurrent", rel_err(y, yt), tol)
+            verdict(f"prefill {dn} T{T} state vs fla naive_recurrent", rel_err(S, St), tol)
+    del torch
+    return ok
+
+
+# --- decode -----------------------------------------------------------------------------------------------
+
+def layer_stack(L, B, T, H, K, dtype):
+    """L independent layers of inputs, plus their states (2 MiB each at H=32, K=V=128)."""
+    per = [inputs(100 + l, B, T, H, K, dtype) for l in range(L)]
+    xs = tuple(p[:5] for p in per)                      # qkv, f, b, z, window
+    states = tuple(p[5] for p in per)
+    params = per[0][6:]                                 # conv_w, A_log, dt_bias, o_norm_w (shared)
+    return xs, states, params
+
+
+def decode_bytes(B, H, K, dtype):
+    it = jnp.dtype(dtype).itemsize
+    state = 2 * B * H * K * K * 4
+    ins = B * H * K * it * (3 + 1 + 1) + B * H * it          # qkv, f, z rows, b
+    window = 2 * B * 3 * 3 * H * K * it                     # read old, write new
+    out = B * H * K * it
+    params = (4 * 3 * H * K + H + H * K + K) * 4
+    return state + ins + window + out + params
+
+
+def bench_decode(H, K, L, reps, n_rep, smoke):
+    B, dtype = 1, jnp.bfloat16
+    xs, states, params = layer_stack(L, B, 1, H, K, dtype)
+    floor_us = decode_bytes(B, H, K, dtype) / HBM_BPS * 1e6
+    record("decode", "byte floor per layer", bytes=decode_bytes(B, H, K, dtype), us=floor_us)
+    configs = [(16, 2), (32, 2), (32, 4), (64, 4), (64, 8), (128, 4), (128, 8)]
+    if smoke:
+        configs = configs[:2]
+    best = None
+    for backend, (BV, nw) in [("reference", (0, 0))] + [("pallas", c) for c in configs]:
+        cfg = recurrent.RecurrentConfig(BV=BV, num_warps=nw) if backend == "pallas" else None
+
+        def step(states, xs):
+            acc = jnp.zeros((), jnp.float32)
+
+            def one(_, carry):
+                states, acc = carry
+                new = []
+                for l in range(L):
+                    qkv, f, b, z, win = xs[l]
+                    if backend == "pallas":
+                        y, _, s = recurrent.decode(qkv, f, b, z, win, states[l], *params, cfg=cfg)
+                    else:
+                        y, _, s = kda.kda_decode(qkv, f, b, z, win, states[l], *params)
+                    acc = acc + y[0, 0, 0, 0].astype(jnp.float32)
+                    new.append(s)
+                return tuple(new), acc
+
+            return jax.lax.fori_loop(0, reps, one, (states, acc))
+
+        fn = jax.jit(step, donate_argnums=0)
+        try:
+            t, (states, _) = median_time(lambda s: fn(s, xs), states, n_rep=n_rep)
+        except Exception as e:  # a config Triton cannot compile: report and go on
+            record("decode", f"{backend} BV{BV} w{nw}", error=repr(e)[:300])
+            states = tuple(jnp.array(x[5]) for x in [inputs(100 + l, B, 1, H, K, dtype) for l in range(L)])
+            continue
+        us = t / (L * reps) * 1e6
+        name = "xla reference" if backend == "reference" else f"pallas BV{BV} warps{nw}"
+        record("decode", name, us_per_layer=us, pct_of_floor=100 * floor_us / us)
+        if backend == "pallas" and (best is None or us < best[0]):
+            best = (us, BV, nw)
+    record("decode", "best pallas", us_per_layer=best[0], BV=best[1], warps=best[2])
+
+    # fla fused_recurrent_kda (core recurrence only: L2 norm, gate, beta in kernel; no conv, no norm) via a
+    # CUDA graph over the same L layers, states in place.
+    try:
+        import torch
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+        dev = "cuda"
+        tdt = torch.bfloat16
+        g = torch.Generator(device=dev).manual_seed(0)
+        mk = lambda *s: torch.randn(*s, device=dev, generator=g)
+        lay = [dict(q=mk(B, 1, H, K).to(tdt), k=mk(B, 1, H, K).to(tdt), v=mk(B, 1, H, K).to(tdt),
+                    g=mk(B, 1, H, K).to(tdt), beta=mk(B, 1, H).to(tdt), h=mk(B, H, K, K) * 0.5) for _ in range(L)]
+        A_log = torch.rand(H, device=dev) + 1.5
+        dt_bias = torch.rand(H * K, device=dev) + 2.0
+
+        def run():
+            for d in lay:
+                fused_recurrent_kda_fwd(d["q"], d["k"], d["v"], d["g"], d["beta"], A_log=A_log, dt_bias=dt_bias,
+                                        initial_state=d["h"], output_final_state=True, inplace_final_state=True,
+                                        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                        use_beta_sigmoid_in_kernel=True, lower_bound=-5.0)
+        run()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(reps):
+                run()
+        graph.replay()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(n_rep):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            graph.replay()
+            e1.record()
+            torch.cuda.synchronize()
+            ts.append(e0.elapsed_time(e1) * 1e-3)
+        us = statistics.median(ts) / (L * reps) * 1e6
+        record("decode", "fla fused_recurrent_kda (core only, CUDA graph)", us_per_layer=us,
+               pct_of_floor=100 * floor_us / us)
+    except Exception as e:
+        record("decode", "fla fused_recurrent_kda", error=repr(e)[:300])
+    return best
+
+
+# --- verify -----------------------------------------------------------------------------------------------
+
+def bench_verify(H, K, L, n_rep, smoke, decode_best):
+    B, dtype = 1, jnp.bfloat16
+    Ts = (2, 6) if smoke else tuple(range(2, 10))
+    for T in Ts:
+        xs, states, params = layer_stack(L, B, T, H, K, dtype)
+        n = jnp.int32(max(1, T // 2))
+        for store in ("states", "inputs"):
+            def step(states, xs):
+                acc = jnp.zeros((), jnp.float32)
+                new = []
+                for l in range(L):
+                    qkv, f, b, z, win = xs[l]
+                    y, st = kda.kda_verify(qkv, f, b, z, win, states[l], *params, backend="pallas", store=store)
+                    _, s = kda.kda_commit(st, n)
+                    acc = acc + y[0, 0, 0, 0].astype(jnp.float32)
+                    new.append(s)
+                return tuple(new), acc
+
+            fn = jax.jit(step, donate_argnums=0)
+            t, (states, _) = median_time(lambda s: fn(s, xs), states, n_rep=n_rep)
+            us = t / L * 1e6
+            design = "A (states)" if store == "states" else "B (inputs + replay)"
+            record("verify", f"T{T} design {design} verify+commit", us_per_layer=us,
+                   x_decode=us / decode_best if decode_best else float("nan"))
+
+
+# --- prefill ----------------------------------------------------------------------------------------------
+
+def bench_prefill(H, K, T, n_rep, smoke):
+    B = 1
+    for dtype in (jnp.bfloat16, jnp.float32):
+        args = inputs(7, B, T, H, K, dtype)
+        dn = jnp.dtype(dtype).name
+        configs = [chunk.ChunkConfig(BV=64), chunk.ChunkConfig(BV=32), chunk.ChunkConfig(BV=128, num_warps_h=8),
+                   chunk.ChunkConfig(BV=64, num_warps_h=8, num_warps_intra=8)]
+        if smoke or dtype == jnp.float32:
+            configs = configs[:1]
+        for cfg in configs:
+            fn = jax.jit(lambda *a: chunk.prefill(*a, cfg=cfg))
+            try:
+                t, _ = median_time(fn, *args, n_rep=n_rep)
+            except Exception as e:
+                record("prefill", f"pallas {dn} {cfg}", error=repr(e)[:300])
+                continue
+            record("prefill", f"pallas {dn} T{T} BV{cfg.BV} wi{cfg.num_warps_intra} wh{cfg.num_warps_h}",
+                   ms=t * 1e3)
+        try:
+            import torch
+            from fla.ops.kda import chunk_kda
+            tdt = torch.bfloat16 if dtype == jnp.bfloat16 else torch.float32
+            dev = "cuda"
+            gen = torch.Generator(device=dev).manual_seed(0)
+            mk = lambda *s: torch.randn(*s, device=dev, generator=gen)
+            q, k, v, f = (mk(B, T, H, K).to(tdt) for _ in range(4))
+            beta = mk(B, T, H).to(tdt)
+            h0 = mk(B, H, K, K) * 0.5
+            A_log = torch.rand(H, device=dev) + 1.5
+            dt_bias = torch.rand(H * K, device=dev) + 2.0
+
+            def run():
+                return chunk_kda(q, k, v, f, beta, initial_state=h0, output_final_state=True,
+                                 use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                 use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0,
+                                 A_log=A_log, dt_bias=dt_bias)
+            with torch.inference_mode():
+                for _ in range(3):
+                    run()
+                torch.cuda.synchronize()
+                ts = []
+                for _ in range(n_rep):
+                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    e0.record()
+                    run()
+                    e1.record()
+                    torch.cuda.synchronize()
+                    ts.append(e0.elapsed_time(e1))
+            record("prefill", f"fla chunk_kda {dn} T{T} (core: l2norm+gate in kernel, no conv/norm)",
+                   ms=statistics.median(ts))
+        except Exception as e:
+            record("prefill", f"fla chunk_kda {dn}", error=repr(e)[:300])
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--smoke", action="store_true", help="tiny sizes (runs on CPU in interpret mode)")
+    p.add_argument("--sections", default="check,decode,verify,prefill")
+    a = p.parse_args()
+    sections = a.sections.split(",")
+    if a.smoke:
+        H, K, L, reps, n_rep, T_pf = 2, 32, 2, 1, 2, 130
+    else:
+        H, K, L, reps, n_rep, T_pf = 32, 128, 64, 4, 30, 8192
+    meta = dict(date=datetime.date.today().isoformat(), jax=jax.__version__, backend=jax.default_backend(),
+                device=str(jax.devices()[0].device_kind), H=H, K=K, L_cold=L, argv=sys.argv)
+    log(meta)
+    t0 = time.time()
+    ok = None
+    if "check" in sections:
+        ok = check(H, K, a.smoke)
+        log(f"checks {'PASSED' if ok else 'FAILED'} ({time.time() - t0:.0f}s)")
+    best = None
+    if "decode" in sections:
+        best = bench_decode(H, K, L, reps, n_rep, a.smoke)
+        log(f"decode done ({time.time() - t0:.0f}s)")
+    if "verify" in sections:
+        bench_verify(H, K, L if not a.smoke else 2, max(5, n_rep // 2), a.smoke, best[0] if best else None)
+        log(f"verify done ({time.time() - t0:.0f}s)")
+    if "prefill" in sections:
+        bench_prefill(H, K, T_pf, 10 if not a.smoke else 1, a.smoke)
+        log(f"prefill done ({time.time() - t0:.0f}s)")
+    res = dict(meta=meta, checks_passed=ok, rows=ROWS)
+    for d in [os.path.join(ROOT, "experiments", "results"), os.environ.get("OUT")]:
+        if d:
+            os.makedirs(d, exist_ok=True)
+            with open(os.path.join(d, "kda_bench.json"), "w") as fh:
+                json.dump(res, fh, indent=1, default=str)
+    log("\n| section | name | numbers |\n|---|---|---|")
+    for r in ROWS:
+        if r["section"] == "check" and r.get("passed"):
+            continue
+        nums = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()
+                         if k not in ("section", "name"))
+        log(f"| {r['section']} | {r['name']} | {nums} |")
+    log(f"checks passed: {ok}; total {time.time() - t0:.0f}s")
+
+
+if __name__ == "__main__":
+    main()
