@@ -1,5 +1,8 @@
 # Two commands on a fresh machine: `make demo` and `make test`. Both create .venv (Python 3.12) on first use.
-PYTHON312 ?= $(shell command -v python3.12 2>/dev/null || echo $(HOME)/.pyenv/versions/3.12.1/bin/python)
+# The first candidate that really runs Python 3.12 (a pyenv shim can exist and still refuse to run).
+PYTHON312 ?= $(shell for c in python3.12 $(HOME)/.pyenv/versions/3.12*/bin/python /usr/bin/python3.12 \
+	/usr/local/bin/python3.12; do $$c -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null \
+	&& { echo $$c; break; }; done)
 VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
@@ -7,6 +10,7 @@ PYTEST_ARGS ?=
 .PHONY: demo test install install-test clean
 
 $(VENV)/.installed: pyproject.toml
+	@test -n "$(PYTHON312)" || { echo "Python 3.12 not found: install it or pass PYTHON312=/path/to/python3.12"; exit 1; }
 	$(PYTHON312) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e .

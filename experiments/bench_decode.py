@@ -1,0 +1,139 @@
+"""Batch-1 decode TPOT of a Ling-3.0-flash slice on one GPU: exact widths, fewer layers, random bf16 weights.
+
+Question: how far is the engine's decode step (prefill, then jitted blocks of `fori_loop` steps) from the byte
+floor, per backend? The slice is `--layers` layers of the real config (5 KDA + 1 MLA per 6, all MoE, clamps of
+layers 35+ so they bite) plus the real embedding and lm_head; a full-model TPOT is extrapolated per layer and
+labelled so. Workload as SGLang's: random prompt, greedy, EOS ignored, batch 1.
+
+    python experiments/bench_decode.py --layers 6 --prompt-len 8192 --new-tokens 257 --backends reference,pallas
+
+Prints a table and writes experiments/results/bench_decode.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ling_jax.config import KDA, MOE, preset
+from ling_jax.engine import generate as G
+from ling_jax.engine.sampling import Greedy
+from ling_jax.params import init_params, is_spec, param_specs
+
+HBM_TBPS = 4.3  # measured H200 device-to-device copy bandwidth (KINDS.md), bytes read + written
+
+
+def slice_config(layers: int):
+    flash = preset("ling-3.0-flash")
+    start = flash.num_layers - layers  # take the last layers: clamps on, as in the real tail of the stack
+    return flash.replace(num_layers=layers, first_k_dense_replace=0, num_mtp_layers=0,
+                         expert_swiglu_limits=flash.expert_swiglu_limits[start:],
+                         shared_swiglu_limits=flash.shared_swiglu_limits[start:])
+
+
+def step_bytes(cfg, context: int, dtype_bytes: int = 2) -> dict[str, float]:
+    """HBM bytes one decode step must move: weights read once, KDA state read + written, MLA cache read."""
+    specs = param_specs(cfg, with_mtp=False)
+    size = lambda tree: sum(int(np.prod(s.shape)) * (4 if s.dtype_class == "fp32" else dtype_bytes)  # noqa: E731
+                            for s in jax.tree.leaves(tree, is_leaf=is_spec))
+    out = {"lm_head": size(specs["lm_head"]), "embed_row": cfg.hidden_size * dtype_bytes, "kda_state": 0,
+           "mla_cache": 0, "mixers": 0, "ffn": 0}
+    for i, layer in enumerate(specs["layers"]):
+        out["mixers"] += size(layer["mixer"]) + size(layer["input_norm"]) + size(layer["post_norm"])
+        ffn = layer["ffn"]
+        if cfg.ffn_kind(i) == MOE:
+            per_expert = size(ffn["we_gate"]) // cfg.num_experts * 3
+            shared = sum(size(ffn[k]) for k in ("ws_gate", "ws_up", "ws_down") if k in ffn)
+            out["ffn"] += size(ffn["router"]) + size(ffn["expert_bias"]) + cfg.num_experts_per_tok * per_expert + shared
+        else:
+            out["ffn"] += size(ffn)
+        if cfg.mixer_kind(i) == KDA:
+            out["kda_state"] += 2 * cfg.num_heads * cfg.head_dim * cfg.head_dim * 4
+        else:
+            out["mla_cache"] += context * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * dtype_bytes
+    return out
+
+
+def kernels_per_step(params, cfg, backend: str) -> int:
+    """Kernel launches in one compiled decode step: fusions and custom calls (cuBLAS, Pallas) outside fused
+    computations, counted in the HLO of a one-step block (a few belong to the block's own bookkeeping)."""
+    eos = jnp.zeros((0,), jnp.int32)
+    loop, _ = G.start(params, jnp.ones((1, 8), jnp.int32), jax.random.key(0), eos, cfg, Greedy(), max_len=16,
+                      backend=backend, pad_id=0)
+    hlo = G.decode_block.lower(params, loop, eos, cfg, Greedy(), steps=1, backend=backend,
+                               pad_id=0).compile().as_text()
+    count, computation = 0, ""
+    for line in hlo.splitlines():
+        header = re.match(r"^(?:ENTRY )?%?([\w.\-]+) ", line)
+        if header and line.rstrip().endswith("{"):
+            computation = header.group(1)
+        elif not computation.startswith(("fused", "wrapped")) and re.search(r"\b(fusion|custom-call)\(", line):
+            count += 1
+    return count
+
+
+def run(args) -> list[dict]:
+    cfg = slice_config(args.layers)
+    dtype = jnp.dtype(args.dtype)
+    params = init_params(cfg, jax.random.key(0), dtype, with_mtp=False)
+    jax.block_until_ready(params)
+    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(1, args.prompt_len))
+    context = args.prompt_len + args.new_tokens
+    moved = step_bytes(cfg, context)
+    total = sum(moved.values())
+    floor_us = total / (HBM_TBPS * 1e12) * 1e6
+    full_bytes = sum(step_bytes(preset("ling-3.0-flash"), context).values())
+    rows = []
+    for backend in args.backends.split(","):
+        kwargs = dict(max_new_tokens=args.new_tokens, sampler=Greedy(), backend=backend,
+                      block_size=args.block_size, ignore_eos=True)
+        G.generate(params, cfg, prompt, **kwargs)  # compile + warm up
+        tpots, ttfts = [], []
+        for _ in range(args.repeats):
+            res = G.generate(params, cfg, prompt, **kwargs)
+            tpots.append(res.tpot_s)
+            ttfts.append(res.ttft_s)
+        tpot_us = float(np.median(tpots)) * 1e6
+        rows.append(dict(backend=backend, layers=cfg.num_layers, tpot_us=tpot_us, ttft_ms=float(np.median(ttfts)) * 1e3,
+                         bytes_per_step=total, floor_us=floor_us, frac_of_floor=floor_us / tpot_us,
+                         kernels_per_step=kernels_per_step(params, cfg, backend),
+                         # Extrapolation, not a measurement: the full model at the slice's fraction of the floor.
+                         extrapolated_full_tpot_ms=tpot_us * full_bytes / total / 1e3))
+    return rows, moved
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--prompt-len", type=int, default=8192)
+    parser.add_argument("--new-tokens", type=int, default=257)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--backends", default="reference,pallas")
+    parser.add_argument("--out", default="experiments/results/bench_decode.json")
+    args = parser.parse_args()
+    rows, moved = run(args)
+    print(f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}  slice of {args.layers} layers, "
+          f"prompt {args.prompt_len}, {args.new_tokens} new tokens, block {args.block_size}")
+    print("bytes per step: " + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in moved.items()))
+    print(f"{'backend':10s} {'TPOT us':>9s} {'floor us':>9s} {'of floor':>9s} {'kernels':>8s} {'TTFT ms':>9s} "
+          f"{'full model, extrapolated':>25s}")
+    for r in rows:
+        print(f"{r['backend']:10s} {r['tpot_us']:9.1f} {r['floor_us']:9.1f} {r['frac_of_floor']:9.1%} "
+              f"{r['kernels_per_step']:8d} {r['ttft_ms']:9.1f} {r['extrapolated_full_tpot_ms']:22.2f} ms")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(dict(args=vars(args), rows=rows, bytes=moved, jax=jax.__version__,
+                                              device=jax.devices()[0].device_kind,
+                                              date=datetime.date.today().isoformat()), indent=1))
+
+
+if __name__ == "__main__":
+    main()
