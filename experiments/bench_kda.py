@@ -35,6 +35,15 @@ from pallas_kernels.kda import chunk, recurrent  # noqa: E402
 
 HBM_BPS = 4.3e12  # measured device-to-device copy on this workplace's H200s (KINDS.md)
 ROWS = []
+T_START = time.time()
+BUDGET_S = [1e9]
+
+
+def over_budget(what):
+    if time.time() - T_START > BUDGET_S[0]:
+        record("skipped", what, reason=f"over the --budget of {BUDGET_S[0]:.0f}s")
+        return True
+    return False
 
 
 def log(*a):
@@ -142,7 +151,27 @@ def check(H, K, smoke):
             verdict(f"prefill {dn} T{T} state vs ref", rel_err(S, Sr), tol)
             verdict(f"prefill {dn} T{T} y vs fla naive_recurrent", rel_err(y, yt), tol)
             verdict(f"prefill {dn} T{T} state vs fla naive_recurrent", rel_err(S, St), tol)
+            if T % 64 == 0:
+                yc, _, Sc = torch_layer(*args, core="chunk")
+                verdict(f"prefill {dn} T{T} y vs fla naive_chunk", rel_err(y, yc), tol)
+                verdict(f"prefill {dn} T{T} state vs fla naive_chunk", rel_err(S, Sc), tol)
     del torch
+    return ok
+
+
+def check_quick(H, K):
+    """Compiled prefill vs the reference only (no torch): for re-checking a changed kernel cheaply."""
+    ok = True
+    for T, dtype in ((7, jnp.float32), (100, jnp.float32), (300, jnp.float32), (300, jnp.bfloat16)):
+        args = inputs(40 + T, 1, T, H, K, dtype)
+        y, w, S = kda.kda_prefill(*args, backend="pallas")
+        yr, wr, Sr = kda.kda_prefill(*args)
+        tol = 1e-4 if dtype == jnp.float32 else 2e-2
+        for name, a, b in (("y", y, yr), ("state", S, Sr)):
+            err = rel_err(a, b)
+            ok &= err <= tol
+            record("check", f"prefill {jnp.dtype(dtype).name} T{T} {name} vs ref", rel_err=err, tol=tol,
+                   passed=err <= tol)
     return ok
 
 
@@ -172,11 +201,13 @@ def bench_decode(H, K, L, reps, n_rep, smoke):
     xs, states, params = layer_stack(L, B, 1, H, K, dtype)
     floor_us = decode_bytes(B, H, K, dtype) / HBM_BPS * 1e6
     record("decode", "byte floor per layer", bytes=decode_bytes(B, H, K, dtype), us=floor_us)
-    configs = [(16, 2), (32, 2), (32, 4), (64, 4), (64, 8), (128, 4), (128, 8)]
+    configs = [(32, 4), (16, 2), (64, 4), (128, 8)]
     if smoke:
         configs = configs[:2]
     best = None
-    for backend, (BV, nw) in [("reference", (0, 0))] + [("pallas", c) for c in configs]:
+    for backend, (BV, nw) in [("pallas", c) for c in configs]:
+        if over_budget(f"decode {backend} BV{BV} w{nw}"):
+            continue
         cfg = recurrent.RecurrentConfig(BV=BV, num_warps=nw) if backend == "pallas" else None
 
         def step(states, xs):
@@ -265,6 +296,22 @@ def bench_verify(H, K, L, n_rep, smoke, decode_best):
         xs, states, params = layer_stack(L, B, T, H, K, dtype)
         n = jnp.int32(max(1, T // 2))
         for store in ("states", "inputs"):
+            if over_budget(f"verify T{T} {store}"):
+                continue
+            if T == 6:
+                def verify_only(xs, states):
+                    acc = jnp.zeros((), jnp.float32)
+                    for l in range(L):
+                        qkv, f, b, z, win = xs[l]
+                        y, st = kda.kda_verify(qkv, f, b, z, win, states[l], *params, backend="pallas",
+                                               store=store)
+                        leaf = st.states if store == "states" else st.k
+                        acc = acc + y[0, 0, 0, 0].astype(jnp.float32) + leaf[0, -1, 0, 0].sum()
+                    return acc
+                t, _ = median_time(jax.jit(verify_only), xs, states, n_rep=n_rep)
+                record("verify", f"T{T} store={store} verify only", us_per_layer=t / L * 1e6,
+                       x_decode=t / L * 1e6 / decode_best if decode_best else float("nan"))
+
             def step(states, xs):
                 acc = jnp.zeros((), jnp.float32)
                 new = []
@@ -291,11 +338,18 @@ def bench_prefill(H, K, T, n_rep, smoke):
     for dtype in (jnp.bfloat16, jnp.float32):
         args = inputs(7, B, T, H, K, dtype)
         dn = jnp.dtype(dtype).name
-        configs = [chunk.ChunkConfig(BV=64), chunk.ChunkConfig(BV=32), chunk.ChunkConfig(BV=128, num_warps_h=8),
-                   chunk.ChunkConfig(BV=64, num_warps_h=8, num_warps_intra=8)]
+        configs = [chunk.ChunkConfig(BV=64), chunk.ChunkConfig(BV=64, num_warps_intra=8),
+                   chunk.ChunkConfig(BV=32, num_warps_intra=8)]
         if smoke or dtype == jnp.float32:
             configs = configs[:1]
+        if not smoke:
+            from pallas_kernels.kda import reference
+            conv = jax.jit(lambda qkv, win, cw: reference.short_conv(qkv, win, cw))
+            t, _ = median_time(conv, args[0], args[4], args[6], n_rep=n_rep)
+            record("prefill", f"pallas {dn} T{T} of which XLA conv+SiLU", ms=t * 1e3)
         for cfg in configs:
+            if over_budget(f"prefill {dn} {cfg}"):
+                continue
             fn = jax.jit(lambda *a: chunk.prefill(*a, cfg=cfg))
             try:
                 t, _ = median_time(fn, *args, n_rep=n_rep)
@@ -344,12 +398,14 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--smoke", action="store_true", help="tiny sizes (runs on CPU in interpret mode)")
     p.add_argument("--sections", default="check,decode,verify,prefill")
+    p.add_argument("--budget", type=float, default=1e9, help="seconds after which remaining configs are skipped")
     a = p.parse_args()
+    BUDGET_S[0] = a.budget
     sections = a.sections.split(",")
     if a.smoke:
         H, K, L, reps, n_rep, T_pf = 2, 32, 2, 1, 2, 130
     else:
-        H, K, L, reps, n_rep, T_pf = 32, 128, 64, 4, 30, 8192
+        H, K, L, reps, n_rep, T_pf = 32, 128, 32, 2, 30, 8192
     meta = dict(date=datetime.date.today().isoformat(), jax=jax.__version__, backend=jax.default_backend(),
                 device=str(jax.devices()[0].device_kind), H=H, K=K, L_cold=L, argv=sys.argv)
     log(meta)
@@ -357,23 +413,26 @@ def main():
     ok = None
     if "check" in sections:
         ok = check(H, K, a.smoke)
+        dump(meta, ok)
         log(f"checks {'PASSED' if ok else 'FAILED'} ({time.time() - t0:.0f}s)")
+    if "check_quick" in sections:
+        ok = check_quick(H, K)
+        dump(meta, ok)
+        log(f"quick checks {'PASSED' if ok else 'FAILED'} ({time.time() - t0:.0f}s)")
     best = None
     if "decode" in sections:
         best = bench_decode(H, K, L, reps, n_rep, a.smoke)
+        dump(meta, ok)
         log(f"decode done ({time.time() - t0:.0f}s)")
     if "verify" in sections:
-        bench_verify(H, K, L if not a.smoke else 2, max(5, n_rep // 2), a.smoke, best[0] if best else None)
+        bench_verify(H, K, 32 if not a.smoke else 2, max(5, n_rep // 2), a.smoke, best[0] if best else None)
+        dump(meta, ok)
         log(f"verify done ({time.time() - t0:.0f}s)")
     if "prefill" in sections:
         bench_prefill(H, K, T_pf, 10 if not a.smoke else 1, a.smoke)
+        dump(meta, ok)
         log(f"prefill done ({time.time() - t0:.0f}s)")
-    res = dict(meta=meta, checks_passed=ok, rows=ROWS)
-    for d in [os.path.join(ROOT, "experiments", "results"), os.environ.get("OUT")]:
-        if d:
-            os.makedirs(d, exist_ok=True)
-            with open(os.path.join(d, "kda_bench.json"), "w") as fh:
-                json.dump(res, fh, indent=1, default=str)
+    dump(meta, ok)
     log("\n| section | name | numbers |\n|---|---|---|")
     for r in ROWS:
         if r["section"] == "check" and r.get("passed"):
@@ -382,6 +441,17 @@ def main():
                          if k not in ("section", "name"))
         log(f"| {r['section']} | {r['name']} | {nums} |")
     log(f"checks passed: {ok}; total {time.time() - t0:.0f}s")
+
+
+def dump(meta, ok):
+    res = dict(meta=meta, checks_passed=ok, rows=ROWS)
+    name = "kda_bench_smoke.json" if meta["H"] < 32 else "kda_bench.json"
+    for d in [os.path.join(ROOT, "experiments", "results") if name == "kda_bench.json" else None,
+              os.environ.get("OUT")]:
+        if d:
+            os.makedirs(d, exist_ok=True)
+            with open(os.path.join(d, name), "w") as fh:
+                json.dump(res, fh, indent=1, default=str)
 
 
 if __name__ == "__main__":

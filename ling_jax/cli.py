@@ -46,7 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (and weight seed for --preset)")
     gen.add_argument("--dtype", choices=DTYPES, default=None,
                      help="compute dtype (default: float32 for --preset, the checkpoint's otherwise)")
-    gen.add_argument("--backend", choices=("reference", "pallas"), default="reference")
+    gen.add_argument("--backend", default="reference",
+                     help="reference | pallas | per op, e.g. kda=pallas,moe_decode=pallas (ling_jax/backends.py)")
     gen.add_argument("--block-size", type=int, default=16, help="decode steps per jitted block")
     gen.add_argument("--ignore-eos", action="store_true", help="always produce --max-new-tokens tokens")
     gen.add_argument("--warmup", type=int, default=1,
@@ -111,6 +112,11 @@ def _generate(args, parser) -> int:
         parser.error(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
     if args.block_size < 1:
         parser.error(f"--block-size {args.block_size} must be >= 1")
+    from ling_jax.backends import resolve
+    try:
+        resolve(args.backend)
+    except ValueError as e:
+        parser.error(str(e))
     from ling_jax.engine.sampling import make_sampler
     try:
         sampler = make_sampler(args.temperature, args.top_p)

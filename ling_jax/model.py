@@ -10,7 +10,8 @@ lm_head. The mode only picks how the mixers use their caches:
 
 Einsum letters: b batch, t tokens, d hidden, h heads, k/v KDA head dims, r kv_lora_rank, n/e MLA head dims,
 i intermediate, c latent + rope. The compute dtype is the dtype of `params["embed"]`; logits come back as float32.
-`backend` ("reference" | "pallas") selects the implementation of every op in pallas_kernels.
+`backend` selects the implementation of each op in pallas_kernels: "reference", "pallas", or per op
+(ling_jax/backends.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ling_jax.cache import KDACache, MLACache, ModelState, StagedState, init_state
+from ling_jax.backends import op_backend, resolve
+from ling_jax.cache import MLACache, ModelState, StagedState, init_state
 from ling_jax.config import KDA, MLA, MOE, LingConfig
 from ling_jax.layers.kda import kda_block
 from ling_jax.layers.linear import proj
@@ -29,12 +31,8 @@ from ling_jax.layers.mlp import dense_mlp
 from ling_jax.layers.moe import moe_block
 from ling_jax.layers.norms import rms_norm
 
-BACKENDS = ("reference", "pallas")
-
-
 def _check_backend(backend: str) -> None:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    resolve(backend)  # raises on an unknown spec
 
 
 def block(p: dict, h: jnp.ndarray, entry, start: jax.Array, cfg: LingConfig, layer: int, *, mixer: str, ffn: str,
@@ -43,12 +41,17 @@ def block(p: dict, h: jnp.ndarray, entry, start: jax.Array, cfg: LingConfig, lay
     eps = cfg.rms_norm_eps
     x = rms_norm(h, p["input_norm"], eps)
     if mixer == KDA:
-        a, entry = kda_block(p["mixer"], x, entry, cfg, mode=mode, backend=backend)
+        a, entry = kda_block(p["mixer"], x, entry, cfg, mode=mode, backend=op_backend(backend, "kda"))
     else:
-        a, entry = mla_block(p["mixer"], x, entry, start, cfg, mode=mode, backend=backend)
+        mla_op = "mla_prefill" if mode == "prefill" else "mla_decode"
+        a, entry = mla_block(p["mixer"], x, entry, start, cfg, mode=mode, backend=op_backend(backend, mla_op))
     h = h + a
     x = rms_norm(h, p["post_norm"], eps)
-    m = moe_block(p["ffn"], x, cfg, layer, backend=backend) if ffn == MOE else dense_mlp(p["ffn"], x)
+    if ffn == MOE:
+        moe_op = "moe_prefill" if mode == "prefill" else "moe_decode"
+        m = moe_block(p["ffn"], x, cfg, layer, backend=op_backend(backend, moe_op))
+    else:
+        m = dense_mlp(p["ffn"], x)
     return h + m, entry
 
 

@@ -26,7 +26,8 @@ import numpy as np
 
 from ling_jax.cache import ModelState
 from ling_jax.config import LingConfig
-from ling_jax.model import BACKENDS, forward, prefill
+from ling_jax.backends import resolve
+from ling_jax.model import forward, prefill
 
 
 class LoopState(NamedTuple):
@@ -97,8 +98,7 @@ def decode_block(params, loop: LoopState, eos, cfg: LingConfig, sampler, *, step
 def generate(params, cfg: LingConfig, prompt, *, max_new_tokens: int, sampler, seed: int = 0,
              backend: str = "reference", block_size: int = 16, ignore_eos: bool = False) -> GenerateResult:
     """prompt: [B, T] ints (host) -> GenerateResult. Times come from host clocks around blocking reads."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    resolve(backend)  # raises on an unknown backend spec
     prompt = np.asarray(prompt, np.int32)
     if prompt.ndim != 2 or prompt.shape[1] == 0:
         raise ValueError(f"prompt shape {prompt.shape} must be [batch, T] with T >= 1")

@@ -2,8 +2,9 @@
 
 Pipeline (kernels.md §1.3, fla's ``chunk_kda_fwd`` with fewer launches):
 
-1. ``_prep`` (XLA, elementwise): conv + SiLU, L2 norm and scale, safe gate, beta, as the reference.
-2. ``chunk_kda_fwd_kernel_intra``, grid (B, H, NT), every chunk in parallel: chunk-local Γ = cumsum(g),
+1. conv + SiLU (XLA, one elementwise fusion; ``reference.short_conv``).
+2. ``chunk_kda_fwd_kernel_intra``, grid (B, H, NT), every chunk in parallel: L2 norm and scale, safe gate and
+   beta from the conv output and raw f/b, chunk-local Γ = cumsum(g),
    A_qk and L in 16-row sub-blocks, M = (I + L)^{-1} diag(beta) by forward substitution on the 16×16 diagonal
    blocks plus block substitution for the rest, then W = M (K ⊙ e^Γ), U = M V, Q ⊙ e^Γ, K ⊙ e^{Γ_C − Γ}, e^{Γ_C}.
 3. ``chunk_kda_fwd_kernel_h``, grid (B, H, V / BV), chunks in sequence with the [K, BV] state in registers:
@@ -83,28 +84,35 @@ def _make_dot(kind):
 
 
 def chunk_kda_fwd_kernel_intra(
-    q_ref,     # [B, T, H, K] q̂·scale (store dtype)
-    k_ref,     # [B, T, H, K] k̂
-    v_ref,     # [B, T, H, V]
-    g_ref,     # [B, T, H, K] fp32 log decay
-    beta_ref,  # [B, T, H] fp32
+    y_ref,     # [B, T, 3, H, K] conv + SiLU output q|k|v (compute dtype)
+    f_ref,     # [B, T, H, K] gate input
+    b_ref,     # [B, T, H] beta logits
+    alog_ref,  # [H] fp32
+    dtb_ref,   # [H, K] fp32
     w_ref,     # [B, NT*C, H, K] out: W = M (K ⊙ e^Γ)
     u_ref,     # [B, NT*C, H, V] out: U = M V
     qg_ref,    # [B, NT*C, H, K] out: Q ⊙ e^Γ
     kg_ref,    # [B, NT*C, H, K] out: K ⊙ e^{Γ_C − Γ}
     aqk_ref,   # [B, NT, H, C, C] out: causal A_qk
     gc_ref,    # [B, NT, H, K] fp32 out: e^{Γ_C}
-    *, T, C, K, dot,
+    *, T, C, K, lower_bound, dot,
 ):
+    """L2 norm, scale, safe gate and beta are computed here from the conv output (as the reference: fp32,
+    gate and beta rounded to the compute dtype); rows past T load as zeros (k = 0, beta = 0, g = 0), so
+    they leave the state unchanged."""
     i_b, i_h, i_n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     f32 = jnp.float32
     NC = C // BC
+    dtype = y_ref.dtype
     o_r = lax.broadcasted_iota(jnp.int32, (BC, BC), 0)
     o_c = lax.broadcasted_iota(jnp.int32, (BC, BC), 1)
     m_strict = o_r > o_c
     m_causal = o_r >= o_c
     eye = (o_r == o_c).astype(f32)
     store_dt = w_ref.dtype
+    scale = K ** -0.5
+    b_a = jnp.exp(alog_ref[i_h])
+    b_dtb = dtb_ref[i_h, :]
 
     def rows(i):
         return pl.ds(i_n * C + i * BC, BC)
@@ -112,28 +120,48 @@ def chunk_kda_fwd_kernel_intra(
     def valid(i):
         return (i_n * C + i * BC + lax.iota(jnp.int32, BC)) < T  # [BC]
 
-    def load_rows(ref, i, width):
-        m = jnp.broadcast_to(valid(i)[:, None], (BC, width))
-        return pltriton.load(ref.at[i_b, rows(i), i_h, :], mask=m, other=0.0).astype(f32)
+    def load_y(i, s):
+        m = jnp.broadcast_to(valid(i)[:, None], (BC, K))
+        # Masked-load indices must be traced values for the interpret-mode discharge rule.
+        return pltriton.load(y_ref.at[i_b, rows(i), jnp.int32(s), i_h, :], mask=m, other=0.0).astype(f32)
+
+    def l2(x):
+        return x * lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + 1e-6)
+
+    def load_q(i):
+        return l2(load_y(i, 0)) * scale
+
+    def load_k(i):
+        return l2(load_y(i, 1))
+
+    def load_g(i):
+        m = jnp.broadcast_to(valid(i)[:, None], (BC, K))
+        b_f = pltriton.load(f_ref.at[i_b, rows(i), i_h, :], mask=m, other=0.0).astype(f32)
+        b_g = (lower_bound * jax.nn.sigmoid(b_a * (b_f + b_dtb[None, :]))).astype(dtype).astype(f32)
+        return jnp.where(m, b_g, 0.0)
+
+    def load_beta(i):
+        b_b = pltriton.load(b_ref.at[i_b, rows(i), i_h], mask=valid(i), other=0.0).astype(f32)
+        return jnp.where(valid(i), jax.nn.sigmoid(b_b).astype(dtype).astype(f32), 0.0)
 
     # Phase 1: Γ per sub-block (chunk-local, inclusive cumsum), keys, and each sub-block's reference row.
     b_G, b_k, ref_row = [], [], []
     carry = jnp.zeros((K,), f32)
     for i in range(NC):
-        b_g = load_rows(g_ref, i, K)
+        b_g = load_g(i)
         G_i = jnp.cumsum(b_g, axis=0) + carry[None, :]
         m_first = lax.broadcasted_iota(jnp.int32, (BC, K), 0) == 0
         ref_row.append(carry + jnp.sum(jnp.where(m_first, b_g, 0.0), axis=0))
         carry = carry + jnp.sum(b_g, axis=0)
         b_G.append(G_i)
-        b_k.append(load_rows(k_ref, i, K))
+        b_k.append(load_k(i))
     G_C = carry
 
     # Phase 2: A_qk and L = beta·(K_r·K_c e^{Γ_r − Γ_c}) strictly lower, block by block.
     L = {}
     for i in range(NC):
-        b_q = load_rows(q_ref, i, K)
-        beta_i = pltriton.load(beta_ref.at[i_b, rows(i), i_h], mask=valid(i), other=0.0)
+        b_q = load_q(i)
+        beta_i = load_beta(i)
         e_q = jnp.exp(b_G[i] - ref_row[i][None, :])  # ≤ 1
         b_qd = b_q * e_q
         b_kr = b_k[i] * e_q
@@ -173,17 +201,17 @@ def chunk_kda_fwd_kernel_intra(
             X[i, j] = -dot(X[i, i], acc)
 
     # Phase 4: W = X diag(beta) (K ⊙ e^Γ), U = X diag(beta) V, and the gated copies of Q and K.
-    beta = [pltriton.load(beta_ref.at[i_b, rows(j), i_h], mask=valid(j), other=0.0) for j in range(NC)]
+    beta = [load_beta(j) for j in range(NC)]
     b_kb = [b_k[j] * beta[j][:, None] for j in range(NC)]
     for i in range(NC):
         b_w = jnp.zeros((BC, K), f32)
         b_u = jnp.zeros((BC, K), f32)
         for j in range(i + 1):
             b_w = b_w + dot(X[i, j], b_kb[j] * jnp.exp(b_G[j]))
-            b_u = b_u + dot(X[i, j], load_rows(v_ref, j, K) * beta[j][:, None])
+            b_u = b_u + dot(X[i, j], load_y(j, 2) * beta[j][:, None])
         w_ref[i_b, rows(i), i_h, :] = b_w.astype(store_dt)
         u_ref[i_b, rows(i), i_h, :] = b_u.astype(store_dt)
-        qg_ref[i_b, rows(i), i_h, :] = (load_rows(q_ref, i, K) * jnp.exp(b_G[i])).astype(store_dt)
+        qg_ref[i_b, rows(i), i_h, :] = (load_q(i) * jnp.exp(b_G[i])).astype(store_dt)
         kg_ref[i_b, rows(i), i_h, :] = (b_k[i] * jnp.exp(G_C[None, :] - b_G[i])).astype(store_dt)
     gc_ref[i_b, i_n, i_h, :] = jnp.exp(G_C)
 
@@ -233,13 +261,6 @@ def chunk_kda_fwd_kernel_h(
     ht_ref[i_b, i_h, :, o_v] = lax.fori_loop(0, NT, body, b_h)
 
 
-def _prep(qkv, f, b, conv_window, conv_w, A_log, dt_bias, lower_bound, store_dt):
-    (q, k, v, g, beta), new_window = reference.kda_inputs(qkv, f, b, conv_window, conv_w, A_log, dt_bias,
-                                                         lower_bound)
-    K = q.shape[-1]
-    return (q * K ** -0.5).astype(store_dt), k.astype(store_dt), v.astype(store_dt), g, beta, new_window
-
-
 @functools.partial(jax.jit, static_argnames=("lower_bound", "eps", "chunk_size", "cfg"))
 def prefill(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, *, lower_bound=-5.0, eps=1e-6,
             chunk_size=64, cfg=DEFAULT):
@@ -253,19 +274,19 @@ def prefill(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, 
     kind = cfg.dot if cfg.dot != "auto" else ("bf16" if dtype == jnp.bfloat16 else "tf32x3")
     store_dt = jnp.bfloat16 if kind == "bf16" else jnp.float32
     dot = _make_dot(kind)
-    q, k, v, g, beta, new_window = _prep(qkv, f, b, conv_window, conv_w, A_log, dt_bias, lower_bound, store_dt)
+    y_conv, new_window = reference.short_conv(qkv, conv_window, conv_w)
 
     sds = jax.ShapeDtypeStruct
     TP = NT * C
     w, u, qg, kg, aqk, gc = pl.pallas_call(
-        functools.partial(chunk_kda_fwd_kernel_intra, T=T, C=C, K=K, dot=dot),
+        functools.partial(chunk_kda_fwd_kernel_intra, T=T, C=C, K=K, lower_bound=float(lower_bound), dot=dot),
         out_shape=[sds((B, TP, H, K), store_dt), sds((B, TP, H, V), store_dt), sds((B, TP, H, K), store_dt),
                    sds((B, TP, H, K), store_dt), sds((B, NT, H, C, C), store_dt), sds((B, NT, H, K), jnp.float32)],
         grid=(B, H, NT),
         interpret=_interpret(),
         name="kda_chunk_intra",
         compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps_intra, num_stages=1),
-    )(q, k, v, g, beta)
+    )(y_conv, f, b, A_log, dt_bias)
 
     BV = min(cfg.BV, V)
     fuse_norm = BV == V

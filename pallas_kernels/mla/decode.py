@@ -45,13 +45,24 @@ class MLADecodeTuning:
                 raise ValueError(f"MLADecodeTuning.{name}={v} must be a power of two >= 16")
 
 
+def _trunc_bf16(a):
+    """fp32 -> fp32 with the low 16 mantissa bits cleared: exactly representable in bf16."""
+    bits = lax.bitcast_convert_type(a, jnp.int32) & jnp.int32(-65536)
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
 def _split3(a):
-    """fp32 -> (hi, lo, lo2) bf16 with hi + lo + lo2 = a to ~2^-24 relative."""
-    hi = a.astype(jnp.bfloat16)
-    r = a - hi.astype(jnp.float32)
-    lo = r.astype(jnp.bfloat16)
-    lo2 = (r - lo.astype(jnp.float32)).astype(jnp.bfloat16)
-    return hi, lo, lo2
+    """fp32 -> (hi, lo, lo2) bf16 with hi + lo + lo2 = a to ~2^-24 relative.
+
+    hi and lo come from truncation (bit masks), not from rounding through bf16: XLA's excess-precision rewrites
+    may drop an f32 -> bf16 -> f32 round trip, which would make lo = a - hi vanish (seen on the H200: 3e-4 error).
+    hi and lo are exact in bf16, so their casts below are exact whatever the compiler does.
+    """
+    hi = _trunc_bf16(a)
+    r = a - hi  # exact
+    lo = _trunc_bf16(r)
+    lo2 = r - lo  # exact; its bf16 cast rounds the last ~8 bits
+    return hi.astype(jnp.bfloat16), lo.astype(jnp.bfloat16), lo2.astype(jnp.bfloat16)
 
 
 def _dot_pieces(pieces, b, trans_b):
@@ -144,8 +155,11 @@ def mla_decode_attention(q_latent, q_rope, kv_cache, start, *, scale, tuning: ML
     n_pieces = ql.shape[1]
     ns = tuning.num_splits
     if ns is None:
+        # Enough programs for ~2 per SM, but keep the partials' round trip (write + read of NS·TH·R fp32)
+        # under half of the cache bytes, and >= 4 blocks per split.
         n_sms = 132
-        ns = max(1, min(length // (4 * bl), (2 * n_sms) // max(1, b * n_hb)))
+        traffic_cap = (length * (r + p) * kv_cache.dtype.itemsize) // (4 * th * r * 4)
+        ns = max(1, min(length // (4 * bl), (2 * n_sms) // max(1, b * n_hb), traffic_cap))
     start_arr = jnp.reshape(start, (1,)).astype(jnp.int32)
     kernel = functools.partial(mla_decode_fwd_kernel, scale=float(scale), T=t, H=h, R=r, P=p, BL=bl, NS=ns)
     o, m, l = pl.pallas_call(

@@ -1,18 +1,22 @@
-"""Pallas-Triton routed + shared SwiGLU experts for T <= 16-ish tokens: two launches, each expert's weights read once.
+"""Pallas-Triton routed + shared SwiGLU experts for small T (decode, verify): each selected expert read once.
 
-Slots: the T·K (token, k) pairs in row-major order, plus one slot for the shared expert (the last). A routed slot
-*owns* its expert when no earlier slot chose the same expert; only owners do work, and an owner computes its
-expert for every token that chose it. That reads each distinct expert once with no argsort/bincount/ragged_dot:
-ownership is one vector compare over the ids, done in every program.
+Slots: the T·K (token, k) pairs in row-major order, plus the shared expert. A routed slot *owns* its expert when
+no earlier slot chose the same expert; only owners do work, and an owner computes its expert for every token (its
+rows are masked by the routing weights later). Each distinct expert is read once with no argsort/bincount/
+ragged_dot: ownership is one vector compare over the ids, repeated in every program.
 
 Kernel 1 (`experts_fwd_kernel_gate_up`), grid (S, I / BI): owner slot s streams gate and up [D, BI] in [BK, BI]
-tiles, accumulates x·W in fp32 for all TP tokens, rounds to the compute dtype, applies SwiGLU (+ the post-SiLU
-clamp) and writes h[s, :, BI-block]. Non-owner programs exit at once and leave their h rows unwritten.
-Kernel 2 (`experts_fwd_kernel_down`), grid (D / BD,): each program walks the owner slots, computes h·W_down for its
-BD output columns (fp32, rounded to the compute dtype as the reference rounds each expert's output), weights it
-per token in fp32 and accumulates; the shared slot is added last in the compute dtype. No atomics, one writer.
+tiles into `dot`s (fp32 accumulate) over TP token rows, rounds to the compute dtype, applies SwiGLU (+ post-SiLU
+clamp) and writes h[s, :, BI-block]. Non-owner programs exit at once; their h rows stay unwritten and unread.
+Kernel 2 (`experts_fwd_kernel_down`), grid (NG + 1, D / BD): group g < NG walks its T slots (NG = K groups), takes
+h·W_down for BD output columns (fp32, rounded to the compute dtype as the reference rounds each expert's output),
+scales by each token's routing weight in fp32 and writes a fp32 partial; program row NG writes the shared expert's
+output. XLA sums the NG partials (fp32), rounds once and adds the shared output in the compute dtype: one small
+fusion that can join the caller's residual add. Splitting the down projection over slot groups gives
+(K + 1)·D/BD programs, enough loads in flight to stream at HBM rate (one program per D block was latency-bound).
 
-T = 1 is a GEMV (broadcast multiply + sum); T > 1 pads the tokens to TP = max(16, 2^⌈log2 T⌉) rows for `dot`.
+Rows: tokens are padded to TP = max(16, 2^⌈log2 T⌉) rows so that every product is a tensor-core `dot` whose weight
+loads Triton pipelines (num_stages); at T = 1 the single row is broadcast in-kernel (no XLA pad).
 """
 
 from __future__ import annotations
@@ -28,13 +32,16 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.common import interpret_mode
 
+MAX_TOKENS = 64  # beyond this, ownership checks over T·K ids in every program stop paying: use the reference
+
 
 @dataclasses.dataclass(frozen=True)
 class ExpertsTuning:
     block_i: int = 32  # BI: intermediate columns per gate/up program
-    block_k: int = 256  # BK: hidden-dim chunk per gate/up step
-    block_d: int = 32  # BD: output columns per down program
-    block_ki: int = 256  # BKI: intermediate chunk per down step (capped at the largest power of two dividing I)
+    block_k: int = 128  # BK: hidden-dim chunk per gate/up step
+    # Defaults: best of the H200 sweep in experiments/RESULTS.md (block_d 64: 48.1 µs vs 55.0 µs at block_d 32).
+    block_d: int = 64  # BD: output columns per down program
+    block_ki: int = 128  # BKI: intermediate chunk per down step (capped at the largest power of two dividing I)
     warps_gate_up: int = 4
     stages_gate_up: int = 3
     warps_down: int = 4
@@ -43,20 +50,17 @@ class ExpertsTuning:
     def __post_init__(self):
         for name in ("block_i", "block_k", "block_d", "block_ki"):
             v = getattr(self, name)
-            if v < 1 or v & (v - 1):
-                raise ValueError(f"ExpertsTuning.{name}={v} must be a power of two")
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"ExpertsTuning.{name}={v} must be a power of two >= 16")
 
 
 def _pow2(n):
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _matmul(b_x, b_w):
-    """[TP, BK] · [BK, BN] -> [TP, BN] fp32: a GEMV for one token, a tensor-core dot otherwise."""
-    if b_x.shape[0] == 1:
-        return jnp.sum(b_x[0].astype(jnp.float32)[:, None] * b_w.astype(jnp.float32), axis=0)[None, :]
-    prec = lax.Precision.HIGHEST if b_x.dtype == jnp.float32 else None
-    return jnp.dot(b_x, b_w, precision=prec, preferred_element_type=jnp.float32)
+def _dot(a, b):
+    prec = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return jnp.dot(a, b, precision=prec, preferred_element_type=jnp.float32)
 
 
 def _swiglu(g, u, limit):
@@ -79,28 +83,25 @@ def _ownership(ids_flat, s, n_routed):
 
 def experts_fwd_kernel_gate_up(x_ref, ids_ref, wg_ref, wu_ref, sg_ref, su_ref, h_ref, *, BK, BI, n_chunks, n_routed,
                                limit, shared_limit, has_shared):
-    # x_ref [TP, D]; ids_ref [P] int32; wg_ref/wu_ref [E, D, I]; sg_ref/su_ref [D, I]; h_ref [TP, BI] (slot s)
+    # x_ref [T or TP, D]; ids_ref [P] int32; wg_ref/wu_ref [E, D, I]; sg_ref/su_ref [D, I]; h_ref [TP, BI] (slot s)
     s, i_i = pl.program_id(0), pl.program_id(1)
+    tp = h_ref.shape[0]
     e, owner = _ownership(ids_ref[...], s, n_routed)
-    o_i = pl.multiple_of(i_i * BI, BI)
+    cols = pl.ds(pl.multiple_of(i_i * BI, BI), BI)
 
     def compute(load_g, load_u, lim):
         def body(c, carry):
             acc_g, acc_u = carry
-            o_k = pl.multiple_of(c * BK, BK)
-            b_x = x_ref[:, pl.ds(o_k, BK)]  # [TP, BK]
-            acc_g = acc_g + _matmul(b_x, load_g(pl.ds(o_k, BK)))
-            acc_u = acc_u + _matmul(b_x, load_u(pl.ds(o_k, BK)))
-            return acc_g, acc_u
+            ks = pl.ds(pl.multiple_of(c * BK, BK), BK)
+            b_x = jnp.broadcast_to(x_ref[:, ks], (tp, BK))  # [TP, BK]; T = 1: the one row, repeated
+            return acc_g + _dot(b_x, load_g(ks)), acc_u + _dot(b_x, load_u(ks))
 
-        zeros = jnp.zeros(h_ref.shape, jnp.float32)
+        zeros = jnp.zeros((tp, BI), jnp.float32)
         acc_g, acc_u = lax.fori_loop(0, n_chunks, body, (zeros, zeros))
         dt = h_ref.dtype
         h_ref[...] = _swiglu(acc_g.astype(dt), acc_u.astype(dt), lim)
 
     # One indexer per load (the Triton lowering takes no `ref.at[e][...]` chains).
-    cols = pl.ds(o_i, BI)
-
     @pl.when(owner)
     def _():
         compute(lambda ks: wg_ref[e, ks, cols], lambda ks: wu_ref[e, ks, cols], limit)
@@ -112,42 +113,57 @@ def experts_fwd_kernel_gate_up(x_ref, ids_ref, wg_ref, wu_ref, sg_ref, su_ref, h
 
 
 def experts_fwd_kernel_down(h_ref, ids_ref, ids2_ref, w_ref, wd_ref, sd_ref, o_ref, *, BKI, n_chunks, n_routed,
-                            has_shared):
-    # h_ref [S, TP, I]; ids_ref [P]; ids2_ref [TP, K]; w_ref [TP, K] fp32; wd_ref [E, I, D]; sd_ref [I, D];
-    # o_ref [TP, BD]
-    tp, bd = o_ref.shape
-    dt = o_ref.dtype
-    o_d = pl.multiple_of(pl.program_id(0) * bd, bd)
-    ids_flat = ids_ref[...]
-    ids2 = ids2_ref[...]
-    wts = w_ref[...]
-
-    cols = pl.ds(o_d, bd)
+                            group, n_groups):
+    # h_ref [S, TP, I]; ids_ref [P]; ids2_ref [T or TP, K]; w_ref [T or TP, K] fp32; wd_ref [E, I, D];
+    # sd_ref [I, D]; o_ref [TO, BD] fp32 (TO = 1 when T = 1, else TP): partial of group g (g = NG: shared)
+    g, i_d = pl.program_id(0), pl.program_id(1)
+    to, bd = o_ref.shape
+    tp = h_ref.shape[1]
+    dt = h_ref.dtype
+    cols = pl.ds(pl.multiple_of(i_d * bd, bd), bd)
+    rows = lax.iota(jnp.int32, tp)
 
     def expert_out(s, load_d):
         def body(c, acc):
-            o_k = pl.multiple_of(c * BKI, BKI)
-            return acc + _matmul(h_ref[s, :, pl.ds(o_k, BKI)], load_d(pl.ds(o_k, BKI)))
+            ks = pl.ds(pl.multiple_of(c * BKI, BKI), BKI)
+            return acc + _dot(h_ref[s, :, ks], load_d(ks))
 
         acc = lax.fori_loop(0, n_chunks, body, jnp.zeros((tp, bd), jnp.float32))
-        return acc.astype(dt)  # [TP, BD] compute dtype, as the reference rounds each expert's output
+        return acc.astype(dt).astype(jnp.float32)  # [TP, BD], rounded as the reference rounds each expert's output
 
-    def slot(s, acc):
-        e, owner = _ownership(ids_flat, s, n_routed)
+    def store(v):  # v [TP, BD] fp32
+        if to == 1:
+            v = jnp.sum(jnp.where((rows == 0)[:, None], v, 0.0), axis=0)[None, :]
+        o_ref[...] = v
 
-        def add(acc):
-            w_tok = jnp.sum(jnp.where(ids2 == e, wts, 0.0), axis=1)  # [TP] routing weight of e per token
-            used = jnp.sum(jnp.where(ids2 == e, 1, 0), axis=1) > 0
-            out = expert_out(s, lambda ks: wd_ref[e, ks, cols]).astype(jnp.float32)
-            return acc + jnp.where(used[:, None], w_tok[:, None] * out, 0.0)
+    @pl.when(g < n_groups)
+    def _():
+        ids_flat = ids_ref[...]
+        ids2 = jnp.broadcast_to(ids2_ref[...], (tp, ids2_ref.shape[1]))
+        wts = jnp.broadcast_to(w_ref[...], (tp, w_ref.shape[1]))
+        # T = 1 broadcasts the single token to TP rows: only row 0 is real.
+        real = rows < (1 if ids2_ref.shape[0] == 1 else tp)
 
-        return lax.cond(owner, add, lambda a: a, acc)
+        def slot(s, acc):
+            e, owner = _ownership(ids_flat, s, n_routed)
 
-    routed = lax.fori_loop(0, n_routed, slot, jnp.zeros((tp, bd), jnp.float32))
-    y = routed.astype(dt)
-    if has_shared:
-        y = y + expert_out(n_routed, lambda ks: sd_ref[ks, cols])  # compute-dtype add, as the reference adds the shared expert
-    o_ref[...] = y
+            def add(acc):
+                hit = ids2 == e  # [TP, K]
+                w_tok = jnp.sum(jnp.where(hit, wts, 0.0), axis=1)  # [TP] routing weight of e per token
+                used = (jnp.sum(jnp.where(hit, 1, 0), axis=1) > 0) & real
+                out = expert_out(s, lambda ks: wd_ref[e, ks, cols])
+                return acc + jnp.where(used[:, None], w_tok[:, None] * out, 0.0)
+
+            return lax.cond(owner, add, lambda a: a, acc)
+
+        lo = g * group
+        hi = jnp.minimum(lo + group, n_routed)
+        store(lax.fori_loop(lo, hi, slot, jnp.zeros((tp, bd), jnp.float32)))
+
+    if sd_ref is not None:
+        @pl.when(g == n_groups)
+        def _():
+            store(expert_out(n_routed, lambda ks: sd_ref[ks, cols]))
 
 
 @functools.partial(jax.jit, static_argnames=("limit", "shared_limit", "tuning"))
@@ -156,28 +172,33 @@ def moe_experts_fused(x, weights, ids, we_gate, we_up, we_down, ws_gate, ws_up, 
     n, d = x.shape
     e, _, i = we_gate.shape
     k = ids.shape[1]
+    dt = x.dtype
     if k & (k - 1):
         raise ValueError(f"the Pallas experts kernel needs a power-of-two top_k, got K={k}")
+    if n > MAX_TOKENS:
+        raise ValueError(f"the Pallas experts kernel takes T <= {MAX_TOKENS} tokens (decode/verify), got T={n}; "
+                         "use backend='reference' for prefill")
     has_shared = ws_gate is not None
-    if not has_shared:
-        # Stand-ins that are never read: the shared slot does not exist (has_shared=False is static).
-        ws_gate = ws_up = ws_down = jnp.zeros((1, 1), x.dtype)
-    elif ws_gate.shape[1] != i:
+    if has_shared and ws_gate.shape[1] != i:
         raise ValueError(f"the Pallas experts kernel needs Is = I; got Is={ws_gate.shape[1]}, I={i}")
     bi = min(tuning.block_i, i & -i)
     bk = min(tuning.block_k, d & -d)
     bd = min(tuning.block_d, d & -d)
     bki = min(tuning.block_ki, i & -i)
-    if min(bi, bk, bd, bki) < (1 if n == 1 else 16):
-        raise ValueError(f"the Pallas experts kernel needs D={d} and I={i} divisible by 16 for T > 1")
-    tp = 1 if n == 1 else max(16, _pow2(n))
-    if tp != n:
+    if min(bi, bk, bd, bki) < 16:
+        raise ValueError(f"the Pallas experts kernel needs D={d} and I={i} divisible by 16")
+    tp = max(16, _pow2(n))
+    if n > 1 and tp != n:
         x = jnp.pad(x, ((0, tp - n), (0, 0)))
         ids = jnp.pad(ids, ((0, tp - n), (0, 0)), constant_values=-1)
         weights = jnp.pad(weights, ((0, tp - n), (0, 0)))
-    ids_flat = ids.reshape(-1)  # [TP·K]
+    ids_flat = ids.reshape(-1)  # [T·K] (T = 1) or [TP·K]
     n_routed = n * k
     n_slots = n_routed + int(has_shared)
+    n_groups = k  # slot groups of T slots each for the down projection
+    to = 1 if n == 1 else tp
+    if not has_shared:
+        ws_gate = ws_up = jnp.zeros((1, 1), dt)  # never read: has_shared=False is static
     interpret = interpret_mode()
     whole = pl.no_block_spec
     h = pl.pallas_call(
@@ -186,22 +207,31 @@ def moe_experts_fused(x, weights, ids, we_gate, we_up, we_down, ws_gate, ws_up, 
         grid=(n_slots, i // bi),
         in_specs=[whole] * 6,
         out_specs=pl.BlockSpec((None, tp, bi), lambda s, j: (s, 0, j)),
-        out_shape=jax.ShapeDtypeStruct((n_slots, tp, i), x.dtype),
+        out_shape=jax.ShapeDtypeStruct((n_slots, tp, i), dt),
         compiler_params=pltriton.CompilerParams(num_warps=tuning.warps_gate_up, num_stages=tuning.stages_gate_up),
         interpret=interpret,
         name="experts_fwd_kernel_gate_up",
     )(x, ids_flat, we_gate, we_up, ws_gate, ws_up)
-    y = pl.pallas_call(
-        functools.partial(experts_fwd_kernel_down, BKI=bki, n_chunks=i // bki, n_routed=n_routed,
-                          has_shared=has_shared),
-        grid=(d // bd,),
-        in_specs=[whole] * 6,
-        out_specs=pl.BlockSpec((tp, bd), lambda j: (0, j)),
-        out_shape=jax.ShapeDtypeStruct((tp, d), x.dtype),
+    kernel = functools.partial(experts_fwd_kernel_down, BKI=bki, n_chunks=i // bki, n_routed=n_routed, group=n,
+                               n_groups=n_groups)
+    down_inputs = [h, ids_flat, ids, weights, we_down]
+    if has_shared:
+        down_inputs.append(ws_down)
+    else:
+        kernel = functools.partial(lambda *refs, kern: kern(*refs[:5], None, refs[5]), kern=kernel)
+    partials = pl.pallas_call(
+        kernel,
+        grid=(n_groups + int(has_shared), d // bd),
+        in_specs=[whole] * len(down_inputs),
+        out_specs=pl.BlockSpec((None, to, bd), lambda g, j: (g, 0, j)),
+        out_shape=jax.ShapeDtypeStruct((n_groups + int(has_shared), to, d), jnp.float32),
         compiler_params=pltriton.CompilerParams(num_warps=tuning.warps_down, num_stages=tuning.stages_down),
         interpret=interpret,
         name="experts_fwd_kernel_down",
-    )(h, ids_flat, ids, weights, we_down, ws_down)
+    )(*down_inputs)
+    y = jnp.sum(partials[:n_groups], axis=0).astype(dt)  # fp32 combine of the routed experts, rounded once
+    if has_shared:
+        y = y + partials[n_groups].astype(dt)  # compute-dtype add of the shared expert
     return y[:n]
 
 

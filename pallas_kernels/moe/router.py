@@ -1,11 +1,15 @@
-"""Pallas-Triton router: fp32 GEMV + sigmoid (kernel 1), grouped top-k by masked argmax passes (kernel 2).
+"""Pallas-Triton router: split-K fp32 GEMV (kernel 1), then sigmoid + grouped top-k by masked argmax (kernel 2).
 
-Kernel 1 (`router_fwd_kernel_gemv`), grid (E / BE, NP / BN): each program streams a [D, BE] slab of the fp32 router
-in [BK, BE] tiles and writes s = sigmoid(x·W) for BN tokens. The router stays fp32 (5.2 MB for Flash, +1.2 µs over
-a bf16 copy at 4.3 TB/s) so that the logits are the reference's up to fp32 summation order and the selection is
-the reference's. Kernel 2 (`router_fwd_kernel_topk`), grid (NP,): one token per program, one warp: group scores
-(top-2 sums), top groups and top experts with argmax-by-min-index passes, so ties go to the lower index exactly as
-`lax.top_k` breaks them. The GEMV stays out of the top-k program: one program cannot stream 5 MB quickly.
+Kernel 1 (`router_fwd_kernel_gemv`), grid (E / BE, KS, NP / BN): program (j, k, n) streams rows
+[k·D/KS, (k+1)·D/KS) of the [D, BE] slab j of the fp32 router in [BK, BE] tiles into fp32 `dot`s (pipelined
+loads) and writes partial logits for BN tokens. Split-K gives E/BE·KS programs, enough loads in flight; a single
+token is broadcast to 16 rows in-kernel for the dot. The router stays fp32 (5.2 MB for Flash, +1.2 µs over a bf16
+copy at 4.3 TB/s) so the logits equal the reference's up to fp32 summation order and the selection is the
+reference's (a bf16 copy would move near-ties).
+
+Kernel 2 (`router_fwd_kernel_topk`), grid (N,), one warp per token: sums the KS partials in order, sigmoid, group
+scores (top-2 sums), best groups and top experts by argmax passes that take the lowest index among equal maxima,
+so ties break exactly as `lax.top_k` does. The GEMV stays out of this program: one program cannot stream 5 MB fast.
 """
 
 from __future__ import annotations
@@ -25,13 +29,15 @@ from pallas_kernels.common import interpret_mode
 @dataclasses.dataclass(frozen=True)
 class RouterTuning:
     block_e: int = 16  # BE: experts per GEMV program
-    block_k: int = 256  # BK: hidden-dim chunk per GEMV step
+    # Defaults: best of the H200 sweep in experiments/RESULTS.md (KS 8 / BK 64: 20.1 µs vs 25.0 µs at KS 4 / BK 128).
+    block_k: int = 64  # BK: hidden-dim chunk per GEMV step
+    k_splits: int = 8  # KS: hidden-dim splits (partial logits summed by the top-k kernel)
     block_n: int = 16  # BN: tokens per GEMV program (N = 1 uses a single row)
     num_warps: int = 4
     num_stages: int = 3
 
     def __post_init__(self):
-        for name in ("block_e", "block_k", "block_n"):
+        for name in ("block_e", "block_k", "k_splits", "block_n"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"RouterTuning.{name}={v} must be a power of two")
@@ -41,20 +47,22 @@ def _pow2(n):
     return 1 << max(0, (n - 1).bit_length())
 
 
-def router_fwd_kernel_gemv(x_ref, w_ref, s_ref, *, BK, n_chunks):
-    # x_ref [BN, D] compute dtype; w_ref [D, BE] fp32; s_ref [BN, BE] fp32
-    bn, be = s_ref.shape
+def router_fwd_kernel_gemv(x_ref, w_ref, p_ref, *, BK, n_chunks):
+    # x_ref [BN, D] compute dtype (BN = 1: one token); w_ref [D, BE] fp32; p_ref [BN, BE] fp32 partial logits
+    bn, be = p_ref.shape
+    rows = max(16, bn)  # dot tiles need >= 16 rows
+    o_split = pl.program_id(1) * (n_chunks * BK)
 
     def body(c, acc):
-        o_k = pl.multiple_of(c * BK, BK)
-        b_x = x_ref[:, pl.ds(o_k, BK)].astype(jnp.float32)  # [BN, BK]
-        b_w = w_ref[pl.ds(o_k, BK), :]  # [BK, BE]
-        if bn == 1:
-            return acc + jnp.sum(b_x[0][:, None] * b_w, axis=0)[None, :]
-        return acc + jnp.dot(b_x, b_w, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+        ks = pl.ds(pl.multiple_of(o_split + c * BK, BK), BK)
+        b_x = jnp.broadcast_to(x_ref[:, ks].astype(jnp.float32), (rows, BK))  # [rows, BK]
+        return acc + jnp.dot(b_x, w_ref[ks, :], precision=lax.Precision.HIGHEST,
+                             preferred_element_type=jnp.float32)
 
-    acc = lax.fori_loop(0, n_chunks, body, jnp.zeros((bn, be), jnp.float32))
-    s_ref[...] = jax.nn.sigmoid(acc)
+    acc = lax.fori_loop(0, n_chunks, body, jnp.zeros((rows, be), jnp.float32))
+    if bn == 1:
+        acc = jnp.sum(jnp.where((lax.iota(jnp.int32, rows) == 0)[:, None], acc, 0.0), axis=0)[None, :]
+    p_ref[...] = acc
 
 
 def _argmax_low(v, iota, n):
@@ -63,11 +71,14 @@ def _argmax_low(v, iota, n):
     return m, jnp.min(jnp.where(v == m, iota, n))
 
 
-def router_fwd_kernel_topk(s_ref, b_ref, w_ref, i_ref, *, n_group, topk_group, top_k, scale, norm):
-    # s_ref [1, E] fp32 (sigmoid scores); b_ref [E] fp32; w_ref [1, K] fp32; i_ref [1, K] int32
-    e = s_ref.shape[1]
+def router_fwd_kernel_topk(p_ref, b_ref, w_ref, i_ref, *, n_group, topk_group, top_k, scale, norm):
+    # p_ref [KS, 1, E] fp32 partial logits; b_ref [E] fp32; w_ref [1, K] fp32; i_ref [1, K] int32
+    ks, _, e = p_ref.shape
     gsz = e // n_group
-    s = s_ref[0, :]
+    logits = p_ref[0, 0, :]
+    for k in range(1, ks):
+        logits = logits + p_ref[k, 0, :]
+    s = jax.nn.sigmoid(logits)
     choice = s + b_ref[...]
     i_e = lax.iota(jnp.int32, e)
     gid = i_e // gsz
@@ -108,22 +119,25 @@ def route(x, router, expert_bias, *, n_group, topk_group, top_k, routed_scaling_
     n, d = x.shape
     e = router.shape[1]
     be = min(tuning.block_e, e)
-    bk = min(tuning.block_k, d & -d)  # largest power of two dividing D, capped
     for name, v in (("E", e), ("E/n_group", e // n_group), ("top_k", top_k)):
         if v & (v - 1):
             raise ValueError(f"the Pallas router needs power-of-two sizes: {name}={v}")
+    ks = tuning.k_splits
+    while ks > 1 and (d % ks or (d // ks) % 16):
+        ks //= 2
+    bk = min(tuning.block_k, (d // ks) & -(d // ks))
     if bk < 16:
         raise ValueError(f"the Pallas router needs D={d} divisible by 16")
     bn = 1 if n == 1 else min(tuning.block_n, max(16, _pow2(n)))
     n_pad = -(-n // bn) * bn
     xp = x if n_pad == n else jnp.pad(x, ((0, n_pad - n), (0, 0)))
     interpret = interpret_mode()
-    s = pl.pallas_call(
-        functools.partial(router_fwd_kernel_gemv, BK=bk, n_chunks=d // bk),
-        grid=(e // be, n_pad // bn),
-        in_specs=[pl.BlockSpec((bn, d), lambda j, i: (i, 0)), pl.BlockSpec((d, be), lambda j, i: (0, j))],
-        out_specs=pl.BlockSpec((bn, be), lambda j, i: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((n_pad, e), jnp.float32),
+    partial = pl.pallas_call(
+        functools.partial(router_fwd_kernel_gemv, BK=bk, n_chunks=d // ks // bk),
+        grid=(e // be, ks, n_pad // bn),
+        in_specs=[pl.BlockSpec((bn, d), lambda j, k, i: (i, 0)), pl.BlockSpec((d, be), lambda j, k, i: (0, j))],
+        out_specs=pl.BlockSpec((None, bn, be), lambda j, k, i: (k, i, j)),
+        out_shape=jax.ShapeDtypeStruct((ks, n_pad, e), jnp.float32),
         compiler_params=pltriton.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
         interpret=interpret,
         name="router_fwd_kernel_gemv",
@@ -132,11 +146,11 @@ def route(x, router, expert_bias, *, n_group, topk_group, top_k, routed_scaling_
         functools.partial(router_fwd_kernel_topk, n_group=n_group, topk_group=topk_group, top_k=top_k,
                           scale=float(routed_scaling_factor), norm=bool(norm_topk_prob)),
         grid=(n,),
-        in_specs=[pl.BlockSpec((1, e), lambda i: (i, 0)), pl.BlockSpec((e,), lambda i: (0,))],
+        in_specs=[pl.BlockSpec((ks, 1, e), lambda i: (0, i, 0)), pl.BlockSpec((e,), lambda i: (0,))],
         out_specs=[pl.BlockSpec((1, top_k), lambda i: (i, 0)), pl.BlockSpec((1, top_k), lambda i: (i, 0))],
         out_shape=[jax.ShapeDtypeStruct((n, top_k), jnp.float32), jax.ShapeDtypeStruct((n, top_k), jnp.int32)],
         compiler_params=pltriton.CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret,
         name="router_fwd_kernel_topk",
-    )(s, expert_bias)
+    )(partial, expert_bias)
     return w, ids

@@ -346,3 +346,28 @@ def test_validation_messages():
         kda.kda_prefill(*args, backend="triton")
     with pytest.raises(ValueError, match=r"lower_bound=-6.0 must be in \[-5, 0\)"):
         kda.kda_prefill(*args, lower_bound=-6.0)
+
+
+def test_triton_lowering():
+    """Every kernel lowers through the Pallas Triton lowering for an sm_90 target (no GPU needed): catches
+    unsupported primitives and non-power-of-two blocks in CI before they reach the H200."""
+    from unittest import mock
+    from jax._src.pallas.triton import gpu_info, pallas_call_registration
+    from pallas_kernels.kda import chunk, recurrent
+    h100 = gpu_info.GpuInfo(gpu_version=None, arch_name="9.0", compute_capability=90)
+    _, staged = recurrent.verify(*layer_inputs(0, 1, 6, 4, 128), store="inputs")
+    lower = lambda f, *a: jax.jit(f).trace(*a).lower(lowering_platforms=("cuda",))
+    with mock.patch.object(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: h100), \
+            mock.patch.object(recurrent, "_interpret", lambda: False), \
+            mock.patch.object(chunk, "_interpret", lambda: False):
+        for dtype in (jnp.float32, jnp.bfloat16):
+            a1 = layer_inputs(0, 1, 1, 4, 128, dtype)
+            a6 = layer_inputs(0, 1, 6, 4, 128, dtype)
+            a100 = layer_inputs(0, 1, 100, 4, 128, dtype)
+            for BV in (32, 128):
+                rc = recurrent.RecurrentConfig(BV=BV)
+                lower(lambda *a: recurrent.decode(*a, cfg=rc), *a1)
+                for store in ("states", "inputs"):
+                    lower(lambda *a: recurrent.verify(*a, store=store, cfg=rc), *a6)
+                lower(lambda *a: chunk.prefill(*a, cfg=chunk.ChunkConfig(BV=BV)), *a100)
+        lower(recurrent.replay, staged.state0, staged.k, staged.v, staged.g, staged.beta, jnp.int32(3))

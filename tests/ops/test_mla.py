@@ -152,3 +152,17 @@ def test_decode_pallas_rejects_unaligned_cache():
     case = _decode_case(0, b=1, t=1, h=2, length=37, start=5)
     with pytest.raises(ValueError, match="L=37 to be a multiple of 16"):
         absorbed(case, 5, 0.1, "pallas")
+
+
+@pytest.mark.parametrize("t", [1, 6])
+def test_decode_pallas_lowers_for_cuda(monkeypatch, t):
+    from test_moe import lower_for_cuda
+
+    from pallas_kernels.mla import decode
+
+    sds = jax.ShapeDtypeStruct
+    txt = lower_for_cuda(monkeypatch, [decode],
+                         lambda ql, qr, c, s: decode.mla_decode_attention(ql, qr, c, s, scale=192 ** -0.5),
+                         sds((1, t, 32, 512), jnp.float32), sds((1, t, 32, 64), jnp.bfloat16),
+                         sds((1, 8192, 576), jnp.bfloat16), sds((), jnp.int32))
+    assert txt.count("stablehlo.custom_call") == 1

@@ -252,3 +252,33 @@ def test_pallas_rejects_unsupported_shapes():
     args, ws, _, _ = _expert_inputs(0, 2, k=3)
     with pytest.raises(ValueError, match="power-of-two top_k, got K=3"):
         moe.moe_experts(*args, *ws, backend="pallas")
+
+
+def lower_for_cuda(monkeypatch, modules, fn, *avals):
+    """Lower fn for CUDA on this CPU machine: the Pallas -> Triton lowering runs (catching what interpret mode
+    accepts but Triton does not, e.g. chained ref indexers) without a GPU. Returns the StableHLO text."""
+    from jax._src.pallas.triton import gpu_info
+
+    monkeypatch.setattr(gpu_info, "get_gpu_info", lambda *a, **k: gpu_info.get_gpu_info_from_version(
+        gpu_info.GpuVersion.H200))
+    for m in modules:
+        monkeypatch.setattr(m, "interpret_mode", lambda: False)
+    return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_pallas_lowers_for_cuda(monkeypatch, n):
+    from pallas_kernels.moe import experts as experts_mod, router as router_mod
+
+    d, e, i, k = 2560, 512, 768, 8
+    bf, f32 = jnp.bfloat16, jnp.float32
+    sds = jax.ShapeDtypeStruct
+
+    def layer(x, r, b, wg, wu, wd, sg, su, sd):
+        w, ids = router_mod.route(x, r, b, **ROUTE_KW)
+        return experts_mod.moe_experts(x, w, ids, wg, wu, wd, sg, su, sd, limit=4.0, shared_limit=5.0)
+
+    txt = lower_for_cuda(monkeypatch, [router_mod, experts_mod], layer, sds((n, d), bf), sds((d, e), f32),
+                         sds((e,), f32), sds((e, d, i), bf), sds((e, d, i), bf), sds((e, i, d), bf), sds((d, i), bf),
+                         sds((d, i), bf), sds((i, d), bf))
+    assert txt.count("stablehlo.custom_call") == 4  # router GEMV, top-k, gate/up, down
