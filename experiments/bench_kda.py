@@ -37,6 +37,8 @@ HBM_BPS = 4.3e12  # measured device-to-device copy on this workplace's H200s (KI
 ROWS = []
 T_START = time.time()
 BUDGET_S = [1e9]
+VERIFY_TS = [tuple(range(2, 10))]
+PREFILL = dict(dtypes=("bfloat16", "float32"), n_configs=3)
 
 
 def over_budget(what):
@@ -156,6 +158,41 @@ def check(H, K, smoke):
                 verdict(f"prefill {dn} T{T} y vs fla naive_chunk", rel_err(y, yc), tol)
                 verdict(f"prefill {dn} T{T} state vs fla naive_chunk", rel_err(S, Sc), tol)
     del torch
+    return ok
+
+
+def check_default(H, K):
+    """Compiled decode and verify/commit at the default configs (no torch, decode-sized references only)."""
+    ok = True
+
+    def verdict(name, err, tol):
+        nonlocal ok
+        ok &= err <= tol
+        record("check", name, rel_err=err, tol=tol, passed=err <= tol)
+
+    args = inputs(11, 1, 1, H, K)
+    y, w, S = kda.kda_decode(*args, backend="pallas")
+    yr, wr, Sr = kda.kda_decode(*args)
+    cfg = recurrent.DEFAULT_DECODE
+    verdict(f"decode f32 default BV{cfg.BV} w{cfg.num_warps} y", rel_err(y, yr), 1e-5)
+    verdict(f"decode f32 default BV{cfg.BV} w{cfg.num_warps} state", rel_err(S, Sr), 1e-5)
+    T = 6
+    args = inputs(12, 2, T + 1, H, K)
+    cur = [a[:, :T] for a in args[:4]]
+    nxt = [a[:, T:] for a in args[:4]]
+    y_a, st_a = kda.kda_verify(*cur, *args[4:], backend="pallas")
+    y_b, st_b = kda.kda_verify(*cur, *args[4:], backend="pallas", store="inputs")
+    y_r, st_r = kda.kda_verify(*cur, *args[4:])
+    cfg = recurrent.DEFAULT_VERIFY
+    verdict(f"verify T6 default BV{cfg.BV} w{cfg.num_warps} y vs ref", rel_err(y_a, y_r), 1e-5)
+    verdict("verify T6 states vs ref", rel_err(st_a.states, st_r.states), 1e-5)
+    n = jnp.array([2, T], jnp.int32)
+    wa, Sa = kda.kda_commit(st_a, n)
+    wb, Sb = kda.kda_commit(st_b, n)
+    verdict("verify T6 commit A==B state (bitwise)", float(np.abs(np.asarray(Sa) - np.asarray(Sb)).max()), 0.0)
+    ya = kda.kda_decode(*nxt, wa, Sa, *args[6:], backend="pallas")[0]
+    yb = kda.kda_decode(*nxt, wb, Sb, *args[6:], backend="pallas")[0]
+    verdict("verify T6 next-step y A==B (bitwise)", float(np.abs(np.asarray(ya) - np.asarray(yb)).max()), 0.0)
     return ok
 
 
@@ -291,7 +328,7 @@ def bench_decode(H, K, L, reps, n_rep, smoke):
 
 def bench_verify(H, K, L, n_rep, smoke, decode_best):
     B, dtype = 1, jnp.bfloat16
-    Ts = (2, 6) if smoke else tuple(range(2, 10))
+    Ts = (2, 6) if smoke else VERIFY_TS[0]
     for T in Ts:
         xs, states, params = layer_stack(L, B, T, H, K, dtype)
         n = jnp.int32(max(1, T // 2))
@@ -335,14 +372,15 @@ def bench_verify(H, K, L, n_rep, smoke, decode_best):
 
 def bench_prefill(H, K, T, n_rep, smoke):
     B = 1
-    for dtype in (jnp.bfloat16, jnp.float32):
+    for dtype in (jnp.dtype(d) for d in PREFILL["dtypes"]):
         args = inputs(7, B, T, H, K, dtype)
         dn = jnp.dtype(dtype).name
         configs = [chunk.ChunkConfig(BV=64), chunk.ChunkConfig(BV=64, num_warps_intra=8),
                    chunk.ChunkConfig(BV=32, num_warps_intra=8)]
+        configs = configs[:PREFILL["n_configs"]]
         if smoke or dtype == jnp.float32:
             configs = configs[:1]
-        if not smoke:
+        if not smoke and PREFILL["n_configs"] > 1:
             from pallas_kernels.kda import reference
             conv = jax.jit(lambda qkv, win, cw: reference.short_conv(qkv, win, cw))
             t, _ = median_time(conv, args[0], args[4], args[6], n_rep=n_rep)
@@ -398,9 +436,16 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--smoke", action="store_true", help="tiny sizes (runs on CPU in interpret mode)")
     p.add_argument("--sections", default="check,decode,verify,prefill")
+    p.add_argument("--verify-ts", default="2,3,4,5,6,7,8,9")
+    p.add_argument("--decode-us", type=float, default=None, help="decode µs/layer for the verify ratio when "
+                   "the decode section is not run")
+    p.add_argument("--prefill-dtypes", default="bfloat16,float32")
+    p.add_argument("--prefill-configs", type=int, default=3)
     p.add_argument("--budget", type=float, default=1e9, help="seconds after which remaining configs are skipped")
     a = p.parse_args()
     BUDGET_S[0] = a.budget
+    VERIFY_TS[0] = tuple(int(t) for t in a.verify_ts.split(","))
+    PREFILL.update(dtypes=tuple(a.prefill_dtypes.split(",")), n_configs=a.prefill_configs)
     sections = a.sections.split(",")
     if a.smoke:
         H, K, L, reps, n_rep, T_pf = 2, 32, 2, 1, 2, 130
@@ -415,6 +460,10 @@ def main():
         ok = check(H, K, a.smoke)
         dump(meta, ok)
         log(f"checks {'PASSED' if ok else 'FAILED'} ({time.time() - t0:.0f}s)")
+    if "check_default" in sections:
+        ok = check_default(H, K)
+        dump(meta, ok)
+        log(f"default-config checks {'PASSED' if ok else 'FAILED'} ({time.time() - t0:.0f}s)")
     if "check_quick" in sections:
         ok = check_quick(H, K)
         dump(meta, ok)
@@ -425,7 +474,8 @@ def main():
         dump(meta, ok)
         log(f"decode done ({time.time() - t0:.0f}s)")
     if "verify" in sections:
-        bench_verify(H, K, 32 if not a.smoke else 2, max(5, n_rep // 2), a.smoke, best[0] if best else None)
+        bench_verify(H, K, 32 if not a.smoke else 2, max(5, n_rep // 2), a.smoke,
+                     best[0] if best else a.decode_us)
         dump(meta, ok)
         log(f"verify done ({time.time() - t0:.0f}s)")
     if "prefill" in sections:

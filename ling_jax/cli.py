@@ -47,7 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", choices=DTYPES, default=None,
                      help="compute dtype (default: float32 for --preset, the checkpoint's otherwise)")
     gen.add_argument("--backend", default="reference",
-                     help="reference | pallas | per op, e.g. kda=pallas,moe_decode=pallas (ling_jax/backends.py)")
+                     help="reference | pallas | fast (per op, the faster on the H200) | per op, e.g. "
+                     "kda=pallas,moe_decode=pallas (ling_jax/backends.py)")
     gen.add_argument("--block-size", type=int, default=16, help="decode steps per jitted block")
     gen.add_argument("--ignore-eos", action="store_true", help="always produce --max-new-tokens tokens")
     gen.add_argument("--warmup", type=int, default=1,
