@@ -30,8 +30,8 @@ from ling_jax.params import init_params, is_spec, param_specs
 HBM_TBPS = 4.3  # measured H200 device-to-device copy bandwidth (KINDS.md), bytes read + written
 
 
-def slice_config(layers: int):
-    flash = preset("ling-3.0-flash")
+def slice_config(layers: int, base: str = "ling-3.0-flash"):
+    flash = preset(base)
     start = flash.num_layers - layers  # take the last layers: clamps on, as in the real tail of the stack
     return flash.replace(num_layers=layers, first_k_dense_replace=0, num_mtp_layers=0,
                          expert_swiglu_limits=flash.expert_swiglu_limits[start:],
@@ -80,7 +80,7 @@ def kernels_per_step(params, cfg, backend: str) -> int:
 
 
 def run(args) -> list[dict]:
-    cfg = slice_config(args.layers)
+    cfg = slice_config(args.layers, args.preset)
     dtype = jnp.dtype(args.dtype)
     params = init_params(cfg, jax.random.key(0), dtype, with_mtp=False)
     jax.block_until_ready(params)
@@ -89,7 +89,7 @@ def run(args) -> list[dict]:
     moved = step_bytes(cfg, context)
     total = sum(moved.values())
     floor_us = total / (HBM_TBPS * 1e12) * 1e6
-    full_bytes = sum(step_bytes(preset("ling-3.0-flash"), context).values())
+    full_bytes = sum(step_bytes(preset(args.preset), context).values())
     rows = []
     for backend in args.backends.split(","):
         kwargs = dict(max_new_tokens=args.new_tokens, sampler=Greedy(), backend=backend,
@@ -106,12 +106,14 @@ def run(args) -> list[dict]:
                          kernels_per_step=kernels_per_step(params, cfg, backend),
                          # Extrapolation, not a measurement: the full model at the slice's fraction of the floor.
                          extrapolated_full_tpot_ms=tpot_us * full_bytes / total / 1e3))
+        print(json.dumps(rows[-1]), flush=True)
     return rows, moved
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--preset", default="ling-3.0-flash", help="widths to slice (toy: a CPU smoke run)")
     parser.add_argument("--prompt-len", type=int, default=8192)
     parser.add_argument("--new-tokens", type=int, default=257)
     parser.add_argument("--block-size", type=int, default=16)
