@@ -81,3 +81,19 @@ def test_console_script_entry_point():
     out = subprocess.run([sys.executable, "-m", "ling_jax.cli", "generate", "--help"], capture_output=True,
                          text=True, check=True).stdout
     assert "--max-new-tokens" in out and "--prompt-ids" in out
+
+
+def test_text_prompt_with_tokenizer(tmp_path, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(preset("toy").vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w3"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    args = ["generate", "--preset", "toy", "--prompt", "w5 w9 w11", "--tokenizer", str(tmp_path / "tokenizer.json"),
+            "--max-new-tokens", "4", "--warmup", "0", "--ignore-eos"]
+    code, out, _ = run_cli(args, capsys)
+    assert code == 0 and all(w.startswith("w") for w in out.split()) and len(out.split()) == 4
+    by_ids = json.loads(run_cli(["generate", "--preset", "toy", "--prompt-ids", "5,9,11", "--max-new-tokens", "4",
+                                 "--warmup", "0", "--ignore-eos", "--json"], capsys)[1])
+    assert out.split() == [f"w{t}" for t in by_ids["tokens"]]
