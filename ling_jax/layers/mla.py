@@ -49,10 +49,11 @@ def mla_block(p: dict, x: jnp.ndarray, cache: MLACache, start: jax.Array, cfg: L
         o = mla_ops.mla_prefill_attention(jnp.concatenate([q_nope, q_rope], -1), k, v, scale=scale,
                                           backend=backend)
     else:
-        q_latent = jnp.einsum("bthn,rhn->bthr", q_nope, p["w_k_b"].astype(q_nope.dtype),
-                              preferred_element_type=jnp.float32, precision="highest")
+        q_latent = proj("bthn,rhn->bthr", q_nope, p["w_k_b"], out_dtype=jnp.float32)
         o_latent = mla_ops.mla_decode_attention(q_latent, q_rope, kv, start, scale=scale, backend=backend)
-        o = proj("bthr,rhv->bthv", o_latent, p["w_v_b"].astype(jnp.float32), out_dtype=x.dtype)
+        # Round the latent output to the compute dtype (as the expanded path rounds its probabilities) rather
+        # than casting W_uv up to fp32 on every step.
+        o = proj("bthr,rhv->bthv", o_latent.astype(x.dtype), p["w_v_b"])
 
     gate = jax.nn.sigmoid(proj("btd,dh->bth", x, p["w_gate"]).astype(jnp.float32)).astype(x.dtype)
     o = o * gate[..., None]
