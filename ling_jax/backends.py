@@ -18,8 +18,9 @@ CHOICES = ("reference", "pallas")
 PROFILES = {
     "reference": dict.fromkeys(OPS, "reference"),
     "pallas": {op: "reference" if op in NO_KERNEL else "pallas" for op in OPS},
-    # RESULTS.md, 2026-11-29: MoE layer at T=1 56 us Pallas vs 186 us XLA; MLA decode at L=1k 76 us Pallas, slower
-    # than XLA's fused attention, so the reference stays there until the kernel is reworked.
+    # RESULTS.md, 2026-11-29: MoE layer at T=1 56 us Pallas vs 186 us XLA; KDA + MoE in Pallas halve the TPOT of
+    # a 6-layer slice. The MLA decode kernel takes 73-76 us per call at L=1k-8k (latency-bound, not yet measured
+    # against XLA in isolation), so MLA stays on XLA until the kernel is reworked and compared.
     "fast": {"kda": "pallas", "moe_decode": "pallas", "moe_prefill": "reference", "mla_decode": "reference",
              "mla_prefill": "reference"},
 }
@@ -43,3 +44,18 @@ def resolve(backend: str) -> dict[str, str]:
 
 def op_backend(backend: str, op: str) -> str:
     return resolve(backend)[op]
+
+
+def check_partitioning(params, backend: str) -> None:
+    """Pallas calls are not partitioned for tensor parallelism yet: under multi-device params XLA would
+    all-gather every kernel's weights on every step. Refuse that instead of running it slowly."""
+    if all(choice == "reference" for choice in resolve(backend).values()):
+        return
+    try:
+        devices = params["lm_head"].sharding.device_set
+    except Exception:  # a tracer inside an outer jit: the caller's sharding is not visible here
+        return
+    if len(devices) > 1:
+        raise ValueError(f"backend={backend!r} runs Pallas kernels, which are not partitioned for tensor "
+                         f"parallelism yet (params span {len(devices)} devices; XLA would all-gather the kernels' "
+                         "weights every step); use backend='reference' with sharded params")

@@ -6,7 +6,10 @@
                  KDACache  conv_window [B, W-1, 3, H, K] compute dtype  last W-1 pre-conv q|k|v rows
                            state       [B, H, K, V] float32             delta-rule state
                  MLACache  kv          [B, L, R + P] compute dtype      [normalised c_kv | rotated k_rope]
-      mtp      MLACache | None     the MTP layer's own latent cache
+
+L, the latent cache length, is the requested maximum rounded up to a multiple of CACHE_BUCKET: the Pallas MLA
+kernel tiles L by 16, and bucketing keeps the number of compiled shapes small as prompt lengths vary. The MTP
+layer's cache (`mla_cache`) is passed to `model.mtp_forward` explicitly; it is not part of ModelState yet.
 
 `verify` returns a `StagedState` whose KDA entries hold every position's post-state (`KDAStaged`, design A in
 DESIGN §3) and whose MLA caches already hold all T new positions; `commit(staged, n)` keeps the first n positions
@@ -36,13 +39,19 @@ class MLACache(NamedTuple):
 class ModelState(NamedTuple):
     length: jax.Array  # int32 []
     layers: tuple
-    mtp: MLACache | None = None
 
 
 class StagedState(NamedTuple):
     length: jax.Array  # int32 [], before the verified tokens
     layers: tuple  # KDAStaged | MLACache per layer
-    mtp: MLACache | None = None
+
+
+CACHE_BUCKET = 256
+
+
+def cache_len(max_len: int) -> int:
+    """The latent-cache length allocated for sequences of up to `max_len` tokens."""
+    return -(-max_len // CACHE_BUCKET) * CACHE_BUCKET
 
 
 def kda_cache(cfg: LingConfig, batch: int, dtype) -> KDACache:
@@ -52,29 +61,24 @@ def kda_cache(cfg: LingConfig, batch: int, dtype) -> KDACache:
 
 
 def mla_cache(cfg: LingConfig, batch: int, max_len: int, dtype) -> MLACache:
-    return MLACache(jnp.zeros((batch, max_len, cfg.kv_lora_rank + cfg.qk_rope_head_dim), dtype))
+    return MLACache(jnp.zeros((batch, cache_len(max_len), cfg.kv_lora_rank + cfg.qk_rope_head_dim), dtype))
 
 
-def init_state(cfg: LingConfig, batch: int, max_len: int, dtype, *, with_mtp: bool = False) -> ModelState:
+def init_state(cfg: LingConfig, batch: int, max_len: int, dtype) -> ModelState:
     """Empty caches for sequences of up to `max_len` tokens."""
     if max_len > cfg.max_position_embeddings:
         raise ValueError(f"max_len={max_len} exceeds the model's max_position_embeddings="
                          f"{cfg.max_position_embeddings}; shorten the prompt or the number of new tokens")
     layers = tuple(kda_cache(cfg, batch, dtype) if cfg.mixer_kind(i) == KDA else mla_cache(cfg, batch, max_len, dtype)
                    for i in range(cfg.num_layers))
-    mtp = mla_cache(cfg, batch, max_len, dtype) if with_mtp and cfg.num_mtp_layers else None
-    return ModelState(jnp.zeros((), jnp.int32), layers, mtp)
-
-
-def max_len_of(state: ModelState) -> int:
-    for entry in state.layers:
-        if isinstance(entry, MLACache):
-            return entry.kv.shape[1]
-    raise ValueError("state has no MLA layer, so it has no length limit")
+    return ModelState(jnp.zeros((), jnp.int32), layers)
 
 
 def commit(staged: StagedState, n: jax.Array) -> ModelState:
-    """Keep the first `n` (device int32, 1 <= n <= T) verified positions."""
+    """Keep the first `n` (device int32 scalar, 1 <= n <= T) verified positions; no host read of n."""
     n = jnp.asarray(n, jnp.int32)
+    if n.ndim != 0:
+        raise ValueError(f"n.shape={n.shape}: commit keeps one count for the whole batch (the sequences share "
+                         "one length); pass an int32 scalar")
     layers = tuple(KDACache(*kda_commit(e, n)) if isinstance(e, KDAStaged) else e for e in staged.layers)
-    return ModelState(staged.length + n, layers, staged.mtp)
+    return ModelState(staged.length + n, layers)

@@ -232,6 +232,9 @@ def from_hf(source: str | Path | dict, **overrides: Any) -> LingConfig:
         values[name] = tuple(float(v) for v in (values[name] or ()))
     eos = raw.get("eos_token_id")
     values["eos_token_ids"] = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    rope_params = raw.get("rope_parameters") or {}
+    if "rope_theta" not in raw and "rope_theta" in rope_params:  # transformers' newer layout
+        values["rope_theta"] = rope_params["rope_theta"]
     values.update(overrides)
     try:
         return LingConfig(**values)
@@ -319,7 +322,8 @@ def _tiny() -> LingConfig:
 
 
 def _toy() -> LingConfig:
-    """Flash's structure (5 KDA + 1 MLA groups, dense then MoE, grouped routing, clamps, MTP) at tiny widths."""
+    """Flash's structure at tiny widths: KDA groups closed by MLA (2 + 1 here), dense then MoE, grouped routing,
+    clamps on the last layers, an MTP layer."""
     return LingConfig(
         vocab_size=512, hidden_size=128, num_layers=6, layer_group_size=3, num_heads=4, head_dim=32,
         conv_kernel_size=4, kda_lower_bound=-5.0, q_lora_rank=None, kv_lora_rank=64, qk_nope_head_dim=32,

@@ -21,7 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ling_jax.backends import op_backend, resolve
+from ling_jax.backends import check_partitioning, op_backend, resolve
 from ling_jax.cache import MLACache, ModelState, StagedState, init_state
 from ling_jax.config import KDA, MLA, MOE, LingConfig
 from ling_jax.layers.kda import kda_block
@@ -33,6 +33,17 @@ from ling_jax.layers.norms import rms_norm
 
 def _check_backend(backend: str) -> None:
     resolve(backend)  # raises on an unknown spec
+
+
+def _guarded(jitted):
+    """The jitted forward, after the checks that need concrete params (their sharding)."""
+    @functools.wraps(jitted)
+    def call(params, *args, backend: str = "reference", **kwargs):
+        check_partitioning(params, backend)
+        return jitted(params, *args, backend=backend, **kwargs)
+
+    call.lower = jitted.lower
+    return call
 
 
 def block(p: dict, h: jnp.ndarray, entry, start: jax.Array, cfg: LingConfig, layer: int, *, mixer: str, ffn: str,
@@ -78,13 +89,13 @@ def _check_tokens(tokens: jax.Array, cfg: LingConfig) -> None:
         raise ValueError(f"tokens.dtype={tokens.dtype} must be an integer type")
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_len", "backend", "all_logits", "with_mtp"))
+@_guarded
+@functools.partial(jax.jit, static_argnames=("cfg", "max_len", "backend", "all_logits"))
 def prefill(params: dict, tokens: jax.Array, cfg: LingConfig, *, max_len: int, backend: str = "reference",
-            all_logits: bool = False, with_mtp: bool = False):
+            all_logits: bool = False):
     """Start sequences from `tokens` [B, T] -> (logits [B, T or 1, V], ModelState, hidden [B, T, D]).
 
-    `max_len` sizes the MLA latent caches (prompt + every token to come). With `with_mtp` the state also holds an
-    (empty) MTP-layer cache for speculative decoding.
+    `max_len` sizes the MLA latent caches (prompt + every token to come; rounded up, see cache.cache_len).
     """
     _check_backend(backend)
     _check_tokens(tokens, cfg)
@@ -92,29 +103,38 @@ def prefill(params: dict, tokens: jax.Array, cfg: LingConfig, *, max_len: int, b
     if T > max_len:
         raise ValueError(f"prompt length {T} exceeds max_len={max_len}")
     dtype = params["embed"].dtype
-    state = init_state(cfg, B, max_len, dtype, with_mtp=with_mtp)
+    state = init_state(cfg, B, max_len, dtype)
     logits, hidden, layers = forward(params, tokens, state.layers, state.length, cfg, mode="prefill",
                                      backend=backend, all_logits=all_logits)
-    return logits, ModelState(jnp.asarray(T, jnp.int32), layers, state.mtp), hidden
+    return logits, ModelState(jnp.asarray(T, jnp.int32), layers), hidden
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "backend"), donate_argnames=("state",))
-def decode(params: dict, state: ModelState, token: jax.Array, cfg: LingConfig, *, backend: str = "reference"):
-    """One token per sequence, token [B] -> (logits [B, V], ModelState, hidden [B, D])."""
-    _check_backend(backend)
+def decode_step(params: dict, state: ModelState, token: jax.Array, cfg: LingConfig, *, backend: str):
+    """`decode` without its jit: what the engine's decode loop calls inside its own jitted block."""
     logits, hidden, layers = forward(params, token[:, None], state.layers, state.length, cfg, mode="decode",
                                      backend=backend)
-    return logits[:, 0], ModelState(state.length + 1, layers, state.mtp), hidden[:, 0]
+    return logits[:, 0], ModelState(state.length + 1, layers), hidden[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "backend"))
+@_guarded
+@functools.partial(jax.jit, static_argnames=("cfg", "backend"), donate_argnames=("state",))
+def decode(params: dict, state: ModelState, token: jax.Array, cfg: LingConfig, *, backend: str = "reference"):
+    """One token per sequence, token [B] -> (logits [B, V], ModelState, hidden [B, D]). `state` is donated."""
+    _check_backend(backend)
+    return decode_step(params, state, token, cfg, backend=backend)
+
+
+@_guarded
+@functools.partial(jax.jit, static_argnames=("cfg", "backend"), donate_argnames=("state",))
 def verify(params: dict, state: ModelState, tokens: jax.Array, cfg: LingConfig, *, backend: str = "reference"):
-    """tokens [B, T] from `state` -> (logits [B, T, V], StagedState, hidden [B, T, D]); commit with cache.commit."""
+    """tokens [B, T] from `state` -> (logits [B, T, V], StagedState, hidden [B, T, D]); commit with cache.commit.
+
+    `state` is donated: the MLA caches are updated in place and the staged state replaces it."""
     _check_backend(backend)
     _check_tokens(tokens, cfg)
     logits, hidden, layers = forward(params, tokens, state.layers, state.length, cfg, mode="verify",
                                      backend=backend)
-    return logits, StagedState(state.length, layers, state.mtp), hidden
+    return logits, StagedState(state.length, layers), hidden
 
 
 def mtp_forward(params: dict, hidden: jax.Array, next_tokens: jax.Array, cache: MLACache, start: jax.Array,
@@ -122,8 +142,9 @@ def mtp_forward(params: dict, hidden: jax.Array, next_tokens: jax.Array, cache: 
     """The NextN layer (SPEC §4) for tokens at positions start..start+T-1.
 
     hidden [B, T, D]: the main model's final-normed hidden state at each position i; next_tokens [B, T]: the token
-    at i + 1. Returns (logits [B, T, V] f32 predicting the token at i + 2, the layer's output before its final norm
-    [B, T, D] (fed to the next chained draft step), MLACache).
+    at i + 1. Returns (logits [B, T, V] f32 predicting the token at i + 2, the layer's final-normed output
+    [B, T, D] (what a chained draft step feeds back as `hidden`, as the main model feeds its normed state), and
+    the MLACache with these positions written).
     """
     if "mtp" not in params:
         raise ValueError("params have no 'mtp' entry: this config/checkpoint has no MTP layer "
@@ -136,4 +157,4 @@ def mtp_forward(params: dict, hidden: jax.Array, next_tokens: jax.Array, cache: 
     u, cache = block(p["layer"], u, cache, start, cfg, cfg.num_layers, mixer=MLA, ffn=MOE, mode=mode,
                      backend=backend)
     out = rms_norm(u, p["final_norm"], eps)
-    return proj("btd,dv->btv", out, params["lm_head"]).astype(jnp.float32), u, cache
+    return proj("btd,dv->btv", out, params["lm_head"]).astype(jnp.float32), out, cache

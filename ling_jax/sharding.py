@@ -68,4 +68,4 @@ def state_shardings(state: ModelState, mesh: Mesh) -> ModelState:
         assert isinstance(e, MLACache)
         return MLACache(rep)
 
-    return ModelState(rep, tuple(entry(e) for e in state.layers), None if state.mtp is None else MLACache(rep))
+    return ModelState(rep, tuple(entry(e) for e in state.layers))

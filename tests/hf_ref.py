@@ -54,6 +54,10 @@ class SmallConfig:
     n_group: int
     topk_group: int
     num_experts_per_tok: int
+    rope_theta: float = 6_000_000.0
+    rms_norm_eps: float = 1e-6
+    kda_lower_bound: float = -5.0
+    routed_scaling_factor: float = 2.5
     hidden_size: int = 64
     num_attention_heads: int = 4
     head_dim: int = 16  # KDA head dim; deliberately != qk_rope_head_dim (transformers overwrites head_dim)
@@ -77,8 +81,10 @@ class SmallConfig:
 CONFIGS = [
     SmallConfig("g2-qnull-dense1-e16g4", num_hidden_layers=4, layer_group_size=2, q_lora_rank=None,
                 first_k_dense_replace=1, num_local_experts=16, n_group=4, topk_group=2, num_experts_per_tok=3),
+    # Non-default theta, eps, gate bound and routed scale: a key that from_hf silently defaulted would show here.
     SmallConfig("g3-qlora24-dense0-e24g3", num_hidden_layers=6, layer_group_size=3, q_lora_rank=24,
-                first_k_dense_replace=0, num_local_experts=24, n_group=3, topk_group=2, num_experts_per_tok=4),
+                first_k_dense_replace=0, num_local_experts=24, n_group=3, topk_group=2, num_experts_per_tok=4,
+                rope_theta=10_000.0, rms_norm_eps=1e-5, kda_lower_bound=-3.0, routed_scaling_factor=1.7),
     SmallConfig("g4-qnull-dense2-e32g8", num_hidden_layers=4, layer_group_size=4, q_lora_rank=None,
                 first_k_dense_replace=2, num_local_experts=32, n_group=8, topk_group=4, num_experts_per_tok=6,
                 num_attention_heads=2, head_dim=32),

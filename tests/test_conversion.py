@@ -21,7 +21,7 @@ from safetensors.numpy import load_file, save_file
 
 from conversion import CheckpointError, convert, hf, load_hf, load_params, save_params, synthetic, write_synthetic
 from conversion.load import INDEX_NAME
-from hf_ref import MOD
+from tests.hf_ref import MOD
 from ling_jax.config import ConfigError, from_hf, preset, to_hf_dict
 from ling_jax.params import abstract_params, is_spec, param_specs
 

@@ -7,7 +7,6 @@ layout gives O(1e-1)). bfloat16 weights: 2e-2, the size of a few bf16 roundings 
 The prompt is 100 tokens, not a multiple of 64, so the reference's chunked KDA path runs with a padded chunk.
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

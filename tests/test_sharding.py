@@ -45,3 +45,12 @@ def test_bad_device_counts_are_named():
             param_shardings(cfg, make_mesh(3))
     with pytest.raises(ValueError, match="more than once"):
         logical_to_spec(("heads", "ffn"))
+
+
+@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (tests/conftest.py sets jax_num_cpu_devices)")
+def test_pallas_backends_refuse_sharded_params():
+    cfg = preset("toy")
+    params = init_params(cfg, jax.random.key(0), jnp.float32, with_mtp=False)
+    sharded = jax.device_put(params, param_shardings(cfg, make_mesh(4), with_mtp=False))
+    with pytest.raises(ValueError, match="not partitioned for tensor parallelism"):
+        model.prefill(sharded, jnp.zeros((1, 4), jnp.int32), cfg, max_len=8, backend="fast")

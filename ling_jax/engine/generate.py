@@ -24,10 +24,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ling_jax.cache import ModelState
+from ling_jax.backends import check_partitioning, resolve
+from ling_jax.cache import ModelState, cache_len
 from ling_jax.config import LingConfig
-from ling_jax.backends import resolve
-from ling_jax.model import forward, prefill
+from ling_jax.model import decode_step as model_decode_step
+from ling_jax.model import prefill
 
 
 class LoopState(NamedTuple):
@@ -41,16 +42,18 @@ class LoopState(NamedTuple):
 class GenerateResult:
     tokens: list[list[int]]  # new tokens per sequence, cut after the first EOS (kept) unless ignore_eos
     ttft_s: float  # prefill + first token on the host
-    decode_s: float  # every later token, dispatch to last block on the host
-    steps: int  # decode steps run (excluding the prefill token)
+    decode_s: float  # from the first token on the host to the last block's tokens on the host
+    steps: int  # decode steps run in that time (whole blocks; may exceed the tokens kept)
 
     @property
     def tpot_s(self) -> float:
+        """Time per decode step (SGLang's TPOT when every step yields a kept token)."""
         return self.decode_s / max(self.steps, 1)
 
     @property
     def tokens_per_s(self) -> float:
-        return (self.steps + 1) / (self.ttft_s + self.decode_s)
+        """Kept tokens of the first sequence over the whole wall time."""
+        return len(self.tokens[0]) / (self.ttft_s + self.decode_s)
 
 
 def _mask_eos(token: jax.Array, done: jax.Array, eos: jax.Array, pad_id: int):
@@ -70,13 +73,11 @@ def start(params, prompt, key, eos, cfg: LingConfig, sampler, *, max_len: int, b
 
 def decode_step(params, loop: LoopState, eos, cfg: LingConfig, sampler, *, backend: str, pad_id: int):
     """Feed `loop.last`, sample the next token -> (LoopState, token [B])."""
-    model = loop.model
-    logits, _, layers = forward(params, loop.last[:, None], model.layers, model.length, cfg, mode="decode",
-                                backend=backend)
+    logits, model, _ = model_decode_step(params, loop.model, loop.last, cfg, backend=backend)
     key, sub = jax.random.split(loop.key)
-    token = sampler.sample(logits[:, 0], sub)
+    token = sampler.sample(logits, sub)
     token, done = _mask_eos(token, loop.done, eos, pad_id)
-    return LoopState(ModelState(model.length + 1, layers, model.mtp), token, done, key), token
+    return LoopState(model, token, done, key), token
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sampler", "steps", "backend", "pad_id"),
@@ -99,6 +100,7 @@ def generate(params, cfg: LingConfig, prompt, *, max_new_tokens: int, sampler, s
              backend: str = "reference", block_size: int = 16, ignore_eos: bool = False) -> GenerateResult:
     """prompt: [B, T] ints (host) -> GenerateResult. Times come from host clocks around blocking reads."""
     resolve(backend)  # raises on an unknown backend spec
+    check_partitioning(params, backend)
     prompt = np.asarray(prompt, np.int32)
     if prompt.ndim != 2 or prompt.shape[1] == 0:
         raise ValueError(f"prompt shape {prompt.shape} must be [batch, T] with T >= 1")
@@ -109,7 +111,8 @@ def generate(params, cfg: LingConfig, prompt, *, max_new_tokens: int, sampler, s
     if block_size < 1:
         raise ValueError(f"block_size={block_size} must be >= 1")
     n_blocks = -(-(max_new_tokens - 1) // block_size)
-    max_len = prompt.shape[1] + 1 + n_blocks * block_size
+    # Bucketed, so prompts of similar length share compiled executables.
+    max_len = cache_len(prompt.shape[1] + 1 + n_blocks * block_size)
     pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
     eos = jnp.asarray([] if ignore_eos else cfg.eos_token_ids, jnp.int32)
     prompt_dev, key = jnp.asarray(prompt), jax.random.key(seed)
@@ -136,8 +139,7 @@ def generate(params, cfg: LingConfig, prompt, *, max_new_tokens: int, sampler, s
         t2 = time.perf_counter()
 
     tokens = np.concatenate(chunks, axis=1)[:, :max_new_tokens]
-    return GenerateResult(_cut_after_eos(tokens, cfg.eos_token_ids, ignore_eos), t1 - t0, t2 - t1,
-                          min(steps, max_new_tokens - 1))
+    return GenerateResult(_cut_after_eos(tokens, cfg.eos_token_ids, ignore_eos), t1 - t0, t2 - t1, steps)
 
 
 def _collect(pending, chunks: list, ignore_eos: bool) -> bool:

@@ -5,7 +5,6 @@ the gated-RMSNorm output comes back. So a fused decode kernel (conv + L2 norm + 
 chunked prefill can replace the reference one mode at a time.
 """
 
-import jax
 import jax.numpy as jnp
 
 from ling_jax.cache import KDACache

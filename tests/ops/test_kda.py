@@ -1,8 +1,8 @@
 """KDA ops: reference vs fla's pure-torch naive code, then dispatch (reference and Pallas) vs the reference.
 
 Inputs are fresh random draws every run (the seed is printed in each failure message). Comparisons use the
-relative error ||a - b|| / ||b||. On CPU the Pallas kernels run in interpret mode, so CI tests them; set
-KDA_COMPILED=1 on a GPU to run the same suite compiled.
+relative error ||a - b|| / ||b||. On CPU the Pallas kernels run in interpret mode, so CI tests them; on a GPU
+the same suite runs them compiled.
 """
 
 import numpy as np
