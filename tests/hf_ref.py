@@ -15,6 +15,8 @@ import sys
 import numpy as np
 import torch
 
+from tests.numerics import rel_err  # noqa: F401  (re-exported for the parity tests)
+
 
 def import_reference_model():
     saved = sys.modules.get("fla", "absent")
@@ -132,7 +134,3 @@ def logits64(model64, ids: np.ndarray) -> np.ndarray:
     with torch.no_grad():
         return model64(torch.as_tensor(ids, dtype=torch.long)).logits.double().numpy()
 
-
-def rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))

@@ -15,14 +15,12 @@ from ling_jax.engine.sampling import Greedy, TopP, make_sampler
 from ling_jax.layers.moe import moe_block
 from ling_jax.params import init_params
 
+from tests.numerics import rel_err as rel
+
 # Different code paths (chunked vs recurrent KDA, expanded vs absorbed MLA) agree to fp32 rounding: measured
 # ~1e-6 relative on the toy config; 1e-5 leaves room for the accumulation order of other XLA versions.
 TOL_F32 = 1e-5
 
-
-def rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 @pytest.fixture(scope="module")
@@ -240,3 +238,12 @@ def test_bad_backend_specs_are_named(toy, spec, message):
     cfg, params = toy
     with pytest.raises(ValueError, match=re.escape(message)):
         model.prefill(params, jnp.zeros((1, 4), jnp.int32), cfg, max_len=8, backend=spec)
+
+
+def test_generate_with_kernels_at_an_odd_prompt_length(toy):
+    """Cache lengths are bucketed, so the Pallas MLA kernel's tiling holds for any prompt (here 13 + 5)."""
+    cfg, params = toy
+    prompt = [[5, 9, 11, 3, 200, 17, 8, 99, 4, 61, 7, 300, 12]]
+    kw = dict(max_new_tokens=5, sampler=Greedy(), block_size=2, ignore_eos=True)
+    ref = G.generate(params, cfg, prompt, backend="reference", **kw)
+    assert G.generate(params, cfg, prompt, backend="pallas", **kw).tokens == ref.tokens

@@ -8,12 +8,10 @@ import pytest
 from ling_jax import model
 from ling_jax.config import preset
 from ling_jax.params import init_params
+
+from tests.numerics import rel_err as rel
 from ling_jax.sharding import logical_to_spec, make_mesh, param_shardings, state_shardings
 
-
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 @pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (tests/conftest.py sets jax_num_cpu_devices)")

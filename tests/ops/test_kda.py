@@ -20,14 +20,10 @@ jax.config.update("jax_default_matmul_precision", "highest")
 from fla.ops.kda.gate import naive_kda_lowerbound_gate  # noqa: E402
 from fla.ops.kda.naive import naive_chunk_kda, naive_recurrent_kda  # noqa: E402
 
+from tests.numerics import rel_err  # noqa: E402
+
 W = 4
 
-
-def rel_err(a, b):
-    a = np.asarray(jnp.asarray(a, jnp.float32), np.float64)
-    b = np.asarray(jnp.asarray(b, jnp.float32), np.float64)
-    assert np.isfinite(a).all(), "non-finite values in the tested output"
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def fresh_seed():

@@ -10,15 +10,12 @@ import torch
 import jax
 import jax.numpy as jnp
 
+from tests.numerics import rel_err
 from pallas_kernels import mla
 
 POISON = [np.nan, 1e30]
 
 
-def rel_err(got, want):
-    """max |got - want| / max |want|: the error measure every tolerance in this file refers to."""
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
 
 
 def _decode_case(seed, *, b, t, h, length, start, r=64, p=16, dn=32, dv=32, poison=np.nan):

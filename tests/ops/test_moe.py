@@ -9,13 +9,10 @@ import pytest
 import jax
 import jax.numpy as jnp
 
+from tests.numerics import rel_err
 from pallas_kernels import moe
 from pallas_kernels.moe import reference
 
-def rel_err(got, want):
-    """max |got - want| / max |want|: the error measure every tolerance in this file refers to."""
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
 
 
 ROUTE_KW = dict(n_group=8, topk_group=4, top_k=8, routed_scaling_factor=2.5)
