@@ -17,7 +17,6 @@ import math
 import struct
 import zlib
 from pathlib import Path
-from typing import Iterator
 
 import jax.numpy as jnp
 import numpy as np
@@ -72,14 +71,6 @@ def synthetic_tensor(entry: hf.Entry, index: int, *, seed: int = 0, dtype="bfloa
     x = entry.transform.to_hf(xs)
     assert x.shape == entry.hf_shape, (name, x.shape, entry.hf_shape)
     return np.ascontiguousarray(x.astype(_stored_dtype(entry, dtype)))
-
-
-def synthetic_tensors(cfg: LingConfig, *, seed: int = 0, dtype="bfloat16",
-                      with_mtp: bool = True) -> Iterator[tuple[str, np.ndarray]]:
-    """Every tensor of the synthetic checkpoint, one at a time, in file order."""
-    for entry in hf.plan(cfg, with_mtp=with_mtp):
-        for i in range(len(entry.sources)):
-            yield entry.names[i], synthetic_tensor(entry, i, seed=seed, dtype=dtype)
 
 
 def shard_plan(cfg: LingConfig, *, dtype="bfloat16", max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,

@@ -27,17 +27,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.common.interpret import interpret_mode
+from pallas_kernels.common.sizes import is_pow2
 from pallas_kernels.kda import reference
 
 BC = 16  # sub-block rows; also Triton's minimum dot dimension
-
-
-def _pow2(x):
-    return x > 0 and (x & (x - 1)) == 0
-
-
-def _interpret():
-    return jax.default_backend() == "cpu"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +48,7 @@ class ChunkConfig:
     dot: str = "auto"
 
     def __post_init__(self):
-        if not _pow2(self.BV) or self.BV < 16:
+        if not is_pow2(self.BV) or self.BV < 16:
             raise ValueError(f"{self.BV=} must be a power of two >= 16")
         if self.dot not in ("auto", "tf32x3", "ieee", "tf32", "bf16"):
             raise ValueError(f"{self.dot=} must be auto, tf32x3, ieee, tf32 or bf16")
@@ -65,7 +59,7 @@ DEFAULT = ChunkConfig()
 
 def _make_dot(kind):
     """2-D dot with fp32 result. kind "bf16" rounds operands to bf16 first."""
-    if _interpret():
+    if interpret_mode():
         prec, cast = lax.Precision.HIGHEST, jnp.float32
     else:
         prec, cast = {
@@ -267,7 +261,7 @@ def prefill(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, 
     B, T, _, H, K = qkv.shape
     V = K
     C = chunk_size
-    if C % BC or not _pow2(C):
+    if C % BC or not is_pow2(C):
         raise ValueError(f"{chunk_size=} must be a power of two multiple of {BC}")
     NT = -(-T // C)
     dtype = qkv.dtype
@@ -283,7 +277,7 @@ def prefill(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, 
         out_shape=[sds((B, TP, H, K), store_dt), sds((B, TP, H, V), store_dt), sds((B, TP, H, K), store_dt),
                    sds((B, TP, H, K), store_dt), sds((B, NT, H, C, C), store_dt), sds((B, NT, H, K), jnp.float32)],
         grid=(B, H, NT),
-        interpret=_interpret(),
+        interpret=interpret_mode(),
         name="kda_chunk_intra",
         compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps_intra, num_stages=1),
     )(y_conv, f, b, A_log, dt_bias)
@@ -295,7 +289,7 @@ def prefill(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, 
                           dot=dot),
         out_shape=[sds((B, T, H, V), dtype), sds((B, H, K, V), jnp.float32)],
         grid=(B, H, V // BV),
-        interpret=_interpret(),
+        interpret=interpret_mode(),
         name="kda_chunk_h",
         compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps_h, num_stages=cfg.num_stages_h),
     )(w, u, qg, kg, aqk, gc, state, z, o_norm_w)

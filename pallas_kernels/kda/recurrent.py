@@ -20,11 +20,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.common.interpret import interpret_mode
+from pallas_kernels.common.sizes import is_pow2
 from pallas_kernels.kda import reference
-
-
-def _pow2(x):
-    return x > 0 and (x & (x - 1)) == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,9 +33,9 @@ class RecurrentConfig:
     num_stages: int = 1
 
     def __post_init__(self):
-        if not _pow2(self.BV) or self.BV < 16:
+        if not is_pow2(self.BV) or self.BV < 16:
             raise ValueError(f"{self.BV=} must be a power of two >= 16")
-        if not _pow2(self.num_warps):
+        if not is_pow2(self.num_warps):
             raise ValueError(f"{self.num_warps=} must be a power of two")
 
 
@@ -45,10 +43,6 @@ class RecurrentConfig:
 # 10.8 µs per layer against 14.9 (BV=32, 4 warps), 15.2 (BV=64, 4) and 20.6 (BV=128 with the norm fused, 8).
 DEFAULT_DECODE = RecurrentConfig(BV=16, num_warps=2)
 DEFAULT_VERIFY = RecurrentConfig(BV=16, num_warps=2)
-
-
-def _interpret():
-    return jax.default_backend() == "cpu"
 
 
 def _silu(x):
@@ -63,7 +57,7 @@ def delta_step(b_h, b_k, b_v, b_g, b_beta):
     kernels, so the step is fenced with optimization barriers there; Triton has no such primitive and
     compiles the identical op sequence on identical tile layouts.
     """
-    fence = lax.optimization_barrier if _interpret() else (lambda x: x)
+    fence = lax.optimization_barrier if interpret_mode() else (lambda x: x)
     b_h, b_k, b_v, b_g, b_beta = fence((b_h, b_k, b_v, b_g, b_beta))
     b_h = b_h * jnp.exp(b_g)[:, None]
     b_kh = jnp.sum(b_k[:, None] * b_h, axis=0)  # [BV]
@@ -228,7 +222,7 @@ def _recurrent_call(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_
         out_shape=out_shape,
         grid=(B, H, NV),
         input_output_aliases=aliases,
-        interpret=_interpret(),
+        interpret=interpret_mode(),
         name=f"kda_recurrent_{mode}",
         compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
     )(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w)
@@ -271,7 +265,7 @@ def replay(state0, k, v, g, beta, n, *, cfg=DEFAULT_VERIFY):
         functools.partial(replay_kda_fwd_kernel, T=T, BV=BV),
         out_shape=jax.ShapeDtypeStruct(state0.shape, jnp.float32),
         grid=(B, H, V // BV),
-        interpret=_interpret(),
+        interpret=interpret_mode(),
         name="kda_replay",
         compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
     )(n, state0, k, v, g, beta[..., None])

@@ -31,6 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.common import interpret_mode
+from pallas_kernels.common.sizes import next_pow2
 
 MAX_TOKENS = 64  # beyond this, ownership checks over T·K ids in every program stop paying: use the reference
 
@@ -52,10 +53,6 @@ class ExpertsTuning:
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"ExpertsTuning.{name}={v} must be a power of two >= 16")
-
-
-def _pow2(n):
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _dot(a, b):
@@ -187,7 +184,7 @@ def moe_experts_fused(x, weights, ids, we_gate, we_up, we_down, ws_gate, ws_up, 
     bki = min(tuning.block_ki, i & -i)
     if min(bi, bk, bd, bki) < 16:
         raise ValueError(f"the Pallas experts kernel needs D={d} and I={i} divisible by 16")
-    tp = max(16, _pow2(n))
+    tp = max(16, next_pow2(n))
     if n > 1 and tp != n:
         x = jnp.pad(x, ((0, tp - n), (0, 0)))
         ids = jnp.pad(ids, ((0, tp - n), (0, 0)), constant_values=-1)

@@ -24,6 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.common import interpret_mode
+from pallas_kernels.common.sizes import next_pow2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,10 +42,6 @@ class RouterTuning:
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"RouterTuning.{name}={v} must be a power of two")
-
-
-def _pow2(n):
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def router_fwd_kernel_gemv(x_ref, w_ref, p_ref, *, BK, n_chunks):
@@ -128,7 +125,7 @@ def route(x, router, expert_bias, *, n_group, topk_group, top_k, routed_scaling_
     bk = min(tuning.block_k, (d // ks) & -(d // ks))
     if bk < 16:
         raise ValueError(f"the Pallas router needs D={d} divisible by 16")
-    bn = 1 if n == 1 else min(tuning.block_n, max(16, _pow2(n)))
+    bn = 1 if n == 1 else min(tuning.block_n, max(16, next_pow2(n)))
     n_pad = -(-n // bn) * bn
     xp = x if n_pad == n else jnp.pad(x, ((0, n_pad - n), (0, 0)))
     interpret = interpret_mode()

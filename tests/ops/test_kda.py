@@ -354,8 +354,8 @@ def test_triton_lowering():
     _, staged = recurrent.verify(*layer_inputs(0, 1, 6, 4, 128), store="inputs")
     lower = lambda f, *a: jax.jit(f).trace(*a).lower(lowering_platforms=("cuda",))
     with mock.patch.object(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: h100), \
-            mock.patch.object(recurrent, "_interpret", lambda: False), \
-            mock.patch.object(chunk, "_interpret", lambda: False):
+            mock.patch.object(recurrent, "interpret_mode", lambda: False), \
+            mock.patch.object(chunk, "interpret_mode", lambda: False):
         for dtype in (jnp.float32, jnp.bfloat16):
             a1 = layer_inputs(0, 1, 1, 4, 128, dtype)
             a6 = layer_inputs(0, 1, 6, 4, 128, dtype)
