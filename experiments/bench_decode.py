@@ -22,12 +22,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench_common import HBM_BYTES_PER_S
 from ling_jax.config import KDA, MOE, preset
 from ling_jax.engine import generate as G
 from ling_jax.engine.sampling import Greedy
 from ling_jax.params import init_params, is_spec, param_specs
 
-HBM_TBPS = 4.3  # measured H200 device-to-device copy bandwidth (KINDS.md), bytes read + written
 
 
 def slice_config(layers: int, base: str = "ling-3.0-flash"):
@@ -88,7 +88,7 @@ def run(args) -> list[dict]:
     context = args.prompt_len + args.new_tokens
     moved = step_bytes(cfg, context)
     total = sum(moved.values())
-    floor_us = total / (HBM_TBPS * 1e12) * 1e6
+    floor_us = total / HBM_BYTES_PER_S * 1e6
     full_bytes = sum(step_bytes(preset(args.preset), context).values())
     rows = []
     for backend in args.backends.split(","):

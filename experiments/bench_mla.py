@@ -11,8 +11,6 @@ The cache is full: start = L - T, so all L positions are valid and read. Floor b
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -22,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
+from bench_common import print_table, write_results  # noqa: E402
 from bench_moe import HBM, rel_err, time_per_call  # noqa: E402
 
 from pallas_kernels import mla  # noqa: E402
@@ -93,15 +92,8 @@ def main(argv=None):
                 print(f"mla L={length:6d} T={t} {backend:9s} {us:8.2f} µs (±{sp:.2f}) floor {r['floor_us']:6.2f} µs "
                       f"{gbs:7.0f} GB/s {r['pct_of_4p3TBps']:5.1f}% {r['note']}", flush=True)
         del caches
-    out_dirs = [Path(__file__).parent / "results"] + ([Path(os.environ["OUT"])] if os.environ.get("OUT") else [])
-    for d in out_dirs:
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "bench_mla.json").write_text(json.dumps(results, indent=1))
-    print("\n| L | T | backend | µs | floor µs | GB/s | % of 4.3 TB/s | note |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in results["rows"]:
-        print(f"| {r['L']} | {r['T']} | {r['backend']} | {r['us']} | {r['floor_us']} | {r['GBps']} | "
-              f"{r['pct_of_4p3TBps']} | {r['note']} |")
+    write_results("bench_mla.json", results, to_repo=not args.toy)
+    print_table(results["rows"], ["L", "T", "backend", "us", "floor_us", "GBps", "pct_of_4p3TBps", "note"])
     print(f"total bench time {time.time() - t_start:.0f}s")
 
 

@@ -17,18 +17,15 @@ Bytes: router fp32 D·E·4 + (distinct experts + shared) · 3·D·I·2; % of 4.3
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench_common import HBM_BYTES_PER_S, print_table, write_results
 from pallas_kernels import moe
 from pallas_kernels.moe.experts import ExpertsTuning, moe_experts_fused
 from pallas_kernels.moe.router import RouterTuning
@@ -36,7 +33,7 @@ from pallas_kernels.moe import router as router_mod
 
 D, E, I, K = 2560, 512, 768, 8
 ROUTE_KW = dict(n_group=8, topk_group=4, top_k=K, routed_scaling_factor=2.5)
-HBM = 4.3e12
+HBM = HBM_BYTES_PER_S
 LIMIT, SHARED_LIMIT = 4.0, 5.0  # layer 35's clamps (both clamps on: the costlier epilogue)
 
 
@@ -230,15 +227,9 @@ def main(argv=None):
         layers, lambda i: (x_for(1, i),), n1, reps, args.iters)
     row("router", "reference", 1, us, sp, D * E * 4, 0)
 
-    out_dirs = [Path(__file__).parent / "results"] + ([Path(os.environ["OUT"])] if os.environ.get("OUT") else [])
-    for d in out_dirs:
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "bench_moe.json").write_text(json.dumps(results, indent=1))
-    print(f"\n| kind | backend | T | µs | floor µs | GB/s | % of 4.3 TB/s | distinct | note |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in results["rows"]:
-        print(f"| {r['kind']} | {r['backend']} | {r['T']} | {r['us']} | {r['floor_us']} | {r['GBps']} | "
-              f"{r['pct_of_4p3TBps']} | {r['distinct_experts']} | {r['note']} |")
+    write_results("bench_moe.json", results, to_repo=not args.toy)
+    print_table(results["rows"], ["kind", "backend", "T", "us", "floor_us", "GBps", "pct_of_4p3TBps",
+                                  "distinct_experts", "note"])
     print(f"total bench time {time.time() - t_start:.0f}s")
 
 
