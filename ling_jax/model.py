@@ -10,7 +10,7 @@ lm_head. The mode only picks how the mixers use their caches:
 
 Einsum letters: b batch, t tokens, d hidden, h heads, k/v KDA head dims, r kv_lora_rank, n/e MLA head dims,
 i intermediate, c latent + rope. The compute dtype is the dtype of `params["embed"]`; logits come back as float32.
-`backend` selects the implementation of each op in pallas_kernels: "reference", "pallas", or per op
+`backend` selects the implementation of each op in pallas_kernels: "reference", "pallas", "fast", or per op
 (ling_jax/backends.py).
 """
 
@@ -30,6 +30,7 @@ from ling_jax.layers.mla import mla_block
 from ling_jax.layers.mlp import dense_mlp
 from ling_jax.layers.moe import moe_block
 from ling_jax.layers.norms import rms_norm
+
 
 def _check_backend(backend: str) -> None:
     resolve(backend)  # raises on an unknown spec
