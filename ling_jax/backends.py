@@ -47,15 +47,17 @@ def op_backend(backend: str, op: str) -> str:
 
 
 def check_partitioning(params, backend: str) -> None:
-    """Pallas calls are not partitioned for tensor parallelism yet: under multi-device params XLA would
-    all-gather every kernel's weights on every step. Refuse that instead of running it slowly."""
+    """Pallas calls are opaque to XLA's partitioner: sharded params need the mesh in context, so the layers can
+    run each kernel per shard (`ling_jax.sharding.per_shard`) instead of XLA all-gathering its weights."""
     if all(choice == "reference" for choice in resolve(backend).values()):
         return
     try:
         devices = params["lm_head"].sharding.device_set
     except Exception:  # a tracer inside an outer jit: the caller's sharding is not visible here
         return
-    if len(devices) > 1:
-        raise ValueError(f"backend={backend!r} runs Pallas kernels, which are not partitioned for tensor "
-                         f"parallelism yet (params span {len(devices)} devices; XLA would all-gather the kernels' "
-                         "weights every step); use backend='reference' with sharded params")
+    from ling_jax.sharding import tp_size
+
+    if len(devices) > 1 and tp_size() != len(devices):
+        raise ValueError(f"backend={backend!r} runs Pallas kernels on params sharded over {len(devices)} devices; "
+                         f"run under `with jax.set_mesh(mesh):` (a mesh whose 'tp' axis spans those devices) so "
+                         "each kernel runs per shard, or use backend='reference'")

@@ -3,6 +3,10 @@
 Column-parallel by head (KDA q/k/v/f/g/b, MLA q, kv_b, gate) and by intermediate (dense, shared and every
 expert's gate/up: all experts on every device, so batch-1 load stays balanced); row-parallel for o_proj/dense and
 the down projections, where XLA inserts the all-reduce. lm_head is split by vocab. Activations are replicated.
+
+XLA partitions the reference ops itself. A Pallas call is opaque to it, so the layers run each kernel per shard
+through `per_shard` (a `shard_map` over the context mesh's `tp` axis): run sharded models under
+`with jax.set_mesh(mesh):`.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ling_jax.cache import KDACache, MLACache, ModelState
 from ling_jax.config import LingConfig
 from ling_jax.params import is_spec, param_specs
+
+TP = "tp"
 
 RULES: dict[str, str | None] = {
     "heads": "tp",
@@ -69,3 +75,18 @@ def state_shardings(state: ModelState, mesh: Mesh) -> ModelState:
         return MLACache(rep)
 
     return ModelState(rep, tuple(entry(e) for e in state.layers))
+
+
+def tp_size() -> int:
+    """Size of the context mesh's `tp` axis (0 outside any mesh)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 0 if mesh.empty or TP not in mesh.axis_names else mesh.shape[TP]
+
+
+def per_shard(fn, in_specs, out_specs, *, sum_outputs: bool = False):
+    """`fn` run on each device's shard over the context mesh's `tp` axis (its outputs summed across the axis with
+    `sum_outputs`, for row-parallel partial results); `fn` itself without such a mesh."""
+    if tp_size() <= 1:
+        return fn
+    body = (lambda *args: jax.lax.psum(fn(*args), TP)) if sum_outputs else fn
+    return jax.shard_map(body, in_specs=in_specs, out_specs=out_specs, check_vma=False)

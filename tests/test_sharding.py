@@ -44,10 +44,39 @@ def test_bad_device_counts_are_named():
         logical_to_spec(("heads", "ffn"))
 
 
-@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (tests/conftest.py sets jax_num_cpu_devices)")
-def test_pallas_backends_refuse_sharded_params():
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices (tests/conftest.py sets jax_num_cpu_devices)")
+def test_pallas_kernels_run_per_shard():
+    """TP2 with every Pallas kernel: the logits of one device, and no weight all-gathered around a kernel."""
+    import re
+
+    from ling_jax.cache import commit
+    from ling_jax.engine import generate as G
+    from ling_jax.engine.sampling import Greedy
+
     cfg = preset("toy")
     params = init_params(cfg, jax.random.key(0), jnp.float32, with_mtp=False)
-    sharded = jax.device_put(params, param_shardings(cfg, make_mesh(4), with_mtp=False))
-    with pytest.raises(ValueError, match="not partitioned for tensor parallelism"):
-        model.prefill(sharded, jnp.zeros((1, 4), jnp.int32), cfg, max_len=8, backend="fast")
+    tokens = jax.random.randint(jax.random.key(1), (1, 45), 0, cfg.vocab_size)
+    ref_logits, _, _ = model.prefill(params, tokens, cfg, max_len=64, all_logits=True)
+
+    mesh = make_mesh(2)
+    sharded = jax.device_put(params, param_shardings(cfg, mesh, with_mtp=False))
+    with pytest.raises(ValueError, match="jax.set_mesh"):
+        model.prefill(sharded, tokens, cfg, max_len=64, backend="pallas")
+    with jax.set_mesh(mesh):
+        logits, state, _ = model.prefill(sharded, tokens[:, :40], cfg, max_len=64, all_logits=True, backend="pallas")
+        assert rel(logits, ref_logits[:, :40]) < 1e-5
+        step, state, _ = model.decode(sharded, state, tokens[:, 40], cfg, backend="pallas")
+        assert rel(step, ref_logits[:, 40]) < 1e-5
+        v_logits, staged, _ = model.verify(sharded, state, tokens[:, 41:45], cfg, backend="pallas")
+        assert rel(v_logits, ref_logits[:, 41:45]) < 1e-5
+        assert int(commit(staged, jnp.int32(4)).length) == 45
+
+        def gathers(backend):
+            eos = jnp.zeros((0,), jnp.int32)
+            loop, _ = G.start(sharded, tokens[:, :8], jax.random.key(0), eos, cfg, Greedy(), max_len=16,
+                              backend=backend, pad_id=0)
+            hlo = G.decode_block.lower(sharded, loop, eos, cfg, Greedy(), steps=1, backend=backend,
+                                       pad_id=0).compile().as_text()
+            return len(re.findall(r"\ball-gather(?:-start)?\(", hlo))
+
+        assert gathers("pallas") <= gathers("reference")

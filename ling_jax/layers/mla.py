@@ -6,15 +6,22 @@ rows directly, and the attention output is lifted back through W_uv. Both write 
 at positions [start, start + T).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from ling_jax.cache import MLACache
 from ling_jax.config import LingConfig
 from ling_jax.layers.linear import proj
 from ling_jax.layers.norms import rms_norm
 from ling_jax.layers.rope import apply_rope, rope_cos_sin
+from ling_jax.sharding import TP, per_shard
 from pallas_kernels import mla as mla_ops
+
+# Per shard of heads; the latent cache and the start position are the same on every device.
+_Q = P(None, None, TP, None)
 
 
 def _queries(p: dict, x: jnp.ndarray, cfg: LingConfig) -> jnp.ndarray:
@@ -50,7 +57,10 @@ def mla_block(p: dict, x: jnp.ndarray, cache: MLACache, start: jax.Array, cfg: L
                                           backend=backend)
     else:
         q_latent = proj("bthn,rhn->bthr", q_nope, p["w_k_b"], out_dtype=jnp.float32)
-        o_latent = mla_ops.mla_decode_attention(q_latent, q_rope, kv, start, scale=scale, backend=backend)
+        attend = functools.partial(mla_ops.mla_decode_attention, scale=scale, backend=backend)
+        if backend == "pallas":
+            attend = per_shard(attend, (_Q, _Q, P(), P()), _Q)
+        o_latent = attend(q_latent, q_rope, kv, start)
         # Round the latent output to the compute dtype (as the expanded path rounds its probabilities) rather
         # than casting W_uv up to fp32 on every step.
         o = proj("bthr,rhv->bthv", o_latent.astype(x.dtype), p["w_v_b"])
