@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 from pathlib import Path
 
+import jax
+
 # Measured H200 device-to-device copy rate, bytes read + written (device tool KINDS.md): the floors' denominator.
 HBM_BYTES_PER_S = 4.3e12
+
+
+def run_header() -> dict:
+    """Print the device line every benchmark opens with; return the fields every results file records."""
+    dev = jax.devices()[0]
+    print(f"device {dev.device_kind} · jax {jax.__version__} · backend {jax.default_backend()}", flush=True)
+    return {"device": dev.device_kind, "jax": jax.__version__, "date": datetime.date.today().isoformat()}
 
 
 def write_results(name: str, results: dict, *, to_repo: bool = True) -> None:

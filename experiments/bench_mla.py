@@ -15,12 +15,11 @@ import sys
 import time
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_common import print_table, write_results  # noqa: E402
+from bench_common import print_table, run_header, write_results  # noqa: E402
 from bench_moe import HBM, rel_err, time_per_call  # noqa: E402
 
 from pallas_kernels import mla  # noqa: E402
@@ -43,10 +42,9 @@ def main(argv=None):
     global H, R, P
     if args.toy:
         H, R, P = 4, 64, 16
-    dev = jax.devices()[0]
-    print(f"device {dev.device_kind} · jax {jax.__version__} · backend {jax.default_backend()}", flush=True)
+    header = run_header()
     rng = np.random.default_rng(0)
-    results = {"device": dev.device_kind, "jax": jax.__version__, "date": "2026-11-29", "rows": [], "checks": {}}
+    results = {**header, "rows": [], "checks": {}}
     t_start = time.time()
     tunings = [MLADecodeTuning()]
     if not args.quick:

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench_common import HBM_BYTES_PER_S, print_table, write_results
+from bench_common import HBM_BYTES_PER_S, print_table, run_header, write_results
 from pallas_kernels import moe
 from pallas_kernels.moe.experts import ExpertsTuning, moe_experts_fused
 from pallas_kernels.moe.router import RouterTuning
@@ -113,8 +113,7 @@ def main(argv=None):
     global D, E, I
     if args.toy:
         D, E, I = 256, 64, 128
-    dev = jax.devices()[0]
-    print(f"device {dev.device_kind} · jax {jax.__version__} · backend {jax.default_backend()}", flush=True)
+    header = run_header()
     nl = args.layers
     t_start = time.time()
     layers = make_layers(nl, jax.random.key(0))
@@ -127,7 +126,7 @@ def main(argv=None):
             xs[(t, i)] = jnp.asarray(rng.standard_normal((t, D)), jnp.bfloat16)
         return xs[(t, i)]
 
-    results = {"device": dev.device_kind, "jax": jax.__version__, "date": "2026-11-29", "layers": nl,
+    results = {**header, "layers": nl,
                "limit": LIMIT, "shared_limit": SHARED_LIMIT, "hbm_bytes_per_s": HBM, "rows": [], "checks": {}}
 
     # Correctness, compiled.

@@ -7,22 +7,26 @@ import pytest
 from ling_jax import model
 from ling_jax.config import preset
 from ling_jax.params import init_params
-
-from tests.numerics import rel_err as rel
 from ling_jax.sharding import logical_to_spec, make_mesh, param_shardings, state_shardings
 
+from tests.numerics import rel_err as rel
 
 
-@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (tests/conftest.py sets jax_num_cpu_devices)")
-def test_tp4_matches_single_device():
+@pytest.fixture(scope="module")
+def toy():
+    """(cfg, single-device params, tokens [1, 45], their single-device logits)."""
     cfg = preset("toy")
     params = init_params(cfg, jax.random.key(0), jnp.float32, with_mtp=False)
     tokens = jax.random.randint(jax.random.key(1), (1, 45), 0, cfg.vocab_size)
     ref_logits, _, _ = model.prefill(params, tokens, cfg, max_len=64, all_logits=True)
+    return cfg, params, tokens, ref_logits
 
+
+@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (tests/conftest.py sets jax_num_cpu_devices)")
+def test_tp4_matches_single_device(toy):
+    cfg, params, tokens, ref_logits = toy
     mesh = make_mesh(4)
-    shardings = param_shardings(cfg, mesh, with_mtp=False)
-    sharded = jax.device_put(params, shardings)
+    sharded = jax.device_put(params, param_shardings(cfg, mesh, with_mtp=False))
     assert sharded["layers"][0]["mixer"]["w_q"].sharding.spec == jax.sharding.PartitionSpec(None, "tp", None)
     logits, state, _ = model.prefill(sharded, tokens[:, :40], cfg, max_len=64, all_logits=True)
     assert rel(logits, ref_logits[:, :40]) < 1e-5
@@ -45,7 +49,7 @@ def test_bad_device_counts_are_named():
 
 
 @pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices (tests/conftest.py sets jax_num_cpu_devices)")
-def test_pallas_kernels_run_per_shard():
+def test_pallas_kernels_run_per_shard(toy):
     """TP2 with every Pallas kernel: the logits of one device, and no weight all-gathered around a kernel."""
     import re
 
@@ -53,11 +57,7 @@ def test_pallas_kernels_run_per_shard():
     from ling_jax.engine import generate as G
     from ling_jax.engine.sampling import Greedy
 
-    cfg = preset("toy")
-    params = init_params(cfg, jax.random.key(0), jnp.float32, with_mtp=False)
-    tokens = jax.random.randint(jax.random.key(1), (1, 45), 0, cfg.vocab_size)
-    ref_logits, _, _ = model.prefill(params, tokens, cfg, max_len=64, all_logits=True)
-
+    cfg, params, tokens, ref_logits = toy
     mesh = make_mesh(2)
     sharded = jax.device_put(params, param_shardings(cfg, mesh, with_mtp=False))
     with pytest.raises(ValueError, match="jax.set_mesh"):
