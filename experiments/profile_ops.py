@@ -1,0 +1,164 @@
+"""Where does the time of one decode-path op go, kernel by kernel? (device-side durations from the JAX profiler)
+
+Runs each op at Ling-3.0-flash shape (batch 1) N times inside `jax.profiler.trace`, then reads the Perfetto
+trace and prints, per op, every GPU kernel's median duration and the median gap between consecutive kernels.
+This is the tool behind the "where the µs go" notes in RESULTS.md; the benches' end-to-end numbers remain the
+headline. Inputs are hot here (the same weights every call), so kernel durations are a lower bound for the
+memory-bound ops; latency-bound ones (KDA decode, router, MLA at short L) are what this is for.
+
+Run on the GPU: `PYTHONPATH=. python3 experiments/profile_ops.py [--ops kda_decode,moe,mla] [--n 20]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_common import run_header, write_results  # noqa: E402
+
+from pallas_kernels import kda, mla, moe  # noqa: E402
+
+H, K, W = 32, 128, 4
+D, E, I = 2560, 512, 768
+R, P = 512, 64
+
+
+def kda_op(backend, T):
+    rng = np.random.default_rng(0)
+    bf = jnp.bfloat16
+    a = lambda shape, s=1.0, dt=bf: jnp.asarray(rng.standard_normal(shape) * s, dt)  # noqa: E731
+    args = (a((1, T, 3, H, K)), a((1, T, H, K)), a((1, T, H)), a((1, T, H, K)), a((1, W - 1, 3, H, K)),
+            a((1, H, K, K), 0.1, jnp.float32), a((W, 3, H, K), 0.5, jnp.float32), a((H,), 0.5, jnp.float32),
+            a((H, K), 0.5, jnp.float32), a((K,), 1.0))
+    if T == 1:
+        fn = jax.jit(lambda *x: kda.kda_decode(*x, backend=backend))
+    else:
+        fn = jax.jit(lambda *x: kda.kda_verify(*x, backend=backend))
+    return fn, args
+
+
+def moe_op(backend, T):
+    k = jax.random.split(jax.random.key(0), 8)
+    bf = jnp.bfloat16
+    lay = dict(
+        we_gate=jax.random.normal(k[0], (E, D, I), bf), we_up=jax.random.normal(k[1], (E, D, I), bf),
+        we_down=jax.random.normal(k[2], (E, I, D), bf), ws_gate=jax.random.normal(k[3], (D, I), bf),
+        ws_up=jax.random.normal(k[4], (D, I), bf), ws_down=jax.random.normal(k[5], (I, D), bf),
+        router=jax.random.normal(k[6], (D, E), jnp.float32) * D ** -0.5,
+        expert_bias=0.01 * jax.random.normal(k[7], (E,), jnp.float32))
+    x = jax.random.normal(jax.random.key(1), (T, D), bf)
+
+    def layer(x, lay):
+        w, ids = moe.route(x, lay["router"], lay["expert_bias"], n_group=8, topk_group=4, top_k=8,
+                           routed_scaling_factor=2.5, backend=backend)
+        return moe.moe_experts(x, w, ids, lay["we_gate"], lay["we_up"], lay["we_down"], lay["ws_gate"],
+                               lay["ws_up"], lay["ws_down"], limit=4.0, shared_limit=5.0, backend=backend)
+    return jax.jit(layer), (x, lay)
+
+
+def mla_op(backend, T, L):
+    rng = np.random.default_rng(0)
+    ql = jnp.asarray(rng.standard_normal((1, T, H, R)) * 0.05, jnp.float32)
+    qr = jnp.asarray(rng.standard_normal((1, T, H, P)), jnp.bfloat16)
+    cache = jnp.asarray(rng.standard_normal((1, L, R + P)), jnp.bfloat16)
+    fn = jax.jit(lambda ql, qr, c: mla.mla_decode_attention(ql, qr, c, jnp.int32(L - T), scale=192 ** -0.5,
+                                                            backend=backend))
+    return fn, (ql, qr, cache)
+
+
+OPS = {
+    "kda_decode": lambda b: kda_op(b, 1),
+    "kda_verify6": lambda b: kda_op(b, 6),
+    "moe": lambda b: moe_op(b, 1),
+    "moe6": lambda b: moe_op(b, 6),
+    "mla_1k": lambda b: mla_op(b, 1, 1024),
+    "mla_32k": lambda b: mla_op(b, 1, 32768),
+}
+
+
+def gpu_events(trace_dir):
+    """(name, ts µs, dur µs) of every event on a GPU stream in the Perfetto trace, in time order."""
+    path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True))[-1]
+    with gzip.open(path) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpu_pids = {p for p, n in procs.items() if "/device:GPU" in n}
+    out = [(e["name"], float(e["ts"]), float(e.get("dur", 0))) for e in events
+           if e.get("ph") == "X" and e.get("pid") in gpu_pids]
+    return sorted(out, key=lambda e: e[1])
+
+
+def profile(name, backend, n):
+    fn, args = OPS[name](backend)
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            for _ in range(n):
+                jax.block_until_ready(fn(*args))
+        events = gpu_events(d)
+    if not events:
+        return None
+    # Calls are separated by host syncs: split the kernel stream at gaps > 20 µs, keep full-length calls.
+    calls, cur = [], [events[0]]
+    for prev, e in zip(events, events[1:]):
+        if e[1] - (prev[1] + prev[2]) < 20:
+            cur.append(e)
+        else:
+            calls.append(cur)
+            cur = [e]
+    calls.append(cur)
+    n_k = collections.Counter(len(c) for c in calls).most_common(1)[0][0]
+    calls = [c for c in calls if len(c) == n_k]
+    kernels = []
+    for j in range(n_k):
+        durs = [c[j][2] for c in calls]
+        gaps = [c[j][1] - (c[j - 1][1] + c[j - 1][2]) for c in calls] if j else [0.0]
+        kernels.append(dict(kernel=calls[0][j][0][:90], dur_us=round(statistics.median(durs), 2),
+                            gap_before_us=round(statistics.median(gaps), 2)))
+    span = statistics.median(c[-1][1] + c[-1][2] - c[0][1] for c in calls)
+    return dict(op=name, backend=backend, calls=len(calls), span_us=round(span, 2),
+                kernel_sum_us=round(sum(k["dur_us"] for k in kernels), 2), kernels=kernels)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ops", default="kda_decode,kda_verify6,moe,moe6,mla_1k,mla_32k")
+    ap.add_argument("--backends", default="pallas,reference")
+    ap.add_argument("--n", type=int, default=20)
+    args = ap.parse_args(argv)
+    results = {**run_header(), "ops": []}
+    for name in args.ops.split(","):
+        for backend in args.backends.split(","):
+            try:
+                r = profile(name, backend, args.n)
+            except Exception as exc:  # one op's failure must not lose the others' numbers
+                print(f"{name} {backend}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                continue
+            if r is None:
+                print(f"{name} {backend}: no GPU events in the trace (CUPTI unavailable?)", flush=True)
+                continue
+            results["ops"].append(r)
+            print(f"\n{name} [{backend}] span {r['span_us']} µs, kernels {r['kernel_sum_us']} µs over "
+                  f"{len(r['kernels'])} kernels ({r['calls']} calls)", flush=True)
+            for k in r["kernels"]:
+                print(f"  {k['dur_us']:8.2f} µs  (gap {k['gap_before_us']:5.2f})  {k['kernel']}", flush=True)
+    write_results("profile_ops.json", results)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
