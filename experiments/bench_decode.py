@@ -79,6 +79,41 @@ def kernels_per_step(params, cfg, backend: str) -> int:
     return count
 
 
+def profile_step(params, cfg, backend: str, prompt, block: int, top: int = 25) -> dict:
+    """Device time of one decode step by kernel family (JAX profiler over one jitted block of `block` steps).
+
+    Families merge XLA's numbered fusions (loop_add_fusion_3 → loop_add_fusion) so the table reads per op kind.
+    """
+    import tempfile
+    from profile_ops import gpu_events
+
+    eos = jnp.zeros((0,), jnp.int32)
+    max_len = prompt.shape[1] + 4 * block
+    loop, _ = G.start(params, jnp.asarray(prompt), jax.random.key(0), eos, cfg, Greedy(), max_len=max_len,
+                      backend=backend, pad_id=0)
+    kw = dict(steps=block, backend=backend, pad_id=0)
+    loop, _, _ = G.decode_block(params, loop, eos, cfg, Greedy(), **kw)  # compile
+    jax.block_until_ready(loop)
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            loop, out, _ = G.decode_block(params, loop, eos, cfg, Greedy(), **kw)
+            jax.block_until_ready(out)
+        events = gpu_events(d)
+    fam: dict[str, list[float]] = {}
+    for name, _, dur in events:
+        key = re.sub(r"(_\d+)+$", "", name.split("(")[0])[:60]
+        fam.setdefault(key, []).append(dur)
+    rows = sorted(((k, sum(v) / block, len(v) / block) for k, v in fam.items()), key=lambda r: -r[1])
+    span = (events[-1][1] + events[-1][2] - events[0][1]) / block if events else 0.0
+    busy = sum(e[2] for e in events) / block
+    print(f"\nprofile [{backend}]: {span:.1f} µs per step on the GPU timeline, {busy:.1f} µs of it in kernels, "
+          f"{len(events) / block:.0f} kernels per step")
+    for k, us, n in rows[:top]:
+        print(f"  {us:8.1f} µs/step  {n:5.1f}×  {k}")
+    return dict(backend=backend, span_us_per_step=span, busy_us_per_step=busy,
+                families=[dict(kernel=k, us_per_step=round(us, 2), per_step=n) for k, us, n in rows])
+
+
 def run(args) -> list[dict]:
     cfg = slice_config(args.layers, args.preset)
     dtype = jnp.dtype(args.dtype)
@@ -106,7 +141,9 @@ def run(args) -> list[dict]:
                          kernels_per_step=kernels_per_step(params, cfg, backend),
                          # Extrapolation, not a measurement: the full model at the slice's fraction of the floor.
                          extrapolated_full_tpot_ms=tpot_us * full_bytes / total / 1e3))
-        print(json.dumps(rows[-1]), flush=True)
+        if args.profile:
+            rows[-1]["profile"] = profile_step(params, cfg, backend, prompt, args.block_size)
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "profile"}), flush=True)
     return rows, moved
 
 
@@ -120,6 +157,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--backends", default="reference,pallas")
+    parser.add_argument("--profile", action="store_true", help="per-kernel device time of a step (JAX profiler)")
     parser.add_argument("--out", default="experiments/results/bench_decode.json")
     args = parser.parse_args()
     rows, moved = run(args)
