@@ -223,6 +223,30 @@ def test_route_pallas_bf16_input_and_hand_table():
     np.testing.assert_array_equal(np.asarray(ids), [[2, 6, 3, 7]])
 
 
+def test_route_pallas_exact_ties():
+    """Many exact ties (scores on a coarse grid): equal experts in and across groups, equal group scores, equal
+    top-2 members; both GEMV variants. Selection must match lax.top_k's lower-index order exactly."""
+    from pallas_kernels.moe import router as router_mod
+
+    rng = np.random.default_rng(11)
+    d, e, n = 64, 512, 12
+    x = rng.standard_normal((n, d)).astype(np.float32)
+    # Few distinct router columns and biases on a coarse grid: most scores collide exactly.
+    cols = rng.standard_normal((d, 4)).astype(np.float32) / 8
+    router = cols[:, rng.integers(0, 4, e)]
+    bias = (rng.integers(0, 3, e) * 0.25).astype(np.float32)
+    bias[64:128] = bias[0:64]  # group 1 = group 0: equal group scores
+    router[:, 64:128] = router[:, 0:64]
+    x[0] = 0.0  # token 0: every logit 0, only the bias grid decides
+    args = (jnp.asarray(x), jnp.asarray(router), jnp.asarray(bias))
+    w_ref, ids_ref = moe.route(*args, **ROUTE_KW)
+    np.testing.assert_array_equal(np.asarray(ids_ref), np_route(x, router, bias, **ROUTE_KW)[1])
+    for tu in (router_mod.RouterTuning(), router_mod.RouterTuning(gemv_dot=False, topk_warps=4)):
+        w, ids = router_mod.route(*args, **ROUTE_KW, tuning=tu)
+        np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids_ref))
+        np.testing.assert_allclose(np.asarray(w), np.asarray(w_ref), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("limits", [(0.0, 0.0), (4.0, 5.0)], ids=["noclamp", "clamp"])
 @pytest.mark.parametrize("n", [1, 3, 6, 16])
@@ -279,3 +303,14 @@ def test_pallas_lowers_for_cuda(monkeypatch, n):
                          sds((e,), f32), sds((e, d, i), bf), sds((e, d, i), bf), sds((e, i, d), bf), sds((d, i), bf),
                          sds((d, i), bf), sds((i, d), bf))
     assert txt.count("stablehlo.custom_call") == 4  # router GEMV, top-k, gate/up, down
+
+
+def test_router_variants_lower_for_cuda(monkeypatch):
+    from pallas_kernels.moe import router as router_mod
+
+    sds = jax.ShapeDtypeStruct
+    for tu in (router_mod.RouterTuning(gemv_dot=False, topk_warps=4, block_e=64, k_splits=16, block_k=32),):
+        fn = lambda x, r, b, tu=tu: router_mod.route(x, r, b, **ROUTE_KW, tuning=tu)  # noqa: E731
+        txt = lower_for_cuda(monkeypatch, [router_mod], fn, sds((1, 2560), jnp.bfloat16), sds((2560, 512), jnp.float32),
+                             sds((512,), jnp.float32))
+        assert txt.count("stablehlo.custom_call") == 2
