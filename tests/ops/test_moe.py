@@ -262,6 +262,21 @@ def test_experts_pallas(n, limits, dtype):
     assert rel_err(y, y_ref) <= (1e-5 if dtype == jnp.float32 else 2e-2)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("n", [1, 3])
+def test_experts_pallas_split_k(n, dtype):
+    """Gate/up split over D (fp32 partials, SwiGLU in the down kernel) vs the reference, clamps on."""
+    from pallas_kernels.moe.experts import ExpertsTuning, moe_experts_fused
+
+    dtype = jnp.dtype(dtype)
+    args, ws, _, _ = _expert_inputs(30 + n, n, k=8, e=32, dtype=dtype, big=True)
+    y = moe_experts_fused(*args, *ws, limit=4.0, shared_limit=5.0,
+                          tuning=ExpertsTuning(k_splits=4, block_k=32, block_i=64, block_d=64))
+    y_ref = moe.moe_experts(*args, *ws, limit=4.0, shared_limit=5.0)
+    assert y.dtype == dtype
+    assert rel_err(y, y_ref) <= (1e-5 if dtype == jnp.float32 else 2e-2)
+
+
 def test_experts_pallas_no_shared_and_distinct():
     args, _, _, _ = _expert_inputs(4, 5, k=8, e=64, repeat=False)
     assert rel_err(moe.moe_experts(*args, backend="pallas"), moe.moe_experts(*args)) <= 1e-5
@@ -287,8 +302,8 @@ def lower_for_cuda(monkeypatch, modules, fn, *avals):
     return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("n", [1, 3])
-def test_pallas_lowers_for_cuda(monkeypatch, n):
+@pytest.mark.parametrize("n,k_splits", [(1, 1), (3, 1), (1, 4)])
+def test_pallas_lowers_for_cuda(monkeypatch, n, k_splits):
     from pallas_kernels.moe import experts as experts_mod, router as router_mod
 
     d, e, i, k = 2560, 512, 768, 8
@@ -297,7 +312,8 @@ def test_pallas_lowers_for_cuda(monkeypatch, n):
 
     def layer(x, r, b, wg, wu, wd, sg, su, sd):
         w, ids = router_mod.route(x, r, b, **ROUTE_KW)
-        return experts_mod.moe_experts(x, w, ids, wg, wu, wd, sg, su, sd, limit=4.0, shared_limit=5.0)
+        return experts_mod.moe_experts_fused(x, w, ids, wg, wu, wd, sg, su, sd, limit=4.0, shared_limit=5.0,
+                                             tuning=experts_mod.ExpertsTuning(k_splits=k_splits))
 
     txt = lower_for_cuda(monkeypatch, [router_mod, experts_mod], layer, sds((n, d), bf), sds((d, e), f32),
                          sds((e,), f32), sds((e, d, i), bf), sds((e, d, i), bf), sds((e, i, d), bf), sds((d, i), bf),
@@ -311,6 +327,6 @@ def test_router_variants_lower_for_cuda(monkeypatch):
     sds = jax.ShapeDtypeStruct
     for tu in (router_mod.RouterTuning(gemv_dot=False, topk_warps=4, block_e=64, k_splits=16, block_k=32),):
         fn = lambda x, r, b, tu=tu: router_mod.route(x, r, b, **ROUTE_KW, tuning=tu)  # noqa: E731
-        txt = lower_for_cuda(monkeypatch, [router_mod], fn, sds((1, 2560), jnp.bfloat16), sds((2560, 512), jnp.float32),
-                             sds((512,), jnp.float32))
+        txt = lower_for_cuda(monkeypatch, [router_mod], fn, sds((1, 2560), jnp.bfloat16),
+                             sds((2560, 512), jnp.float32), sds((512,), jnp.float32))
         assert txt.count("stablehlo.custom_call") == 2
