@@ -43,24 +43,36 @@ ROUTE_KW = dict(n_group=8, topk_group=4, top_k=K, routed_scaling_factor=2.5)
 HBM = HBM_BYTES_PER_S
 LIMIT, SHARED_LIMIT = 4.0, 5.0  # layer 35's clamps (both clamps on: the costlier epilogue)
 
+# Gate/up at T = 1 reads [BK, BI] tiles of rows I·2 bytes apart: BI = 32 reads 64-byte segments. Wider BI reads
+# longer contiguous segments; the D split (k_splits) keeps enough programs in flight when BI is wide.
 EXPERTS_SWEEP = [
     ExpertsTuning(),
     ExpertsTuning(block_i=64),
-    ExpertsTuning(block_i=64, k_splits=2),
     ExpertsTuning(block_i=64, k_splits=4),
-    ExpertsTuning(block_i=32, k_splits=4),
-    ExpertsTuning(block_i=128, k_splits=4, warps_gate_up=8),
-    ExpertsTuning(block_i=64, block_k=64, k_splits=4, stages_gate_up=4),
-    ExpertsTuning(block_i=64, stages_gate_up=4, warps_gate_up=8),
+    ExpertsTuning(block_i=128, block_k=64, k_splits=4, warps_gate_up=8),
+    ExpertsTuning(block_i=128, block_k=64, k_splits=8, warps_gate_up=8),
+    ExpertsTuning(block_i=256, block_k=32, k_splits=8, warps_gate_up=8),
+    ExpertsTuning(block_i=256, block_k=64, k_splits=8, warps_gate_up=8, stages_gate_up=2),
+    ExpertsTuning(block_i=128, block_k=64, k_splits=4, warps_gate_up=8, block_d=128, warps_down=8),
 ]
 ROUTER_SWEEP = [
     RouterTuning(),
     RouterTuning(gemv_dot=False),
     RouterTuning(block_e=32, k_splits=16, block_k=32),
     RouterTuning(block_e=64, k_splits=16, block_k=32, gemv_dot=False),
-    RouterTuning(topk_warps=2),
     RouterTuning(topk_warps=4),
 ]
+
+
+def parse_tuning(cls, text):
+    """`block_i=64,k_splits=4` -> cls(block_i=64, k_splits=4) (ints; true/false for bools)."""
+    kw = {}
+    for item in filter(None, text.split(",")):
+        k, v = item.split("=")
+        kw[k.strip()] = {"true": True, "false": False}.get(v.strip().lower(), None)
+        if kw[k.strip()] is None:
+            kw[k.strip()] = int(v)
+    return cls(**kw)
 
 
 def short(c):
@@ -164,7 +176,10 @@ def profile_chain(layer_fn, layers, xs, n=5):
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="default tunings only (no sweep)")
+    ap.add_argument("--quick", action="store_true", help="no sweep: the tunings of --experts / --router")
+    ap.add_argument("--experts", default="", help="ExpertsTuning fields for --quick, e.g. block_i=64,k_splits=4")
+    ap.add_argument("--router", default="", help="RouterTuning fields for --quick, e.g. gemv_dot=false")
+    ap.add_argument("--no-ts", action="store_true", help="stop after the sweep (and the T = 1 profile)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--ts", default="1,2,3,4,5,6,7,8,9,16")
@@ -195,7 +210,7 @@ def main(argv=None):
     lay = layers[0]
     xr = jnp.asarray(rng.standard_normal((512, D)), jnp.bfloat16)
     w_r, i_r = moe.route(xr, lay["router"], lay["expert_bias"], **ROUTE_KW)
-    for rt in ROUTER_SWEEP if not args.quick else ROUTER_SWEEP[:1]:
+    for rt in ROUTER_SWEEP if not args.quick else [parse_tuning(RouterTuning, args.router)]:
         w_p, i_p = router_mod.route(xr, lay["router"], lay["expert_bias"], **ROUTE_KW, tuning=rt)
         mism = int((np.asarray(i_p) != np.asarray(i_r)).any(axis=1).sum())
         werr = float(np.abs(np.asarray(w_p) - np.asarray(w_r)).max())
@@ -250,7 +265,7 @@ def main(argv=None):
         return best[0]
 
     if args.quick:
-        et_best, rt_best = ExpertsTuning(), RouterTuning()
+        et_best, rt_best = parse_tuning(ExpertsTuning, args.experts), parse_tuning(RouterTuning, args.router)
     else:
         et_best = sweep("sweep_exp", EXPERTS_SWEEP, lambda c: (c, None))
         rt_best = sweep("sweep_rtr", ROUTER_SWEEP, lambda c: (et_best, c))
@@ -277,8 +292,14 @@ def main(argv=None):
     prof(1)
 
     # 2) Full MoE layer with the best tunings over T, and the XLA reference at T = 1 and 8.
-    for t in [int(v) for v in args.ts.split(",")]:
+    for t in [] if args.no_ts else [int(v) for v in args.ts.split(",")]:
         nbytes, distinct = floor_bytes(t)
+        if t in (3, 6):  # the best tunings, compiled, at T > 1 (split and unsplit gate/up paths)
+            x = xs_for(t)[0]
+            err = rel_err(moe_layer(x, lay, "pallas", et_best, rt_best), moe_layer(x, lay, "reference"))
+            results["checks"][f"moe_T{t}_best_tunings_rel_err_bf16"] = err
+            print(f"check moe layer T={t}, best tunings: rel err vs reference {err:.2e} (bound 2e-2)", flush=True)
+            assert err <= 2e-2
         for backend in ("pallas", "reference"):
             if backend == "reference" and t not in (1, 8):
                 continue
@@ -287,7 +308,8 @@ def main(argv=None):
                 note=f"best tunings [{time.time() - t_start:.0f}s]" if backend == "pallas" else "")
         save()
 
-    prof(6)
+    if not args.no_ts:
+        prof(6)
 
     write_results("bench_moe.json", results, to_repo=not args.toy)
     print_table(results["rows"], ["kind", "backend", "T", "us", "floor_us", "GBps", "pct_of_4p3TBps",

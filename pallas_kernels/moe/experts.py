@@ -46,6 +46,7 @@ class ExpertsTuning:
     # KS > 1: gate/up split over D into KS programs per (slot, I block) writing fp32 partials; the down kernel
     # sums them, rounds and applies SwiGLU on load (more, shorter programs: a fuller machine at T = 1).
     k_splits: int = 1
+    split_max_tokens: int = 4  # T above this: no split (the fp32 partials grow with T·KS)
     warps_gate_up: int = 4
     stages_gate_up: int = 3
     warps_down: int = 4
@@ -224,7 +225,7 @@ def moe_experts_fused(x, weights, ids, we_gate, we_up, we_down, ws_gate, ws_up, 
         ws_gate = ws_up = jnp.zeros((1, 1), dt)  # never read: has_shared=False is static
     interpret = interpret_mode()
     whole = pl.no_block_spec
-    ks = tuning.k_splits
+    ks = tuning.k_splits if n <= tuning.split_max_tokens else 1
     while ks > 1 and (d % ks or (d // ks) % 16):
         ks //= 2
     bk = min(bk, (d // ks) & -(d // ks))
