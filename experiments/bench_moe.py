@@ -50,10 +50,12 @@ EXPERTS_SWEEP = [
     ExpertsTuning(block_i=64),
     ExpertsTuning(block_i=64, k_splits=4),
     ExpertsTuning(block_i=128, block_k=64, k_splits=4, warps_gate_up=8),
-    ExpertsTuning(block_i=128, block_k=64, k_splits=8, warps_gate_up=8),
     ExpertsTuning(block_i=256, block_k=32, k_splits=8, warps_gate_up=8),
     ExpertsTuning(block_i=256, block_k=64, k_splits=8, warps_gate_up=8, stages_gate_up=2),
-    ExpertsTuning(block_i=128, block_k=64, k_splits=4, warps_gate_up=8, block_d=128, warps_down=8),
+    # Down at T = 1: wider D blocks (256/512-byte segments), split over I to keep the program count.
+    ExpertsTuning(block_i=64, block_d=128, down_splits=2),
+    ExpertsTuning(block_i=128, block_k=64, k_splits=4, warps_gate_up=8, block_d=128, down_splits=2),
+    ExpertsTuning(block_i=128, block_k=64, k_splits=8, warps_gate_up=8, block_d=256, down_splits=4, warps_down=8),
 ]
 ROUTER_SWEEP = [
     RouterTuning(),

@@ -47,6 +47,9 @@ class ExpertsTuning:
     # sums them, rounds and applies SwiGLU on load (more, shorter programs: a fuller machine at T = 1).
     k_splits: int = 1
     split_max_tokens: int = 4  # T above this: no split (the fp32 partials grow with T·KS)
+    # T = 1 only: down projection split over I into KSD programs per (slot, D block), unweighted fp32 partials;
+    # XLA sums them, rounds each expert's output and applies the routing weights (one small fusion).
+    down_splits: int = 1
     warps_gate_up: int = 4
     stages_gate_up: int = 3
     warps_down: int = 4
@@ -57,8 +60,10 @@ class ExpertsTuning:
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"ExpertsTuning.{name}={v} must be a power of two >= 16")
-        if self.k_splits < 1 or self.k_splits & (self.k_splits - 1):
-            raise ValueError(f"ExpertsTuning.k_splits={self.k_splits} must be a power of two")
+        for name in ("k_splits", "down_splits"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"ExpertsTuning.{name}={v} must be a power of two")
 
 
 def _dot(a, b):
@@ -190,6 +195,45 @@ def experts_fwd_kernel_down(h_ref, ids_ref, ids2_ref, w_ref, wd_ref, sd_ref, o_r
             store(expert_out(n_routed, lambda ks: sd_ref[ks, cols], shared_limit))
 
 
+def experts_fwd_kernel_down_t1(h_ref, ids_ref, wd_ref, sd_ref, o_ref, *, BKI, n_chunks, n_routed, tp, limit,
+                               shared_limit):
+    # T = 1: slot g < K is expert ids[g] (top-k ids of one token are distinct), slot K the shared expert.
+    # h_ref as in experts_fwd_kernel_down; ids_ref [K]; wd_ref [E, I, D]; sd_ref [I, D];
+    # o_ref [1, BD] fp32: unweighted partial h_g[I split k] · W_down[I split k, D block j]
+    g, i_d, k = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    bd = o_ref.shape[1]
+    split = len(h_ref.shape) == 5
+    dt = wd_ref.dtype
+    cols = pl.ds(pl.multiple_of(i_d * bd, bd), bd)
+    o_i = k * (n_chunks * BKI)
+
+    def load_h(ks, lim):
+        if not split:
+            return h_ref[g, :, ks]
+        acc_g, acc_u = h_ref[0, g, 0, :, ks], h_ref[0, g, 1, :, ks]
+        for j in range(1, h_ref.shape[0]):
+            acc_g, acc_u = acc_g + h_ref[j, g, 0, :, ks], acc_u + h_ref[j, g, 1, :, ks]
+        return jnp.broadcast_to(_swiglu(acc_g.astype(dt), acc_u.astype(dt), lim), (tp, BKI))
+
+    def run(load_d, lim):
+        def body(c, acc):
+            ks = pl.ds(pl.multiple_of(o_i + c * BKI, BKI), BKI)
+            return acc + _dot(load_h(ks, lim), load_d(ks))
+
+        o_ref[...] = _row0(lax.fori_loop(0, n_chunks, body, jnp.zeros((tp, bd), jnp.float32)))
+
+    @pl.when(g < n_routed)
+    def _():
+        i_p = lax.iota(jnp.int32, ids_ref.shape[0])
+        e = jnp.sum(jnp.where(i_p == g, ids_ref[...], 0))
+        run(lambda ks: wd_ref[e, ks, cols], limit)
+
+    if sd_ref is not None:
+        @pl.when(g == n_routed)
+        def _():
+            run(lambda ks: sd_ref[ks, cols], shared_limit)
+
+
 @functools.partial(jax.jit, static_argnames=("limit", "shared_limit", "tuning"))
 def moe_experts_fused(x, weights, ids, we_gate, we_up, we_down, ws_gate, ws_up, ws_down, *, limit, shared_limit,
                       tuning: ExpertsTuning = ExpertsTuning()):
@@ -249,6 +293,32 @@ def moe_experts_fused(x, weights, ids, we_gate, we_up, we_down, ws_gate, ws_up, 
         interpret=interpret,
         name="experts_fwd_kernel_gate_up",
     )(x, ids_flat, we_gate, we_up, ws_gate, ws_up)
+    ksd = tuning.down_splits if n == 1 else 1
+    while ksd > 1 and (i % ksd or (i // ksd) % 16):
+        ksd //= 2
+    if ksd > 1:
+        bki = min(bki, (i // ksd) & -(i // ksd))
+        kernel = functools.partial(experts_fwd_kernel_down_t1, BKI=bki, n_chunks=i // ksd // bki, n_routed=n_routed,
+                                   tp=tp, limit=limit, shared_limit=shared_limit)
+        down_inputs = [h, ids_flat, we_down] + ([ws_down] if has_shared else [])
+        if not has_shared:
+            kernel = functools.partial(lambda *refs, kern: kern(*refs[:3], None, refs[3]), kern=kernel)
+        parts = pl.pallas_call(
+            kernel,
+            grid=(n_slots, d // bd, ksd),
+            in_specs=[whole] * len(down_inputs),
+            out_specs=pl.BlockSpec((None, None, 1, bd), lambda g, j, kk: (kk, g, 0, j)),
+            out_shape=jax.ShapeDtypeStruct((ksd, n_slots, 1, d), jnp.float32),
+            compiler_params=pltriton.CompilerParams(num_warps=tuning.warps_down, num_stages=tuning.stages_down),
+            interpret=interpret,
+            name="experts_fwd_kernel_down",
+        )(*down_inputs)
+        # Each expert's output rounded to the compute dtype (as the reference), weighted in fp32, rounded once.
+        out = jnp.sum(parts, axis=0)[:, 0, :].astype(dt).astype(jnp.float32)  # [S, D]
+        y = jnp.sum(weights[0][:, None] * out[:n_routed], axis=0, keepdims=True).astype(dt)
+        if has_shared:
+            y = y + out[n_routed:].astype(dt)
+        return y
     kernel = functools.partial(experts_fwd_kernel_down, BKI=bki, n_chunks=i // bki, n_routed=n_routed, group=n,
                                n_groups=n_groups, tp=tp, limit=limit, shared_limit=shared_limit)
     down_inputs = [h, ids_flat, ids, weights, we_down]

@@ -263,15 +263,16 @@ def test_experts_pallas(n, limits, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("n", [1, 3])
-def test_experts_pallas_split_k(n, dtype):
-    """Gate/up split over D (fp32 partials, SwiGLU in the down kernel) vs the reference, clamps on."""
+@pytest.mark.parametrize("n,k_splits,down_splits", [(1, 4, 1), (3, 4, 2), (1, 1, 2), (1, 4, 4)])
+def test_experts_pallas_split_k(n, k_splits, down_splits, dtype):
+    """Gate/up split over D (fp32 partials, SwiGLU in the down kernel) and the T = 1 down split over I (XLA
+    combine) vs the reference, clamps on (T = 3 ignores down_splits)."""
     from pallas_kernels.moe.experts import ExpertsTuning, moe_experts_fused
 
     dtype = jnp.dtype(dtype)
     args, ws, _, _ = _expert_inputs(30 + n, n, k=8, e=32, dtype=dtype, big=True)
-    y = moe_experts_fused(*args, *ws, limit=4.0, shared_limit=5.0,
-                          tuning=ExpertsTuning(k_splits=4, block_k=32, block_i=64, block_d=64))
+    tu = ExpertsTuning(k_splits=k_splits, down_splits=down_splits, block_k=32, block_i=64, block_d=64, block_ki=16)
+    y = moe_experts_fused(*args, *ws, limit=4.0, shared_limit=5.0, tuning=tu)
     y_ref = moe.moe_experts(*args, *ws, limit=4.0, shared_limit=5.0)
     assert y.dtype == dtype
     assert rel_err(y, y_ref) <= (1e-5 if dtype == jnp.float32 else 2e-2)
@@ -282,6 +283,11 @@ def test_experts_pallas_no_shared_and_distinct():
     assert rel_err(moe.moe_experts(*args, backend="pallas"), moe.moe_experts(*args)) <= 1e-5
     args, _, _, _ = _expert_inputs(5, 1, k=8, e=64)
     assert rel_err(moe.moe_experts(*args, backend="pallas"), moe.moe_experts(*args)) <= 1e-5
+    from pallas_kernels.moe.experts import ExpertsTuning, moe_experts_fused
+
+    y = moe_experts_fused(*args, None, None, None, limit=0.0, shared_limit=0.0,
+                          tuning=ExpertsTuning(k_splits=2, down_splits=2, block_ki=16))
+    assert rel_err(y, moe.moe_experts(*args)) <= 1e-5
 
 
 def test_pallas_rejects_unsupported_shapes():
@@ -302,8 +308,8 @@ def lower_for_cuda(monkeypatch, modules, fn, *avals):
     return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("n,k_splits", [(1, 1), (3, 1), (1, 4)])
-def test_pallas_lowers_for_cuda(monkeypatch, n, k_splits):
+@pytest.mark.parametrize("n,k_splits,down_splits", [(1, 1, 1), (3, 1, 1), (1, 4, 2), (3, 4, 1)])
+def test_pallas_lowers_for_cuda(monkeypatch, n, k_splits, down_splits):
     from pallas_kernels.moe import experts as experts_mod, router as router_mod
 
     d, e, i, k = 2560, 512, 768, 8
@@ -313,7 +319,8 @@ def test_pallas_lowers_for_cuda(monkeypatch, n, k_splits):
     def layer(x, r, b, wg, wu, wd, sg, su, sd):
         w, ids = router_mod.route(x, r, b, **ROUTE_KW)
         return experts_mod.moe_experts_fused(x, w, ids, wg, wu, wd, sg, su, sd, limit=4.0, shared_limit=5.0,
-                                             tuning=experts_mod.ExpertsTuning(k_splits=k_splits))
+                                             tuning=experts_mod.ExpertsTuning(k_splits=k_splits,
+                                                                              down_splits=down_splits))
 
     txt = lower_for_cuda(monkeypatch, [router_mod, experts_mod], layer, sds((n, d), bf), sds((d, e), f32),
                          sds((e,), f32), sds((e, d, i), bf), sds((e, d, i), bf), sds((e, i, d), bf), sds((d, i), bf),
