@@ -15,6 +15,13 @@ output. XLA sums the NG partials (fp32), rounds once and adds the shared output 
 fusion that can join the caller's residual add. Splitting the down projection over slot groups gives
 (K + 1)·D/BD programs, enough loads in flight to stream at HBM rate (one program per D block was latency-bound).
 
+Tunings for T = 1 (ExpertsTuning; defaults keep the path above): `k_splits` KS > 1 splits gate/up over D too
+(grid (S, I / BI, KS), fp32 partial gate and up written per split; the down kernel sums them, rounds and applies
+SwiGLU on load), so wide BI blocks (long contiguous row segments) still give enough programs; only for T <=
+`split_max_tokens`. `down_splits` KSD > 1 (T = 1 only) splits the down projection over I: grid (K + 1, D / BD,
+KSD), slot g is expert ids[g] (one token's top-k ids), unweighted fp32 partials; XLA sums them, rounds each
+expert's output, weights in fp32 and adds the shared expert (one small fusion).
+
 Rows: tokens are padded to TP = max(16, 2^⌈log2 T⌉) rows so that every product is a tensor-core `dot` whose weight
 loads Triton pipelines (num_stages); at T = 1 the single row is broadcast in-kernel (no XLA pad).
 """
