@@ -61,6 +61,7 @@ ROUTER_SWEEP = [
     RouterTuning(),
     RouterTuning(gemv_dot=False),
     RouterTuning(block_e=32, k_splits=16, block_k=32),
+    RouterTuning(block_e=32),
     RouterTuning(block_e=64, k_splits=16, block_k=32, gemv_dot=False),
     RouterTuning(topk_warps=4),
 ]
