@@ -1,24 +1,31 @@
 """How close do the Pallas MoE kernels (router + routed experts + shared expert) get to the HBM byte floor at
 Ling-3.0-flash sizes, against the pure-XLA reference (gather + einsum)?
 
-Run on the GPU: `PYTHONPATH=. python3 experiments/bench_moe.py` (add `--quick` for one config). Correctness is
-checked compiled first (router ids identical on 512 tokens, experts vs reference at T in {1, 3, 16}), then:
-  - the experts kernels at T = 1 over a few tunings (router excluded),
-  - the full MoE layer (route + experts, best tuning) at T = 1..9 and 16, Pallas and XLA reference,
-  - the router alone, Pallas and reference.
-Weights are cold: NL = 8 layers of experts (6.0 GB each, 48 GB), every call a fresh random x, so a call's experts
-were last touched >= 7 layers (>= 0.7 GB) earlier, far past the 60 MB L2. Timing: one jitted executable issues
-R·2·NL independent layer calls back to back (as a decode step would; the layers are passed once, each call adds
-only its x); per-call time = slope between R = 1 and R = 3 executables (removes the executable's fixed launch
-cost), median of `--iters` runs of each. The `null` row times the harness alone (host cost per call argument).
+Run on the GPU: `PYTHONPATH=. python3 experiments/bench_moe.py` (add `--quick` for no tuning sweep). Correctness
+is checked compiled first (router ids identical on 512 tokens, layer vs reference at T in {1, 3, 16}, every swept
+tuning at T = 1), then:
+  - the MoE layer at T = 1 over experts tunings (router default), then over router tunings (best experts tuning),
+  - the MoE layer (best tunings) at T = 1..9 and 16, and the XLA reference at T = 1 and 8,
+  - the profiler's per-kernel device times of the best config at T = 1 (after the sweep) and T = 6 (at the end),
+    cold weights, inside the chain.
+Results are saved after each section (a timeout keeps what finished).
+Weights are cold: NL = 8 layers of experts (6.0 GB each, 48 GB) and routers, used in rotation, so a layer's
+weights were last touched >= 7 layers (>= 0.7 GB) earlier, far past the 60 MB L2.
+Timing has no per-call host cost: one jitted executable runs a *chain* of R·NL layers, layer l's input is
+x_l + 1e-3·y_{l-1} (as a decode step's residual stream: each layer waits for the previous one, its routing
+depends on it, nothing overlaps or hoists), all inputs passed once. µs/layer = slope between the R = 1 and R = 3
+executables / NL (removes the executable's fixed launch cost), median of `--iters` runs of each. The chain's
+residual add (one bf16 [T, D] add) fuses into the layer's final XLA fusion (partials sum + shared add).
 Bytes: router fp32 D·E·4 + (distinct experts + shared) · 3·D·I·2; % of 4.3 TB/s (measured H200 copy rate).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import statistics
 import sys
+import tempfile
 import time
 
 import jax
@@ -27,42 +34,55 @@ import numpy as np
 
 from bench_common import HBM_BYTES_PER_S, print_table, run_header, write_results
 from pallas_kernels import moe
+from pallas_kernels.moe import router as router_mod
 from pallas_kernels.moe.experts import ExpertsTuning, moe_experts_fused
 from pallas_kernels.moe.router import RouterTuning
-from pallas_kernels.moe import router as router_mod
 
 D, E, I, K = 2560, 512, 768, 8
 ROUTE_KW = dict(n_group=8, topk_group=4, top_k=K, routed_scaling_factor=2.5)
 HBM = HBM_BYTES_PER_S
 LIMIT, SHARED_LIMIT = 4.0, 5.0  # layer 35's clamps (both clamps on: the costlier epilogue)
 
+# Gate/up at T = 1 reads [BK, BI] tiles of rows I·2 bytes apart: BI = 32 reads 64-byte segments. Wider BI reads
+# longer contiguous segments; the D split (k_splits) keeps enough programs in flight when BI is wide.
+EXPERTS_SWEEP = [
+    ExpertsTuning(),
+    ExpertsTuning(block_i=64),
+    ExpertsTuning(block_i=64, k_splits=4),
+    ExpertsTuning(block_i=128, block_k=64, k_splits=4, warps_gate_up=8),
+    ExpertsTuning(block_i=256, block_k=32, k_splits=8, warps_gate_up=8),
+    ExpertsTuning(block_i=256, block_k=64, k_splits=8, warps_gate_up=8, stages_gate_up=2),
+    # Down at T = 1: wider D blocks (256/512-byte segments), split over I to keep the program count.
+    ExpertsTuning(block_i=64, block_d=128, down_splits=2),
+    ExpertsTuning(block_i=128, block_k=64, k_splits=4, warps_gate_up=8, block_d=128, down_splits=2),
+    ExpertsTuning(block_i=128, block_k=64, k_splits=8, warps_gate_up=8, block_d=256, down_splits=4, warps_down=8),
+]
+ROUTER_SWEEP = [
+    RouterTuning(),
+    RouterTuning(gemv_dot=False),
+    RouterTuning(block_e=32, k_splits=16, block_k=32),
+    RouterTuning(block_e=32),
+    RouterTuning(block_e=64, k_splits=16, block_k=32, gemv_dot=False),
+    RouterTuning(topk_warps=4),
+]
 
-def time_per_call(fn, shared, make_call, n_per_rep, reps=(1, 3), iters=10):
-    """µs per call of fn(shared, i, *make_call(i)), from the slope between executables of n·r calls.
 
-    `shared` (the layers or caches) is passed once per executable; each call adds only its own small inputs, so
-    the host's per-argument cost stays a small part of the slope (see the `null` row, which times it alone).
-    Returns (µs per call, interquartile spread of the larger run per call).
-    """
-    totals = {}
-    for r in reps:
-        calls = [make_call(i) for i in range(r * n_per_rep)]
+def parse_tuning(cls, text):
+    """`block_i=64,k_splits=4` -> cls(block_i=64, k_splits=4) (ints; true/false for bools)."""
+    kw = {}
+    for item in filter(None, text.split(",")):
+        k, v = item.split("=")
+        kw[k.strip()] = {"true": True, "false": False}.get(v.strip().lower(), None)
+        if kw[k.strip()] is None:
+            kw[k.strip()] = int(v)
+    return cls(**kw)
 
-        @jax.jit
-        def run(shared, calls):
-            return [fn(shared, i, *c) for i, c in enumerate(calls)]
 
-        jax.block_until_ready(run(shared, calls))
-        jax.block_until_ready(run(shared, calls))
-        ts = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            jax.block_until_ready(run(shared, calls))
-            ts.append(time.perf_counter() - t0)
-        totals[r] = (statistics.median(ts), np.percentile(ts, 75) - np.percentile(ts, 25))
-    (r0, (t0, _)), (r1, (t1, s1)) = sorted(totals.items())
-    per_call = (t1 - t0) / ((r1 - r0) * n_per_rep)
-    return per_call * 1e6, s1 / (r1 * n_per_rep) * 1e6
+def short(c):
+    """A tuning as its non-default fields only: `ExpertsTuning(block_i=64)`, `RouterTuning()`."""
+    default = type(c)()
+    diff = ", ".join(f"{k}={v}" for k, v in vars(c).items() if getattr(default, k) != v)
+    return f"{type(c).__name__}({diff})"
 
 
 def make_layers(nl, key):
@@ -80,8 +100,7 @@ def make_layers(nl, key):
     for l in range(nl):
         c = jnp.asarray(1.0 + 0.01 * l, bf)
         lay = {n: (w * c) for n, w in base.items()}  # distinct buffers per layer (cold), same statistics
-        kk = jax.random.fold_in(k[6], l)
-        lay["router"] = jax.random.normal(kk, (D, E), jnp.float32) * (D ** -0.5)
+        lay["router"] = jax.random.normal(jax.random.fold_in(k[6], l), (D, E), jnp.float32) * (D ** -0.5)
         lay["expert_bias"] = 0.01 * jax.random.normal(jax.random.fold_in(k[7], l), (E,), jnp.float32)
         layers.append(jax.block_until_ready(lay))
     del base
@@ -93,21 +112,81 @@ def rel_err(a, b):
     return float(np.abs(a - b).max() / np.abs(b).max())
 
 
-def moe_layer(x, lay, backend, tuning=None):
-    w, ids = moe.route(x, lay["router"], lay["expert_bias"], **ROUTE_KW, backend=backend)
-    if backend == "pallas" and tuning is not None:
-        return moe_experts_fused(x, w, ids, lay["we_gate"], lay["we_up"], lay["we_down"], lay["ws_gate"],
-                                 lay["ws_up"], lay["ws_down"], limit=LIMIT, shared_limit=SHARED_LIMIT, tuning=tuning)
-    return moe.moe_experts(x, w, ids, lay["we_gate"], lay["we_up"], lay["we_down"], lay["ws_gate"], lay["ws_up"],
-                           lay["ws_down"], limit=LIMIT, shared_limit=SHARED_LIMIT, backend=backend)
+def moe_layer(x, lay, backend, et=None, rt=None):
+    if backend == "reference":
+        w, ids = moe.route(x, lay["router"], lay["expert_bias"], **ROUTE_KW)
+        return moe.moe_experts(x, w, ids, lay["we_gate"], lay["we_up"], lay["we_down"], lay["ws_gate"],
+                               lay["ws_up"], lay["ws_down"], limit=LIMIT, shared_limit=SHARED_LIMIT)
+    w, ids = router_mod.route(x, lay["router"], lay["expert_bias"], **ROUTE_KW, tuning=rt or RouterTuning())
+    return moe_experts_fused(x, w, ids, lay["we_gate"], lay["we_up"], lay["we_down"], lay["ws_gate"],
+                             lay["ws_up"], lay["ws_down"], limit=LIMIT, shared_limit=SHARED_LIMIT,
+                             tuning=et or ExpertsTuning())
+
+
+def make_chain(layer_fn, nl, reps):
+    """One executable: reps·nl layers in a chain (layer l's input = xs[l] + 1e-3·previous output)."""
+    @jax.jit
+    def run(layers, xs):
+        y = jnp.zeros_like(xs[0])
+        for _ in range(reps):
+            for l in range(nl):
+                y = layer_fn(xs[l] + (y * 1e-3).astype(y.dtype), layers[l])
+        return y
+    return run
+
+
+def time_chain(layer_fn, layers, xs, reps=(1, 3), iters=10):
+    """µs per layer (slope over reps) and the interquartile spread per layer of the larger run."""
+    nl = len(layers)
+    totals = {}
+    for r in reps:
+        run = make_chain(layer_fn, nl, r)
+        jax.block_until_ready(run(layers, xs))
+        jax.block_until_ready(run(layers, xs))
+        ts = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            jax.block_until_ready(run(layers, xs))
+            ts.append(time.perf_counter() - t0)
+        totals[r] = (statistics.median(ts), np.percentile(ts, 75) - np.percentile(ts, 25))
+    (r0, (t0, _)), (r1, (t1, s1)) = sorted(totals.items())
+    return (t1 - t0) / ((r1 - r0) * nl) * 1e6, s1 / (r1 * nl) * 1e6
+
+
+def profile_chain(layer_fn, layers, xs, n=5):
+    """Per-kernel device µs per layer from the JAX profiler (cold weights, inside the R = 1 chain)."""
+    from profile_ops import gpu_events
+
+    nl = len(layers)
+    run = make_chain(layer_fn, nl, 1)
+    jax.block_until_ready(run(layers, xs))
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            for _ in range(n):
+                jax.block_until_ready(run(layers, xs))
+        events = gpu_events(d)
+    by_name = collections.defaultdict(list)
+    for name, _, dur in events:
+        by_name[name[:60]].append(dur)
+    kernels = []
+    for name, durs in by_name.items():
+        per_call = len(durs) / n  # launches per executable
+        kernels.append(dict(kernel=name, per_layer=round(per_call / nl, 2), median_us=round(statistics.median(durs), 2),
+                            us_per_layer=round(sum(durs) / n / nl, 2)))
+    kernels.sort(key=lambda k: -k["us_per_layer"])
+    return kernels
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="no sweep: the tunings of --experts / --router")
+    ap.add_argument("--experts", default="", help="ExpertsTuning fields for --quick, e.g. block_i=64,k_splits=4")
+    ap.add_argument("--router", default="", help="RouterTuning fields for --quick, e.g. gemv_dot=false")
+    ap.add_argument("--no-ts", action="store_true", help="stop after the sweep (and the T = 1 profile)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--ts", default="1,2,3,4,5,6,7,8,9,16")
+    ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--toy", action="store_true", help="tiny sizes, to check the script on CPU")
     args = ap.parse_args(argv)
     global D, E, I
@@ -119,43 +198,41 @@ def main(argv=None):
     layers = make_layers(nl, jax.random.key(0))
     print(f"made {nl} layers in {time.time() - t_start:.1f}s", flush=True)
     rng = np.random.default_rng(0)
-    xs = {}
+    xs_cache = {}
 
-    def x_for(t, i):
-        if (t, i) not in xs:
-            xs[(t, i)] = jnp.asarray(rng.standard_normal((t, D)), jnp.bfloat16)
-        return xs[(t, i)]
+    def xs_for(t):  # [NL, T, D] bf16: every layer's own input
+        if t not in xs_cache:
+            xs_cache[t] = jnp.asarray(rng.standard_normal((nl, t, D)), jnp.bfloat16)
+        return xs_cache[t]
 
-    results = {**header, "layers": nl,
-               "limit": LIMIT, "shared_limit": SHARED_LIMIT, "hbm_bytes_per_s": HBM, "rows": [], "checks": {}}
+    results = {**header, "layers": nl, "method": "chain of R·NL layers in one executable, slope R=1..3",
+               "limit": LIMIT, "shared_limit": SHARED_LIMIT, "hbm_bytes_per_s": HBM, "rows": [], "checks": {},
+               "profile": {}}
 
     # Correctness, compiled.
     lay = layers[0]
     xr = jnp.asarray(rng.standard_normal((512, D)), jnp.bfloat16)
-    w_p, i_p = moe.route(xr, lay["router"], lay["expert_bias"], **ROUTE_KW, backend="pallas")
     w_r, i_r = moe.route(xr, lay["router"], lay["expert_bias"], **ROUTE_KW)
-    mism = int((np.asarray(i_p) != np.asarray(i_r)).any(axis=1).sum())
-    results["checks"]["router_tokens_with_different_ids_of_512"] = mism
-    results["checks"]["router_weight_max_abs_err"] = float(np.abs(np.asarray(w_p) - np.asarray(w_r)).max())
-    print(f"check router: tokens with different ids {mism}/512, weights max err "
-          f"{results['checks']['router_weight_max_abs_err']:.2e}", flush=True)
+    for rt in ROUTER_SWEEP if not args.quick else [parse_tuning(RouterTuning, args.router)]:
+        w_p, i_p = router_mod.route(xr, lay["router"], lay["expert_bias"], **ROUTE_KW, tuning=rt)
+        mism = int((np.asarray(i_p) != np.asarray(i_r)).any(axis=1).sum())
+        werr = float(np.abs(np.asarray(w_p) - np.asarray(w_r)).max())
+        results["checks"][f"router_ids_differ_of_512 {short(rt)}"] = mism
+        print(f"check router {short(rt)}: tokens with different ids {mism}/512, weights max err {werr:.2e}", flush=True)
+        assert mism == 0, rt
     for t in (1, 3, 16):
-        x = x_for(t, 10_000)
-        yp = moe_layer(x, lay, "pallas")
-        yr = moe_layer(x, lay, "reference")
-        err = rel_err(yp, yr)
-        results["checks"][f"experts_T{t}_rel_err_bf16"] = err
+        x = xs_for(t)[0]
+        err = rel_err(moe_layer(x, lay, "pallas"), moe_layer(x, lay, "reference"))
+        results["checks"][f"moe_T{t}_rel_err_bf16"] = err
         print(f"check moe layer T={t}: rel err vs reference {err:.2e} (bound 2e-2)", flush=True)
-        assert err <= 2e-2 and np.isfinite(np.asarray(yp, np.float32)).all()
+        assert err <= 2e-2
 
-    def floor_bytes(t, ids_list):
-        distinct = statistics.mean(len(set(np.asarray(ids).reshape(-1).tolist())) for ids in ids_list)
+    def floor_bytes(t):
+        xs = xs_for(t)
+        distinct = statistics.mean(
+            len(set(np.asarray(moe.route(xs[l], layers[l]["router"], layers[l]["expert_bias"], **ROUTE_KW)[1])
+                    .reshape(-1).tolist())) for l in range(nl))
         return D * E * 4 + (distinct + 1) * 3 * D * I * 2, distinct
-
-    def ids_for(t, n):
-        n_l = nl if t > 9 else 2 * nl
-        return [moe.route(x_for(t, i), layers[i % n_l % nl]["router"], layers[i % n_l % nl]["expert_bias"],
-                          **ROUTE_KW)[1] for i in range(n)]
 
     def row(kind, backend, t, us, spread, nbytes, distinct, note=""):
         gbs = nbytes / (us * 1e-6) / 1e9
@@ -163,68 +240,79 @@ def main(argv=None):
                  floor_us=round(nbytes / HBM * 1e6, 2), bytes=int(nbytes), GBps=round(gbs, 1),
                  pct_of_4p3TBps=round(100 * gbs * 1e9 / HBM, 1), distinct_experts=distinct, note=note)
         results["rows"].append(r)
-        print(f"{kind:14s} {backend:9s} T={t:2d} {us:8.2f} µs (±{spread:.2f}) floor {r['floor_us']:6.2f} µs "
+        print(f"{kind:10s} {backend:9s} T={t:2d} {us:8.2f} µs/layer (±{spread:.2f}) floor {r['floor_us']:6.2f} µs "
               f"{gbs:7.0f} GB/s {r['pct_of_4p3TBps']:5.1f}% distinct={distinct} {note}", flush=True)
 
-    reps = (1, 3)
-    n1 = 2 * nl
-    ts = [int(v) for v in args.ts.split(",")]
+    def timed(t, et=None, rt=None, backend="pallas"):
+        return time_chain(lambda x, lay: moe_layer(x, lay, backend, et, rt), layers, xs_for(t), iters=args.iters)
 
-    # 0) Host cost per call of the harness itself (returns its input: no device work).
-    us, sp = time_per_call(lambda lays, i, x: x, layers, lambda i: (x_for(1, i),), n1, reps, args.iters)
-    row("null", "harness", 1, us, sp, 1, 0, note="host cost per call, included in every row")
+    nb1, d1 = floor_bytes(1)
+    x1 = xs_for(1)[0]
+    y1_ref = moe_layer(x1, lay, "reference")
 
-    # 1) Experts kernels alone at T = 1 over tunings (route precomputed outside the timed executable).
-    tunings = [ExpertsTuning()]
-    if not args.quick:
-        tunings += [ExpertsTuning(block_i=64), ExpertsTuning(block_d=64), ExpertsTuning(block_k=256),
-                    ExpertsTuning(stages_gate_up=4, stages_down=4)]
-    routed1 = [moe.route(x_for(1, i), layers[i % nl]["router"], layers[i % nl]["expert_bias"], **ROUTE_KW)
-               for i in range(reps[-1] * n1)]
-    nbytes1 = 9 * 3 * D * I * 2
-    best = (None, 1e9)
-    for tu in tunings:
-        def f(lays, i, x, w, ids, tu=tu):
-            lay = lays[i % nl]
-            return moe_experts_fused(x, w, ids, lay["we_gate"], lay["we_up"], lay["we_down"], lay["ws_gate"],
-                                     lay["ws_up"], lay["ws_down"], limit=LIMIT, shared_limit=SHARED_LIMIT, tuning=tu)
+    # 1) Experts tunings at T = 1 (router default), then router tunings (best experts tuning).
+    def sweep(kind, configs, make):
+        best = (configs[0], 1e9)
+        for c in configs:
+            et, rt = make(c)
+            try:
+                err = rel_err(moe_layer(x1, lay, "pallas", et, rt), y1_ref)
+                assert err <= 2e-2, f"rel err {err:.2e}"
+                us, sp = timed(1, et, rt)
+            except Exception as exc:  # a tuning that fails to compile or check is skipped with its reason
+                print(f"skip {c}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                continue
+            row(kind, "pallas", 1, us, sp, nb1, d1, note=short(c))
+            if us < best[1]:
+                best = (c, us)
+        return best[0]
+
+    if args.quick:
+        et_best, rt_best = parse_tuning(ExpertsTuning, args.experts), parse_tuning(RouterTuning, args.router)
+    else:
+        et_best = sweep("sweep_exp", EXPERTS_SWEEP, lambda c: (c, None))
+        rt_best = sweep("sweep_rtr", ROUTER_SWEEP, lambda c: (et_best, c))
+    results["best_experts_tuning"], results["best_router_tuning"] = str(et_best), str(rt_best)
+    print(f"best: {short(et_best)} {short(rt_best)}  [{time.time() - t_start:.0f}s]", flush=True)
+    save = lambda: write_results("bench_moe.json", results, to_repo=not args.toy)  # noqa: E731
+    save()
+
+    def prof(t):  # per-kernel device times of the best config (profiler, inside the cold chain)
+        if args.no_profile or jax.default_backend() != "gpu":
+            return
         try:
-            us, sp = time_per_call(f, layers, lambda i: (x_for(1, i), *routed1[i]), n1, reps, args.iters)
-        except Exception as exc:  # a tuning that fails to compile is skipped with its reason
-            print(f"skip {tu}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-            continue
-        row("experts", "pallas", 1, us, sp, nbytes1, 8, note=str(tu).replace("ExpertsTuning", ""))
-        if us < best[1]:
-            best = (tu, us)
-    tu_best = best[0]
-    results["best_experts_tuning"] = str(tu_best)
+            ks = profile_chain(lambda x, lay: moe_layer(x, lay, "pallas", et_best, rt_best), layers, xs_for(t))
+        except Exception as exc:
+            print(f"profile T={t}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            return
+        results["profile"][f"T{t}"] = ks
+        print(f"\nprofile T={t} (device µs per layer, cold): total {sum(k['us_per_layer'] for k in ks):.2f}")
+        for k in ks:
+            print(f"  {k['us_per_layer']:8.2f} µs/layer  ({k['per_layer']}× median {k['median_us']} µs)  "
+                  f"{k['kernel']}", flush=True)
+        save()
 
-    # 2) Full MoE layer: route + experts + shared.
-    for t in ts:
-        n = nl if t > 9 else n1
-        nbytes, distinct = floor_bytes(t, ids_for(t, reps[-1] * n))
+    prof(1)
+
+    # 2) Full MoE layer with the best tunings over T, and the XLA reference at T = 1 and 8.
+    for t in [] if args.no_ts else [int(v) for v in args.ts.split(",")]:
+        nbytes, distinct = floor_bytes(t)
+        if t in (3, 6):  # the best tunings, compiled, at T > 1 (split and unsplit gate/up paths)
+            x = xs_for(t)[0]
+            err = rel_err(moe_layer(x, lay, "pallas", et_best, rt_best), moe_layer(x, lay, "reference"))
+            results["checks"][f"moe_T{t}_best_tunings_rel_err_bf16"] = err
+            print(f"check moe layer T={t}, best tunings: rel err vs reference {err:.2e} (bound 2e-2)", flush=True)
+            assert err <= 2e-2
         for backend in ("pallas", "reference"):
             if backend == "reference" and t not in (1, 8):
                 continue
-            us, sp = time_per_call(
-                lambda lays, i, x, b=backend: moe_layer(x, lays[i % nl], b, tu_best if b == "pallas" else None),
-                layers, lambda i: (x_for(t, i),), n, reps, args.iters)
+            us, sp = timed(t, et_best, rt_best, backend)
             row("moe_layer", backend, t, us, sp, nbytes, round(distinct, 2),
-                note="" if backend == "reference" else "best experts tuning")
+                note=f"best tunings [{time.time() - t_start:.0f}s]" if backend == "pallas" else "")
+        save()
 
-    # 3) Router alone.
-    rtunings = [RouterTuning()] + ([] if args.quick else [RouterTuning(k_splits=8, block_k=64),
-                                                          RouterTuning(block_e=32)])
-    for rt in rtunings:
-        us, sp = time_per_call(
-            lambda lays, i, x, rt=rt: router_mod.route(x, lays[i % nl]["router"], lays[i % nl]["expert_bias"],
-                                                       **ROUTE_KW, tuning=rt),
-            layers, lambda i: (x_for(1, i),), n1, reps, args.iters)
-        row("router", "pallas", 1, us, sp, D * E * 4, 0, note=str(rt).replace("RouterTuning", ""))
-    us, sp = time_per_call(
-        lambda lays, i, x: moe.route(x, lays[i % nl]["router"], lays[i % nl]["expert_bias"], **ROUTE_KW),
-        layers, lambda i: (x_for(1, i),), n1, reps, args.iters)
-    row("router", "reference", 1, us, sp, D * E * 4, 0)
+    if not args.no_ts:
+        prof(6)
 
     write_results("bench_moe.json", results, to_repo=not args.toy)
     print_table(results["rows"], ["kind", "backend", "T", "us", "floor_us", "GBps", "pct_of_4p3TBps",

@@ -15,6 +15,13 @@ output. XLA sums the NG partials (fp32), rounds once and adds the shared output 
 fusion that can join the caller's residual add. Splitting the down projection over slot groups gives
 (K + 1)·D/BD programs, enough loads in flight to stream at HBM rate (one program per D block was latency-bound).
 
+Tunings for T = 1 (ExpertsTuning; defaults keep the path above): `k_splits` KS > 1 splits gate/up over D too
+(grid (S, I / BI, KS), fp32 partial gate and up written per split; the down kernel sums them, rounds and applies
+SwiGLU on load), so wide BI blocks (long contiguous row segments) still give enough programs; only for T <=
+`split_max_tokens`. `down_splits` KSD > 1 (T = 1 only) splits the down projection over I: grid (K + 1, D / BD,
+KSD), slot g is expert ids[g] (one token's top-k ids), unweighted fp32 partials; XLA sums them, rounds each
+expert's output, weights in fp32 and adds the shared expert (one small fusion).
+
 Rows: tokens are padded to TP = max(16, 2^⌈log2 T⌉) rows so that every product is a tensor-core `dot` whose weight
 loads Triton pipelines (num_stages); at T = 1 the single row is broadcast in-kernel (no XLA pad).
 """
@@ -43,6 +50,13 @@ class ExpertsTuning:
     # Defaults: best of the H200 sweep in experiments/RESULTS.md (block_d 64: 48.1 µs vs 55.0 µs at block_d 32).
     block_d: int = 64  # BD: output columns per down program
     block_ki: int = 128  # BKI: intermediate chunk per down step (capped at the largest power of two dividing I)
+    # KS > 1: gate/up split over D into KS programs per (slot, I block) writing fp32 partials; the down kernel
+    # sums them, rounds and applies SwiGLU on load (more, shorter programs: a fuller machine at T = 1).
+    k_splits: int = 1
+    split_max_tokens: int = 4  # T above this: no split (the fp32 partials grow with T·KS)
+    # T = 1 only: down projection split over I into KSD programs per (slot, D block), unweighted fp32 partials;
+    # XLA sums them, rounds each expert's output and applies the routing weights (one small fusion).
+    down_splits: int = 1
     warps_gate_up: int = 4
     stages_gate_up: int = 3
     warps_down: int = 4
@@ -53,6 +67,10 @@ class ExpertsTuning:
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"ExpertsTuning.{name}={v} must be a power of two >= 16")
+        for name in ("k_splits", "down_splits"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"ExpertsTuning.{name}={v} must be a power of two")
 
 
 def _dot(a, b):
@@ -78,23 +96,37 @@ def _ownership(ids_flat, s, n_routed):
     return e, (s < n_routed) & (e >= 0) & (earlier == 0)
 
 
+def _row0(v):
+    """[TP, N] -> [1, N]: row 0 (T = 1 broadcasts its single token to TP rows)."""
+    rows = lax.iota(jnp.int32, v.shape[0])
+    return jnp.sum(jnp.where((rows == 0)[:, None], v, jnp.zeros_like(v)), axis=0)[None, :]
+
+
 def experts_fwd_kernel_gate_up(x_ref, ids_ref, wg_ref, wu_ref, sg_ref, su_ref, h_ref, *, BK, BI, n_chunks, n_routed,
-                               limit, shared_limit, has_shared):
-    # x_ref [T or TP, D]; ids_ref [P] int32; wg_ref/wu_ref [E, D, I]; sg_ref/su_ref [D, I]; h_ref [TP, BI] (slot s)
+                               limit, shared_limit, has_shared, split):
+    # x_ref [T or TP, D]; ids_ref [P] int32; wg_ref/wu_ref [E, D, I]; sg_ref/su_ref [D, I];
+    # split = False: h_ref [TP, BI] (slot s, compute dtype, after SwiGLU);
+    # split = True: h_ref [2, TO, BI] fp32 partial gate and up of slot s over D split pl.program_id(2).
     s, i_i = pl.program_id(0), pl.program_id(1)
-    tp = h_ref.shape[0]
+    tp = h_ref.shape[0] if not split else max(16, x_ref.shape[0])
     e, owner = _ownership(ids_ref[...], s, n_routed)
     cols = pl.ds(pl.multiple_of(i_i * BI, BI), BI)
+    o_split = pl.program_id(2) * (n_chunks * BK) if split else 0
 
     def compute(load_g, load_u, lim):
         def body(c, carry):
             acc_g, acc_u = carry
-            ks = pl.ds(pl.multiple_of(c * BK, BK), BK)
+            ks = pl.ds(pl.multiple_of(o_split + c * BK, BK), BK)
             b_x = jnp.broadcast_to(x_ref[:, ks], (tp, BK))  # [TP, BK]; T = 1: the one row, repeated
             return acc_g + _dot(b_x, load_g(ks)), acc_u + _dot(b_x, load_u(ks))
 
         zeros = jnp.zeros((tp, BI), jnp.float32)
         acc_g, acc_u = lax.fori_loop(0, n_chunks, body, (zeros, zeros))
+        if split:
+            to = h_ref.shape[1]
+            h_ref[0, :, :] = acc_g if to == tp else _row0(acc_g)
+            h_ref[1, :, :] = acc_u if to == tp else _row0(acc_u)
+            return
         dt = h_ref.dtype
         h_ref[...] = _swiglu(acc_g.astype(dt), acc_u.astype(dt), lim)
 
@@ -110,28 +142,35 @@ def experts_fwd_kernel_gate_up(x_ref, ids_ref, wg_ref, wu_ref, sg_ref, su_ref, h
 
 
 def experts_fwd_kernel_down(h_ref, ids_ref, ids2_ref, w_ref, wd_ref, sd_ref, o_ref, *, BKI, n_chunks, n_routed,
-                            group, n_groups):
-    # h_ref [S, TP, I]; ids_ref [P]; ids2_ref [T or TP, K]; w_ref [T or TP, K] fp32; wd_ref [E, I, D];
-    # sd_ref [I, D]; o_ref [TO, BD] fp32 (TO = 1 when T = 1, else TP): partial of group g (g = NG: shared)
+                            group, n_groups, tp, limit, shared_limit):
+    # h_ref [S, TP, I] (after SwiGLU) or [KS, S, 2, TO, I] fp32 gate/up partials (SwiGLU applied here on load);
+    # ids_ref [P]; ids2_ref [T or TP, K]; w_ref [T or TP, K] fp32; wd_ref [E, I, D]; sd_ref [I, D];
+    # o_ref [TO, BD] fp32 (TO = 1 when T = 1, else TP): partial of group g (g = NG: shared)
     g, i_d = pl.program_id(0), pl.program_id(1)
     to, bd = o_ref.shape
-    tp = h_ref.shape[1]
-    dt = h_ref.dtype
+    split = len(h_ref.shape) == 5
+    dt = wd_ref.dtype
     cols = pl.ds(pl.multiple_of(i_d * bd, bd), bd)
     rows = lax.iota(jnp.int32, tp)
 
-    def expert_out(s, load_d):
+    def load_h(s, ks, lim):
+        if not split:
+            return h_ref[s, :, ks]
+        acc_g, acc_u = h_ref[0, s, 0, :, ks], h_ref[0, s, 1, :, ks]  # [TO, BKI] fp32
+        for k in range(1, h_ref.shape[0]):
+            acc_g, acc_u = acc_g + h_ref[k, s, 0, :, ks], acc_u + h_ref[k, s, 1, :, ks]
+        return jnp.broadcast_to(_swiglu(acc_g.astype(dt), acc_u.astype(dt), lim), (tp, BKI))
+
+    def expert_out(s, load_d, lim):
         def body(c, acc):
             ks = pl.ds(pl.multiple_of(c * BKI, BKI), BKI)
-            return acc + _dot(h_ref[s, :, ks], load_d(ks))
+            return acc + _dot(load_h(s, ks, lim), load_d(ks))
 
         acc = lax.fori_loop(0, n_chunks, body, jnp.zeros((tp, bd), jnp.float32))
         return acc.astype(dt).astype(jnp.float32)  # [TP, BD], rounded as the reference rounds each expert's output
 
     def store(v):  # v [TP, BD] fp32
-        if to == 1:
-            v = jnp.sum(jnp.where((rows == 0)[:, None], v, 0.0), axis=0)[None, :]
-        o_ref[...] = v
+        o_ref[...] = _row0(v) if to == 1 else v
 
     @pl.when(g < n_groups)
     def _():
@@ -148,7 +187,7 @@ def experts_fwd_kernel_down(h_ref, ids_ref, ids2_ref, w_ref, wd_ref, sd_ref, o_r
                 hit = ids2 == e  # [TP, K]
                 w_tok = jnp.sum(jnp.where(hit, wts, 0.0), axis=1)  # [TP] routing weight of e per token
                 used = (jnp.sum(jnp.where(hit, 1, 0), axis=1) > 0) & real
-                out = expert_out(s, lambda ks: wd_ref[e, ks, cols])
+                out = expert_out(s, lambda ks: wd_ref[e, ks, cols], limit)
                 return acc + jnp.where(used[:, None], w_tok[:, None] * out, 0.0)
 
             return lax.cond(owner, add, lambda a: a, acc)
@@ -160,7 +199,46 @@ def experts_fwd_kernel_down(h_ref, ids_ref, ids2_ref, w_ref, wd_ref, sd_ref, o_r
     if sd_ref is not None:
         @pl.when(g == n_groups)
         def _():
-            store(expert_out(n_routed, lambda ks: sd_ref[ks, cols]))
+            store(expert_out(n_routed, lambda ks: sd_ref[ks, cols], shared_limit))
+
+
+def experts_fwd_kernel_down_t1(h_ref, ids_ref, wd_ref, sd_ref, o_ref, *, BKI, n_chunks, n_routed, tp, limit,
+                               shared_limit):
+    # T = 1: slot g < K is expert ids[g] (top-k ids of one token are distinct), slot K the shared expert.
+    # h_ref as in experts_fwd_kernel_down; ids_ref [K]; wd_ref [E, I, D]; sd_ref [I, D];
+    # o_ref [1, BD] fp32: unweighted partial h_g[I split k] · W_down[I split k, D block j]
+    g, i_d, k = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    bd = o_ref.shape[1]
+    split = len(h_ref.shape) == 5
+    dt = wd_ref.dtype
+    cols = pl.ds(pl.multiple_of(i_d * bd, bd), bd)
+    o_i = k * (n_chunks * BKI)
+
+    def load_h(ks, lim):
+        if not split:
+            return h_ref[g, :, ks]
+        acc_g, acc_u = h_ref[0, g, 0, :, ks], h_ref[0, g, 1, :, ks]
+        for j in range(1, h_ref.shape[0]):
+            acc_g, acc_u = acc_g + h_ref[j, g, 0, :, ks], acc_u + h_ref[j, g, 1, :, ks]
+        return jnp.broadcast_to(_swiglu(acc_g.astype(dt), acc_u.astype(dt), lim), (tp, BKI))
+
+    def run(load_d, lim):
+        def body(c, acc):
+            ks = pl.ds(pl.multiple_of(o_i + c * BKI, BKI), BKI)
+            return acc + _dot(load_h(ks, lim), load_d(ks))
+
+        o_ref[...] = _row0(lax.fori_loop(0, n_chunks, body, jnp.zeros((tp, bd), jnp.float32)))
+
+    @pl.when(g < n_routed)
+    def _():
+        i_p = lax.iota(jnp.int32, ids_ref.shape[0])
+        e = jnp.sum(jnp.where(i_p == g, ids_ref[...], 0))
+        run(lambda ks: wd_ref[e, ks, cols], limit)
+
+    if sd_ref is not None:
+        @pl.when(g == n_routed)
+        def _():
+            run(lambda ks: sd_ref[ks, cols], shared_limit)
 
 
 @functools.partial(jax.jit, static_argnames=("limit", "shared_limit", "tuning"))
@@ -198,19 +276,58 @@ def moe_experts_fused(x, weights, ids, we_gate, we_up, we_down, ws_gate, ws_up, 
         ws_gate = ws_up = jnp.zeros((1, 1), dt)  # never read: has_shared=False is static
     interpret = interpret_mode()
     whole = pl.no_block_spec
+    ks = tuning.k_splits if n <= tuning.split_max_tokens else 1
+    while ks > 1 and (d % ks or (d // ks) % 16):
+        ks //= 2
+    bk = min(bk, (d // ks) & -(d // ks))
+    split = ks > 1
+    if split:
+        h_spec = pl.BlockSpec((None, None, 2, to, bi), lambda s, j, k: (k, s, 0, 0, j))
+        h_shape = jax.ShapeDtypeStruct((ks, n_slots, 2, to, i), jnp.float32)
+        grid_gu = (n_slots, i // bi, ks)
+    else:
+        h_spec = pl.BlockSpec((None, tp, bi), lambda s, j: (s, 0, j))
+        h_shape = jax.ShapeDtypeStruct((n_slots, tp, i), dt)
+        grid_gu = (n_slots, i // bi)
     h = pl.pallas_call(
-        functools.partial(experts_fwd_kernel_gate_up, BK=bk, BI=bi, n_chunks=d // bk, n_routed=n_routed,
-                          limit=limit, shared_limit=shared_limit, has_shared=has_shared),
-        grid=(n_slots, i // bi),
+        functools.partial(experts_fwd_kernel_gate_up, BK=bk, BI=bi, n_chunks=d // ks // bk, n_routed=n_routed,
+                          limit=limit, shared_limit=shared_limit, has_shared=has_shared, split=split),
+        grid=grid_gu,
         in_specs=[whole] * 6,
-        out_specs=pl.BlockSpec((None, tp, bi), lambda s, j: (s, 0, j)),
-        out_shape=jax.ShapeDtypeStruct((n_slots, tp, i), dt),
+        out_specs=h_spec,
+        out_shape=h_shape,
         compiler_params=pltriton.CompilerParams(num_warps=tuning.warps_gate_up, num_stages=tuning.stages_gate_up),
         interpret=interpret,
         name="experts_fwd_kernel_gate_up",
     )(x, ids_flat, we_gate, we_up, ws_gate, ws_up)
+    ksd = tuning.down_splits if n == 1 else 1
+    while ksd > 1 and (i % ksd or (i // ksd) % 16):
+        ksd //= 2
+    if ksd > 1:
+        bki = min(bki, (i // ksd) & -(i // ksd))
+        kernel = functools.partial(experts_fwd_kernel_down_t1, BKI=bki, n_chunks=i // ksd // bki, n_routed=n_routed,
+                                   tp=tp, limit=limit, shared_limit=shared_limit)
+        down_inputs = [h, ids_flat, we_down] + ([ws_down] if has_shared else [])
+        if not has_shared:
+            kernel = functools.partial(lambda *refs, kern: kern(*refs[:3], None, refs[3]), kern=kernel)
+        parts = pl.pallas_call(
+            kernel,
+            grid=(n_slots, d // bd, ksd),
+            in_specs=[whole] * len(down_inputs),
+            out_specs=pl.BlockSpec((None, None, 1, bd), lambda g, j, kk: (kk, g, 0, j)),
+            out_shape=jax.ShapeDtypeStruct((ksd, n_slots, 1, d), jnp.float32),
+            compiler_params=pltriton.CompilerParams(num_warps=tuning.warps_down, num_stages=tuning.stages_down),
+            interpret=interpret,
+            name="experts_fwd_kernel_down",
+        )(*down_inputs)
+        # Each expert's output rounded to the compute dtype (as the reference), weighted in fp32, rounded once.
+        out = jnp.sum(parts, axis=0)[:, 0, :].astype(dt).astype(jnp.float32)  # [S, D]
+        y = jnp.sum(weights[0][:, None] * out[:n_routed], axis=0, keepdims=True).astype(dt)
+        if has_shared:
+            y = y + out[n_routed:].astype(dt)
+        return y
     kernel = functools.partial(experts_fwd_kernel_down, BKI=bki, n_chunks=i // bki, n_routed=n_routed, group=n,
-                               n_groups=n_groups)
+                               n_groups=n_groups, tp=tp, limit=limit, shared_limit=shared_limit)
     down_inputs = [h, ids_flat, ids, weights, we_down]
     if has_shared:
         down_inputs.append(ws_down)

@@ -223,6 +223,30 @@ def test_route_pallas_bf16_input_and_hand_table():
     np.testing.assert_array_equal(np.asarray(ids), [[2, 6, 3, 7]])
 
 
+def test_route_pallas_exact_ties():
+    """Many exact ties (scores on a coarse grid): equal experts in and across groups, equal group scores, equal
+    top-2 members; both GEMV variants. Selection must match lax.top_k's lower-index order exactly."""
+    from pallas_kernels.moe import router as router_mod
+
+    rng = np.random.default_rng(11)
+    d, e, n = 64, 512, 12
+    x = rng.standard_normal((n, d)).astype(np.float32)
+    # Few distinct router columns and biases on a coarse grid: most scores collide exactly.
+    cols = rng.standard_normal((d, 4)).astype(np.float32) / 8
+    router = cols[:, rng.integers(0, 4, e)]
+    bias = (rng.integers(0, 3, e) * 0.25).astype(np.float32)
+    bias[64:128] = bias[0:64]  # group 1 = group 0: equal group scores
+    router[:, 64:128] = router[:, 0:64]
+    x[0] = 0.0  # token 0: every logit 0, only the bias grid decides
+    args = (jnp.asarray(x), jnp.asarray(router), jnp.asarray(bias))
+    w_ref, ids_ref = moe.route(*args, **ROUTE_KW)
+    np.testing.assert_array_equal(np.asarray(ids_ref), np_route(x, router, bias, **ROUTE_KW)[1])
+    for tu in (router_mod.RouterTuning(), router_mod.RouterTuning(gemv_dot=False, topk_warps=4)):
+        w, ids = router_mod.route(*args, **ROUTE_KW, tuning=tu)
+        np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids_ref))
+        np.testing.assert_allclose(np.asarray(w), np.asarray(w_ref), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("limits", [(0.0, 0.0), (4.0, 5.0)], ids=["noclamp", "clamp"])
 @pytest.mark.parametrize("n", [1, 3, 6, 16])
@@ -238,11 +262,32 @@ def test_experts_pallas(n, limits, dtype):
     assert rel_err(y, y_ref) <= (1e-5 if dtype == jnp.float32 else 2e-2)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("n,k_splits,down_splits", [(1, 4, 1), (3, 4, 2), (1, 1, 2), (1, 4, 4)])
+def test_experts_pallas_split_k(n, k_splits, down_splits, dtype):
+    """Gate/up split over D (fp32 partials, SwiGLU in the down kernel) and the T = 1 down split over I (XLA
+    combine) vs the reference, clamps on (T = 3 ignores down_splits)."""
+    from pallas_kernels.moe.experts import ExpertsTuning, moe_experts_fused
+
+    dtype = jnp.dtype(dtype)
+    args, ws, _, _ = _expert_inputs(30 + n, n, k=8, e=32, dtype=dtype, big=True)
+    tu = ExpertsTuning(k_splits=k_splits, down_splits=down_splits, block_k=32, block_i=64, block_d=64, block_ki=16)
+    y = moe_experts_fused(*args, *ws, limit=4.0, shared_limit=5.0, tuning=tu)
+    y_ref = moe.moe_experts(*args, *ws, limit=4.0, shared_limit=5.0)
+    assert y.dtype == dtype
+    assert rel_err(y, y_ref) <= (1e-5 if dtype == jnp.float32 else 2e-2)
+
+
 def test_experts_pallas_no_shared_and_distinct():
     args, _, _, _ = _expert_inputs(4, 5, k=8, e=64, repeat=False)
     assert rel_err(moe.moe_experts(*args, backend="pallas"), moe.moe_experts(*args)) <= 1e-5
     args, _, _, _ = _expert_inputs(5, 1, k=8, e=64)
     assert rel_err(moe.moe_experts(*args, backend="pallas"), moe.moe_experts(*args)) <= 1e-5
+    from pallas_kernels.moe.experts import ExpertsTuning, moe_experts_fused
+
+    y = moe_experts_fused(*args, None, None, None, limit=0.0, shared_limit=0.0,
+                          tuning=ExpertsTuning(k_splits=2, down_splits=2, block_ki=16))
+    assert rel_err(y, moe.moe_experts(*args)) <= 1e-5
 
 
 def test_pallas_rejects_unsupported_shapes():
@@ -263,8 +308,8 @@ def lower_for_cuda(monkeypatch, modules, fn, *avals):
     return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("n", [1, 3])
-def test_pallas_lowers_for_cuda(monkeypatch, n):
+@pytest.mark.parametrize("n,k_splits,down_splits", [(1, 1, 1), (3, 1, 1), (1, 4, 2), (3, 4, 1)])
+def test_pallas_lowers_for_cuda(monkeypatch, n, k_splits, down_splits):
     from pallas_kernels.moe import experts as experts_mod, router as router_mod
 
     d, e, i, k = 2560, 512, 768, 8
@@ -273,9 +318,22 @@ def test_pallas_lowers_for_cuda(monkeypatch, n):
 
     def layer(x, r, b, wg, wu, wd, sg, su, sd):
         w, ids = router_mod.route(x, r, b, **ROUTE_KW)
-        return experts_mod.moe_experts(x, w, ids, wg, wu, wd, sg, su, sd, limit=4.0, shared_limit=5.0)
+        return experts_mod.moe_experts_fused(x, w, ids, wg, wu, wd, sg, su, sd, limit=4.0, shared_limit=5.0,
+                                             tuning=experts_mod.ExpertsTuning(k_splits=k_splits,
+                                                                              down_splits=down_splits))
 
     txt = lower_for_cuda(monkeypatch, [router_mod, experts_mod], layer, sds((n, d), bf), sds((d, e), f32),
                          sds((e,), f32), sds((e, d, i), bf), sds((e, d, i), bf), sds((e, i, d), bf), sds((d, i), bf),
                          sds((d, i), bf), sds((i, d), bf))
     assert txt.count("stablehlo.custom_call") == 4  # router GEMV, top-k, gate/up, down
+
+
+def test_router_variants_lower_for_cuda(monkeypatch):
+    from pallas_kernels.moe import router as router_mod
+
+    sds = jax.ShapeDtypeStruct
+    for tu in (router_mod.RouterTuning(gemv_dot=False, topk_warps=4, block_e=64, k_splits=16, block_k=32),):
+        fn = lambda x, r, b, tu=tu: router_mod.route(x, r, b, **ROUTE_KW, tuning=tu)  # noqa: E731
+        txt = lower_for_cuda(monkeypatch, [router_mod], fn, sds((1, 2560), jnp.bfloat16),
+                             sds((2560, 512), jnp.float32), sds((512,), jnp.float32))
+        assert txt.count("stablehlo.custom_call") == 2
