@@ -33,15 +33,20 @@ from pallas_kernels.mla.decode import MLADecodeTuning, mla_decode_attention as m
 H, R, P = 32, 512, 64  # Flash; --toy below shrinks them for a CPU check
 SCALE = 192 ** -0.5
 
-# Most promising first: a shape's variants past its share of --budget are skipped.
+# Most promising first: a shape's variants past its share of --budget are skipped. Registers / shared memory per
+# program from compiling each variant's Triton IR for sm_90 offline (ptxas): default 255 regs + 104 B spill stack;
+# block_h=16,block_k=128,num_warps=8: 178 regs, no spill, 153 KiB smem; + block_l=16: 142 regs, 102 KiB;
+# block_r=256,num_warps=8: 178, no spill (scores computed twice); block_r=128,block_k=128,num_warps=8: 128 regs
+# (scores 4x); block_k=128,num_warps=8: 255 + 56 B. block_h=64 (wgmma) spills ~1 KB and block_l=64 needs
+# > 227 KiB smem: left out.
 DEFAULT_TUNINGS = ";".join([
     "default",
-    "block_k=128,num_warps=8",  # queries re-read in chunks instead of held: o [32, 512] alone in registers
-    "block_k=64,block_l=64,num_warps=8",
-    "block_r=128,block_k=128",  # 4 column blocks: scores recomputed 4x, o [32, 128]
-    "block_h=64,block_r=256,block_k=128,num_warps=8",  # T=6: 64-row programs
-    "block_h=16,block_k=128",
-    "q_pieces=1,p_pieces=1,block_k=128,num_warps=8",  # cheap precision (1 bf16 piece each)
+    "block_h=16,block_k=128,num_warps=8",
+    "block_l=16,block_h=16,block_k=128,num_warps=8",
+    "block_r=256,num_warps=8",
+    "q_pieces=1,p_pieces=1,block_h=16,block_k=128,num_warps=8",  # cheap precision (1 bf16 piece each)
+    "block_r=128,block_k=128,num_warps=8",
+    "block_k=128,num_warps=8",
 ])
 
 
