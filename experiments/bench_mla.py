@@ -8,8 +8,8 @@ only). `--tunings` is a ';'-separated list of MLADecodeTuning variants, each `de
 show their error here), then timings. Caches are cold: `--ncache` distinct bf16 caches per length (32k × 576 × 2 B
 = 37.7 MB each), rotated across calls. The cache is full: start = L - T, so all L positions are valid and read.
 Floor bytes: L·576·2 (cache) + q (T·H·576·4) + o (T·H·512·4); % of 4.3 TB/s. Timing as in bench_moe.py (slope
-between executables of NL and 3·NL calls; the caches are passed once). `--budget` seconds: past it, the remaining
-variants are skipped (the JSON, rewritten after every shape, still lands).
+between executables of NL and 2·NL calls, `--reps`; the caches are passed once). `--budget` seconds: past it, the
+remaining variants are skipped (the JSON, rewritten after every shape, still lands).
 """
 
 from __future__ import annotations
@@ -33,20 +33,21 @@ from pallas_kernels.mla.decode import MLADecodeTuning, mla_decode_attention as m
 H, R, P = 32, 512, 64  # Flash; --toy below shrinks them for a CPU check
 SCALE = 192 ** -0.5
 
-# Most promising first: a shape's variants past its share of --budget are skipped. Registers / shared memory per
-# program from compiling each variant's Triton IR for sm_90 offline (ptxas): default 255 regs + 104 B spill stack;
-# block_h=16,block_k=128,num_warps=8: 178 regs, no spill, 153 KiB smem; + block_l=16: 142 regs, 102 KiB;
-# block_r=256,num_warps=8: 178, no spill (scores computed twice); block_r=128,block_k=128,num_warps=8: 128 regs
-# (scores 4x); block_k=128,num_warps=8: 255 + 56 B. block_h=64 (wgmma) spills ~1 KB and block_l=64 needs
-# > 227 KiB smem: left out.
+# Most promising first: a shape's variants past its share of --budget are skipped (never the first). Registers /
+# spill stack / shared memory per program from experiments/triton_resources.py (sm_90, offline):
+#   default (block_h=16, block_k=128, num_warps=8): 176 regs, no spill, 97 KiB smem
+#   block_l=16: 128 regs, no spill, 74 KiB (2 programs per SM fit)
+#   block_h=32, block_r=256: 178 regs, no spill, 174 KiB (scores computed twice)
+#   block_h=32, block_r=128: 128 regs, no spill, 158 KiB (scores 4x)
+#   the former default block_h=32, block_k=None, num_warps=4: 255 regs + 136-168 B spill stack, 174 KiB
+#   block_h=64 (wgmma) spills ~1 KB; block_l=64 needs > 227 KiB smem: left out.
 DEFAULT_TUNINGS = ";".join([
     "default",
-    "block_h=16,block_k=128,num_warps=8",
-    "block_l=16,block_h=16,block_k=128,num_warps=8",
-    "block_r=256,num_warps=8",
-    "q_pieces=1,p_pieces=1,block_h=16,block_k=128,num_warps=8",  # cheap precision (1 bf16 piece each)
-    "block_r=128,block_k=128,num_warps=8",
-    "block_k=128,num_warps=8",
+    "block_l=16",
+    "q_pieces=1,p_pieces=1",  # cheap precision (1 bf16 piece each)
+    "block_h=32,block_r=256,block_k=None",
+    "block_h=32,block_k=None,num_warps=4",  # the former default (the baseline logs), with the new split count
+    "block_h=32,block_r=128",
 ])
 
 
@@ -66,7 +67,8 @@ def parse_tunings(spec):
 def short(tu):
     """The fields that differ from the default, e.g. 'block_r=128,block_k=128' ('default' when none)."""
     d = MLADecodeTuning()
-    diff = [f"{f.name}={getattr(tu, f.name)}" for f in dataclasses.fields(tu) if getattr(tu, f.name) != getattr(d, f.name)]
+    diff = [f"{f.name}={getattr(tu, f.name)}" for f in dataclasses.fields(tu)
+            if getattr(tu, f.name) != getattr(d, f.name)]
     return ",".join(diff) or "default"
 
 
@@ -78,6 +80,7 @@ def main(argv=None):
     ap.add_argument("--lengths", default="1024,8192,32768")
     ap.add_argument("--ts", default="1,6")
     ap.add_argument("--ncache", type=int, default=4)
+    ap.add_argument("--reps", default="1,2", help="executables of ncache·r calls; the slope between them is timed")
     ap.add_argument("--budget", type=float, default=140.0,
                     help="seconds, shared evenly by the shapes; a shape's variants past its share are skipped")
     ap.add_argument("--no-reference", action="store_true")
@@ -93,6 +96,7 @@ def main(argv=None):
     tunings = [MLADecodeTuning()] if args.quick else parse_tunings(args.tunings)
     lengths = [int(v) for v in args.lengths.split(",")]
     ts = [int(v) for v in args.ts.split(",")]
+    reps = tuple(int(v) for v in args.reps.split(","))
     n_shapes, i_shape = len(lengths) * len(ts), 0
     for length in lengths:
         caches = [jnp.asarray(rng.standard_normal((1, length, R + P)), jnp.bfloat16) for _ in range(args.ncache)]
@@ -100,7 +104,8 @@ def main(argv=None):
             i_shape += 1
             deadline = t_start + args.budget * i_shape / n_shapes
             qs = [(jnp.asarray(rng.standard_normal((1, t, H, R)) * 0.05, jnp.float32),
-                   jnp.asarray(rng.standard_normal((1, t, H, P)), jnp.bfloat16)) for _ in range(3 * args.ncache)]
+                   jnp.asarray(rng.standard_normal((1, t, H, P)), jnp.bfloat16))
+                  for _ in range(max(reps) * args.ncache)]
             start = jnp.int32(length - t)
             # Correctness, compiled, with the positions past start + T poisoned (start 3 short of the end).
             st = length - t - 3
@@ -122,12 +127,12 @@ def main(argv=None):
                         if not np.isfinite(np.asarray(o_p)).all():
                             err = float("nan")
                         results["checks"][f"L{length}_T{t}_{name}_rel_err"] = err
-                        fn = lambda cs, i, ql, qr, tu=tu: mla_pallas(ql, qr, cs[i % len(cs)], start, scale=SCALE,  # noqa: E731
-                                                                      tuning=tu)
+                        def fn(cs, i, ql, qr, tu=tu):
+                            return mla_pallas(ql, qr, cs[i % len(cs)], start, scale=SCALE, tuning=tu)
                     else:
-                        fn = lambda cs, i, ql, qr: mla.mla_decode_attention(ql, qr, cs[i % len(cs)], start,  # noqa: E731
-                                                                            scale=SCALE)
-                    us, sp = time_per_call(fn, caches, lambda i: qs[i], args.ncache, (1, 3), args.iters)
+                        def fn(cs, i, ql, qr):
+                            return mla.mla_decode_attention(ql, qr, cs[i % len(cs)], start, scale=SCALE)
+                    us, sp = time_per_call(fn, caches, lambda i: qs[i], args.ncache, reps, args.iters)
                 except Exception as exc:
                     print(f"fail L={length} T={t} {backend} {name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
                     continue

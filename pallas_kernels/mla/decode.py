@@ -49,12 +49,14 @@ class MLADecodeTuning:
     measured error.
     """
 
-    block_h: int = 32  # BH: query rows (token, head) per program
+    # Defaults from compiling the variants for sm_90 offline (experiments/triton_resources.py): 176 registers, no
+    # spill, 97 KiB smem at Ling shapes; the former block_h=32, block_k=None, num_warps=4 spilled (255 + stack).
+    block_h: int = 16  # BH: query rows (token, head) per program
     block_l: int = 32  # BL: cache positions per step
     block_r: int | None = None  # BR: output columns per program (None = R)
-    block_k: int | None = None  # BK: score-dot chunk of R with in-loop query loads (None = queries held)
+    block_k: int | None = 128  # BK: score-dot chunk of R with in-loop query loads (None = queries held)
     num_splits: int | None = None  # NS: None = enough programs for ~2 waves of SMs (see _num_splits)
-    num_warps: int = 4
+    num_warps: int = 8
     num_stages: int = 2
     q_pieces: int = 3
     p_pieces: int = 3
@@ -137,34 +139,48 @@ def mla_decode_fwd_kernel(start_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref
     i_l = lax.iota(jnp.int32, BL)
     o_r = pl.multiple_of(i_r * br, br)
 
+    # With block_k the output block is carried as BR / BV column chunks [BH, BV] (BV = min(BK, BR)), each updated
+    # by its own dot: smaller dot operands, and (BR = R) the ·V chunks are the score chunks already loaded.
+    bv = br if held else min(BK, br)
+    n_v = br // bv
+
     def body(blk, carry):
-        o, m_i, l_i = carry
+        o, m_i, l_i = carry  # o: n_v × [BH, BV]
         o_l = pl.multiple_of(blk * BL, BL)
         pos = o_l + i_l  # [BL]
         # Score operands are not zeroed past `end`: those columns are replaced by -inf below (a select, so a NaN
         # score there is dropped). The ·V operand is zeroed, since 0 · NaN = NaN.
         s = _dot_pieces(b_qr, kv_ref[pl.ds(o_l, BL), pl.ds(R, P)], True)  # [BH, BL]
+        c_chunks = {}
         if held:
-            b_c = kv_ref[pl.ds(o_l, BL), pl.ds(0, R)]  # [BL, R]
-            s = _dot_pieces(b_ql, b_c, True, acc=s)
+            c_chunks[0] = kv_ref[pl.ds(o_l, BL), pl.ds(0, R)]  # [BL, R]
+            s = _dot_pieces(b_ql, c_chunks[0], True, acc=s)
         else:
             for k in range(0, R, BK):  # static: R / BK chunks, the query pieces re-read each time
-                b_c = kv_ref[pl.ds(o_l, BL), pl.ds(k, BK)]  # [BL, BK]
-                s = _dot_pieces([ql_ref[p, :, pl.ds(k, BK)] for p in range(nq)], b_c, True, acc=s)
+                c_chunks[k] = kv_ref[pl.ds(o_l, BL), pl.ds(k, BK)]  # [BL, BK]
+                s = _dot_pieces([ql_ref[p, :, pl.ds(k, BK)] for p in range(nq)], c_chunks[k], True, acc=s)
         s = jnp.where(pos[None, :] <= lim[:, None], s * scale, -jnp.inf)
         m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
         alpha = jnp.exp(m_i - m_new)
         p = jnp.exp(s - m_new[:, None])
         l_new = l_i * alpha + jnp.sum(p, axis=1)
-        b_v = b_c if held and br == R else kv_ref[pl.ds(o_l, BL), pl.ds(o_r, br)]
-        b_v = jnp.where((pos < end)[:, None], b_v, 0)  # [BL, BR]
-        pieces = _split(p, NP_P) if b_v.dtype == jnp.bfloat16 else (p,)
-        o_new = _dot_pieces(pieces, b_v, False, acc=o * alpha[:, None])
-        return o_new, m_new, l_new
+        pieces = _split(p, NP_P) if kv_ref.dtype == jnp.bfloat16 else (p,)
+        live = (pos < end)[:, None]
+        o_new = []
+        for j in range(n_v):
+            if br == R and bv == (R if held else BK):
+                b_v = c_chunks[j * bv]
+            else:
+                b_v = kv_ref[pl.ds(o_l, BL), pl.ds(o_r + j * bv, bv)]
+            b_v = jnp.where(live, b_v, 0)  # [BL, BV]
+            o_new.append(_dot_pieces(pieces, b_v, False, acc=o[j] * alpha[:, None]))
+        return tuple(o_new), m_new, l_new
 
-    init = (jnp.zeros((bh, br), jnp.float32), jnp.full((bh,), _M_INIT, jnp.float32), jnp.zeros((bh,), jnp.float32))
+    o0 = tuple(jnp.zeros((bh, bv), jnp.float32) for _ in range(n_v))
+    init = (o0, jnp.full((bh,), _M_INIT, jnp.float32), jnp.zeros((bh,), jnp.float32))
     o, m_i, l_i = lax.fori_loop(lo_blk, hi_blk, body, init)
-    o_ref[...] = o
+    for j in range(n_v):
+        o_ref[:, pl.ds(j * bv, bv)] = o[j]
     m_ref[...] = m_i
     l_ref[...] = l_i
 
