@@ -49,12 +49,13 @@ class MLADecodeTuning:
     measured error.
     """
 
-    # Defaults from compiling the variants for sm_90 offline (experiments/triton_resources.py): 176 registers, no
-    # spill, 97 KiB smem at Ling shapes; the former block_h=32, block_k=None, num_warps=4 spilled (255 + stack).
+    # Defaults from compiling the variants for sm_90 offline (experiments/triton_resources.py): 182 registers, no
+    # spill, 121 KiB smem at Ling shapes; the former block_h=32, num_warps=4 spilled (255 + stack). Held queries
+    # (block_k=None) are read once; block_k=128 also fits (176 regs) but re-reads 48 KiB of query pieces per step.
     block_h: int = 16  # BH: query rows (token, head) per program
     block_l: int = 32  # BL: cache positions per step
     block_r: int | None = None  # BR: output columns per program (None = R)
-    block_k: int | None = 128  # BK: score-dot chunk of R with in-loop query loads (None = queries held)
+    block_k: int | None = None  # BK: score-dot chunk of R with in-loop query loads (None = queries held)
     num_splits: int | None = None  # NS: None = enough programs for ~2 waves of SMs (see _num_splits)
     num_warps: int = 8
     num_stages: int = 2

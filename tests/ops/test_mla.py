@@ -190,7 +190,7 @@ def test_decode_pallas_rejects_unaligned_cache():
 
 @pytest.mark.parametrize("t,kw", [(1, {}), (6, {}), (1, dict(block_l=64, block_r=128, block_k=128)),
                                   (6, dict(block_h=64, block_r=256, q_pieces=1, p_pieces=1)),
-                                  (6, dict(block_h=32, block_k=None, num_warps=4)),
+                                  (6, dict(block_h=32, num_warps=4)), (1, dict(block_k=128)),
                                   (1, dict(block_l=16, q_pieces=2, p_pieces=2, num_splits=7))],
                          ids=lambda v: str(v))
 def test_decode_pallas_lowers_for_cuda(monkeypatch, t, kw):
