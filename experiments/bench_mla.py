@@ -1,16 +1,21 @@
 """How close does the Pallas absorbed-MLA decode kernel get to its byte floor at Ling-3.0-flash sizes
-(H = 32, R = 512, P = 64), L in {1k, 8k, 32k}, T in {1, 6}, against the pure-XLA reference?
+(H = 32, R = 512, P = 64), L in {1k, 8k, 32k}, T in {1, 6}, against the pure-XLA reference? Which tuning wins?
 
-Run on the GPU: `PYTHONPATH=. python3 experiments/bench_mla.py` (`--quick`: default tuning only). Compiled
-correctness first (Pallas vs reference, NaN poison past start + T), then timings. Caches are cold: 8 distinct
-bf16 caches per length (32k × 576 × 2 B = 37.7 MB each, 302 MB in all, > the 60 MB L2), rotated across calls.
-The cache is full: start = L - T, so all L positions are valid and read. Floor bytes: L·576·2 (cache) + q (T·H·576·4)
-+ o (T·H·512·4); % of 4.3 TB/s. Timing as in bench_moe.py (slope between executables of NL and 3·NL calls; the caches are passed once).
+Run on the GPU: `PYTHONPATH=. timeout 170 python3 experiments/bench_mla.py` (~150 s; `--quick`: default tuning
+only). `--tunings` is a ';'-separated list of MLADecodeTuning variants, each `default` or `key=value,...`
+(e.g. `block_r=128,block_k=128;q_pieces=1,p_pieces=1`). Per shape: compiled correctness of every variant first
+(Pallas vs the fp32 reference with the positions past start + T poisoned with NaN; the cheaper precision variants
+show their error here), then timings. Caches are cold: `--ncache` distinct bf16 caches per length (32k × 576 × 2 B
+= 37.7 MB each), rotated across calls. The cache is full: start = L - T, so all L positions are valid and read.
+Floor bytes: L·576·2 (cache) + q (T·H·576·4) + o (T·H·512·4); % of 4.3 TB/s. Timing as in bench_moe.py (slope
+between executables of NL and 2·NL calls, `--reps`; the caches are passed once). `--budget` seconds: past it, the
+remaining variants are skipped (the JSON, rewritten after every shape, still lands).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -28,15 +33,59 @@ from pallas_kernels.mla.decode import MLADecodeTuning, mla_decode_attention as m
 H, R, P = 32, 512, 64  # Flash; --toy below shrinks them for a CPU check
 SCALE = 192 ** -0.5
 
+# Most promising first: a shape's variants past its share of --budget are skipped (never the first). Registers /
+# spill stack / shared memory per program from experiments/triton_resources.py (sm_90, offline, T=1):
+#   default (block_h=16, block_l=32, queries held, num_warps=8): 182 regs, no spill, 121 KiB smem
+#   block_l=64: 185 regs, no spill, 192 KiB (half the steps)
+#   block_k=128 (query pieces re-read per step, ·V in column chunks): 176 regs, no spill, 97 KiB
+#   block_l=16: 172 regs, no spill, 85 KiB
+#   block_h=32, block_r=256: 178 regs, no spill, 174 KiB (scores computed twice)
+#   the former default block_h=32, num_warps=4: 255 regs + 136-168 B spill stack, 174 KiB
+#   block_h=64 (wgmma) spills ~1 KB; block_l=64 with block_k=128 needs > 227 KiB smem: left out.
+DEFAULT_TUNINGS = ";".join([
+    "default",
+    "block_l=64",
+    "block_k=128",
+    "q_pieces=1,p_pieces=1",  # cheap precision (1 bf16 piece each)
+    "block_l=16",
+    "block_h=32,block_r=256",
+    "block_h=32,num_warps=4",  # the former default (the baseline logs), with the new split count
+])
+
+
+def parse_tunings(spec):
+    out = []
+    for item in spec.split(";"):
+        item = item.strip()
+        kw = {}
+        if item and item != "default":
+            for kv in item.split(","):
+                k, v = kv.split("=")
+                kw[k.strip()] = None if v.strip() == "None" else int(v)
+        out.append(MLADecodeTuning(**kw))
+    return out
+
+
+def short(tu):
+    """The fields that differ from the default, e.g. 'block_r=128,block_k=128' ('default' when none)."""
+    d = MLADecodeTuning()
+    diff = [f"{f.name}={getattr(tu, f.name)}" for f in dataclasses.fields(tu)
+            if getattr(tu, f.name) != getattr(d, f.name)]
+    return ",".join(diff) or "default"
+
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--with-reference", action="store_true", help="time the XLA reference at every L, not only max")
+    ap.add_argument("--quick", action="store_true", help="default tuning only")
+    ap.add_argument("--tunings", default=DEFAULT_TUNINGS)
+    ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--lengths", default="1024,8192,32768")
     ap.add_argument("--ts", default="1,6")
-    ap.add_argument("--ncache", type=int, default=8)
+    ap.add_argument("--ncache", type=int, default=4)
+    ap.add_argument("--reps", default="1,2", help="executables of ncache·r calls; the slope between them is timed")
+    ap.add_argument("--budget", type=float, default=140.0,
+                    help="seconds, shared evenly by the shapes; a shape's variants past its share are skipped")
+    ap.add_argument("--no-reference", action="store_true")
     ap.add_argument("--toy", action="store_true")
     args = ap.parse_args(argv)
     global H, R, P
@@ -44,54 +93,72 @@ def main(argv=None):
         H, R, P = 4, 64, 16
     header = run_header()
     rng = np.random.default_rng(0)
-    results = {**header, "rows": [], "checks": {}}
+    results = {**header, "rows": [], "checks": {}, "skipped": []}
     t_start = time.time()
-    tunings = [MLADecodeTuning()]
-    if not args.quick:
-        tunings += [MLADecodeTuning(block_l=16), MLADecodeTuning(num_warps=8)]
+    tunings = [MLADecodeTuning()] if args.quick else parse_tunings(args.tunings)
     lengths = [int(v) for v in args.lengths.split(",")]
+    ts = [int(v) for v in args.ts.split(",")]
+    reps = tuple(int(v) for v in args.reps.split(","))
+    n_shapes, i_shape = len(lengths) * len(ts), 0
     for length in lengths:
         caches = [jnp.asarray(rng.standard_normal((1, length, R + P)), jnp.bfloat16) for _ in range(args.ncache)]
-        for t in [int(v) for v in args.ts.split(",")]:
+        for t in ts:
+            i_shape += 1
+            deadline = t_start + args.budget * i_shape / n_shapes
             qs = [(jnp.asarray(rng.standard_normal((1, t, H, R)) * 0.05, jnp.float32),
-                   jnp.asarray(rng.standard_normal((1, t, H, P)), jnp.bfloat16)) for _ in range(3 * args.ncache)]
+                   jnp.asarray(rng.standard_normal((1, t, H, P)), jnp.bfloat16))
+                  for _ in range(max(reps) * args.ncache)]
             start = jnp.int32(length - t)
-            # Correctness, compiled, with the positions past start + T poisoned.
-            poisoned = caches[0].at[:, length - t - 3 + t:].set(jnp.nan) if length > 64 else caches[0]
-            st = jnp.int32(length - t - 3)
-            o_p = mla.mla_decode_attention(*qs[0], poisoned, st, scale=SCALE, backend="pallas")
-            o_r = mla.mla_decode_attention(*qs[0], poisoned, st, scale=SCALE)
-            err = rel_err(o_p, o_r)
-            results["checks"][f"L{length}_T{t}_rel_err"] = err
-            print(f"check L={length} T={t}: rel err vs reference {err:.2e}, finite "
-                  f"{bool(np.isfinite(np.asarray(o_p)).all())}", flush=True)
+            # Correctness, compiled, with the positions past start + T poisoned (start 3 short of the end).
+            st = length - t - 3
+            poisoned = caches[0].at[:, st + t:].set(jnp.nan)
+            o_r = mla.mla_decode_attention(*qs[0], poisoned, jnp.int32(st), scale=SCALE)
             nbytes = length * (R + P) * 2 + t * H * (R + P) * 4 + t * H * R * 4
-            variants = [("pallas", tu) for tu in tunings] + [("reference", None)]
+            variants = ([] if args.no_reference else [("reference", None)]) + [("pallas", tu) for tu in tunings]
             for backend, tu in variants:
-                if backend == "pallas":
-                    fn = lambda cs, i, ql, qr, tu=tu: mla_pallas(ql, qr, cs[i % len(cs)], start, scale=SCALE,  # noqa: E731
-                                                                  tuning=tu)
-                else:
-                    fn = lambda cs, i, ql, qr: mla.mla_decode_attention(ql, qr, cs[i % len(cs)], start,  # noqa: E731
-                                                                        scale=SCALE)
-                if backend == "reference" and not args.with_reference and length != max(lengths):
+                name = short(tu) if tu else ""
+                if time.time() > deadline and backend == "pallas" and tu != tunings[0]:
+                    results["skipped"].append(f"L{length}_T{t}_{backend}_{name}")
+                    print(f"skip L={length} T={t} {backend} {name}: past --budget", flush=True)
                     continue
+                err = None
                 try:
-                    us, sp = time_per_call(fn, caches, lambda i: qs[i], args.ncache, (1, 3), args.iters)
+                    if backend == "pallas":
+                        o_p = mla_pallas(*qs[0], poisoned, jnp.int32(st), scale=SCALE, tuning=tu)
+                        err = float(f"{rel_err(o_p, o_r):.2e}")
+                        if not np.isfinite(np.asarray(o_p)).all():
+                            err = float("nan")
+                        results["checks"][f"L{length}_T{t}_{name}_rel_err"] = err
+                        def fn(cs, i, ql, qr, tu=tu):
+                            return mla_pallas(ql, qr, cs[i % len(cs)], start, scale=SCALE, tuning=tu)
+                    else:
+                        def fn(cs, i, ql, qr):
+                            return mla.mla_decode_attention(ql, qr, cs[i % len(cs)], start, scale=SCALE)
+                    us, sp = time_per_call(fn, caches, lambda i: qs[i], args.ncache, reps, args.iters)
                 except Exception as exc:
-                    print(f"skip {backend} {tu}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                    print(f"fail L={length} T={t} {backend} {name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
                     continue
                 gbs = nbytes / (us * 1e-6) / 1e9
                 r = dict(kind="mla_decode", backend=backend, L=length, T=t, us=round(us, 2), spread_us=round(sp, 2),
                          floor_us=round(nbytes / HBM * 1e6, 2), bytes=nbytes, GBps=round(gbs, 1),
-                         pct_of_4p3TBps=round(100 * gbs * 1e9 / HBM, 1),
-                         note=str(tu).replace("MLADecodeTuning", "") if tu else "")
+                         pct_of_4p3TBps=round(100 * gbs * 1e9 / HBM, 1), rel_err=err, note=name)
                 results["rows"].append(r)
+                e = f"err {err:.1e}" if err is not None else ""
                 print(f"mla L={length:6d} T={t} {backend:9s} {us:8.2f} µs (±{sp:.2f}) floor {r['floor_us']:6.2f} µs "
-                      f"{gbs:7.0f} GB/s {r['pct_of_4p3TBps']:5.1f}% {r['note']}", flush=True)
+                      f"{r['pct_of_4p3TBps']:5.1f}% {e:11s} {name}  [{time.time() - t_start:.0f}s]", flush=True)
         del caches
-    write_results("bench_mla.json", results, to_repo=not args.toy)
-    print_table(results["rows"], ["L", "T", "backend", "us", "floor_us", "GBps", "pct_of_4p3TBps", "note"])
+        write_results("bench_mla.json", results, to_repo=not args.toy)
+    print_table(results["rows"], ["L", "T", "backend", "us", "floor_us", "pct_of_4p3TBps", "rel_err", "note"])
+    best = {}
+    for r in results["rows"]:
+        if r["backend"] == "pallas" and r["rel_err"] is not None and r["rel_err"] <= 1e-5:
+            k = (r["L"], r["T"])
+            if k not in best or r["us"] < best[k]["us"]:
+                best[k] = r
+    for (length, t), r in sorted(best.items()):
+        ref = [x["us"] for x in results["rows"] if x["backend"] == "reference" and (x["L"], x["T"]) == (length, t)]
+        print(f"best exact L={length} T={t}: {r['us']:.2f} µs ({r['note']})"
+              + (f", reference {ref[0]:.2f} µs" if ref else ""))
     print(f"total bench time {time.time() - t_start:.0f}s")
 
 

@@ -69,13 +69,17 @@ def moe_op(backend, T):
     return jax.jit(layer), (x, lay)
 
 
+MLA_TUNING = None  # --mla-tuning: an MLADecodeTuning for the Pallas MLA ops
+
+
 def mla_op(backend, T, L):
     rng = np.random.default_rng(0)
     ql = jnp.asarray(rng.standard_normal((1, T, H, R)) * 0.05, jnp.float32)
     qr = jnp.asarray(rng.standard_normal((1, T, H, P)), jnp.bfloat16)
     cache = jnp.asarray(rng.standard_normal((1, L, R + P)), jnp.bfloat16)
+    kw = dict(tuning=MLA_TUNING) if backend == "pallas" and MLA_TUNING is not None else {}
     fn = jax.jit(lambda ql, qr, c: mla.mla_decode_attention(ql, qr, c, jnp.int32(L - T), scale=192 ** -0.5,
-                                                            backend=backend))
+                                                            backend=backend, **kw))
     return fn, (ql, qr, cache)
 
 
@@ -86,6 +90,7 @@ OPS = {
     "moe6": lambda b: moe_op(b, 6),
     "mla_1k": lambda b: mla_op(b, 1, 1024),
     "mla_32k": lambda b: mla_op(b, 1, 32768),
+    "mla_8k_t6": lambda b: mla_op(b, 6, 8192),
 }
 
 
@@ -140,7 +145,13 @@ def main(argv=None):
     ap.add_argument("--ops", default="kda_decode,kda_verify6,moe,moe6,mla_1k,mla_32k")
     ap.add_argument("--backends", default="pallas,reference")
     ap.add_argument("--n", type=int, default=20)
+    ap.add_argument("--mla-tuning", default=None, help="e.g. block_k=128,num_warps=8 (bench_mla.py --tunings syntax)")
     args = ap.parse_args(argv)
+    if args.mla_tuning:
+        from bench_mla import parse_tunings
+
+        global MLA_TUNING
+        MLA_TUNING = parse_tunings(args.mla_tuning)[0]
     results = {**run_header(), "ops": []}
     for name in args.ops.split(","):
         for backend in args.backends.split(","):

@@ -1,17 +1,23 @@
 """Pallas-Triton absorbed MLA decode: T new queries × H heads over the latent cache [L, R + P], split-K.
 
 Rows are the T·H (token, head) queries of one sequence, all attending to the one shared latent cache (MQA-like).
-Grid (B, row blocks of BH, NS splits of the valid length): program (b, i, j) streams its share of the cache
-[c_kv | k_rope] in blocks of BL positions, online softmax in fp32 (FlashAttention-2 §3.1.1: running max m_i and
-sum l_i), and writes the unnormalised partial o, m, l; `_combine` merges the NS partials in XLA (flash-decoding).
+Grid (NR column blocks of BR, row blocks of BH, NS splits of the valid length, B): each program streams its split
+of the cache [c_kv | k_rope] in blocks of BL positions, online softmax in fp32 (FlashAttention-2 §3.1.1: running
+max m_i and sum l_i), and writes the unnormalised partial o [BH, BR], m, l; `_combine` merges the NS partials in
+XLA (flash-decoding). With NR > 1 every column block recomputes the same scores (the cheap way to keep o small).
+Without a column split, the register file holds o [BH, R] fp32 plus, by default, the query pieces for the whole
+loop; `block_k` re-reads the query pieces chunk by chunk instead (they stay in L1/L2), freeing those registers.
 
-Only positions < start + T are read (the loop bounds are computed from the device scalar `start`); inside the last
-block the rows past start + T are zeroed before use, so NaN/garbage there cannot leak through 0·NaN.
+Only blocks below start + T are read (the loop bounds come from the device scalar `start`); inside the last block
+the ·V operand's rows past start + T are zeroed and those scores replaced (a select) by -inf, so NaN/garbage there
+cannot leak through 0·NaN.
 
 Precision: the cache is bf16 in serving. Its values are exact in bf16, so fp32·bf16 products are taken as three
 bf16 tensor-core dots of the fp32 operand split into hi + lo + lo2 bf16 pieces (error ~2^-24 relative, like fp32;
 the same trick as BF16_BF16_F32_X3 with an exact second operand). The query pieces are split once in XLA, the
-probabilities in-kernel. An fp32 cache (tests) uses plain fp32 dots.
+probabilities in-kernel; a bf16 q_rope is a single exact piece. An fp32 cache (tests) uses plain fp32 dots.
+`MLADecodeTuning.q_pieces` / `p_pieces` trade that exactness for fewer dots (measured: rel err ~4e-6 for 2 query
+pieces, ~2e-3 for 1 + 1 pieces on the unit test; experiments/bench_mla.py prints it at Ling shapes).
 """
 
 from __future__ import annotations
@@ -32,17 +38,40 @@ _M_INIT = -1e30  # finite start for the running max: exp(m_old - m_new) stays 1,
 
 @dataclasses.dataclass(frozen=True)
 class MLADecodeTuning:
-    block_h: int = 32  # BH: query rows (token, head) per program
+    """Tiling and precision knobs of the decode kernel; the defaults are exact (see the module docstring).
+
+    block_r < R splits the output columns across programs: each program recomputes the scores of its cache range
+    (the score dots repeat R / block_r times) but holds only o [BH, block_r] in registers.
+    block_k set: the score dots run over R in chunks of block_k with the query pieces re-read from the
+    (L1-resident) query block each step instead of being held in registers for the whole loop.
+    q_pieces / p_pieces < 3 (bf16 cache only) drop the low bf16 pieces of the fp32 query / probabilities: cheaper,
+    no longer fp32-exact (1 piece each is the usual flash-attention practice); see experiments/bench_mla.py for the
+    measured error.
+    """
+
+    # Defaults from compiling the variants for sm_90 offline (experiments/triton_resources.py): 182 registers, no
+    # spill, 121 KiB smem at Ling shapes; the former block_h=32, num_warps=4 spilled (255 + stack). Held queries
+    # (block_k=None) are read once; block_k=128 also fits (176 regs) but re-reads 48 KiB of query pieces per step.
+    block_h: int = 16  # BH: query rows (token, head) per program
     block_l: int = 32  # BL: cache positions per step
-    num_splits: int | None = None  # NS: None = enough programs to fill ~2 waves of SMs
-    num_warps: int = 4
+    block_r: int | None = None  # BR: output columns per program (None = R)
+    block_k: int | None = None  # BK: score-dot chunk of R with in-loop query loads (None = queries held)
+    num_splits: int | None = None  # NS: None = enough programs for ~2 waves of SMs (see _num_splits)
+    num_warps: int = 8
     num_stages: int = 2
+    q_pieces: int = 3
+    p_pieces: int = 3
 
     def __post_init__(self):
-        for name in ("block_h", "block_l"):
+        for name in ("block_h", "block_l", "block_r", "block_k"):
             v = getattr(self, name)
-            if v < 16 or v & (v - 1):
+            if v is not None and (v < 16 or v & (v - 1)):
                 raise ValueError(f"MLADecodeTuning.{name}={v} must be a power of two >= 16")
+        for name in ("q_pieces", "p_pieces"):
+            if getattr(self, name) not in (1, 2, 3):
+                raise ValueError(f"MLADecodeTuning.{name}={getattr(self, name)} must be 1, 2 or 3")
+        if self.num_splits is not None and self.num_splits < 1:
+            raise ValueError(f"MLADecodeTuning.num_splits={self.num_splits} must be >= 1")
 
 
 def _trunc_bf16(a):
@@ -51,70 +80,108 @@ def _trunc_bf16(a):
     return lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def _split3(a):
-    """fp32 -> (hi, lo, lo2) bf16 with hi + lo + lo2 = a to ~2^-24 relative.
+def _split(a, n=3):
+    """fp32 -> n bf16 pieces summing to a: n = 3 to ~2^-24 relative (fp32-exact), 2 to ~2^-16, 1 to ~2^-8.
 
     hi and lo come from truncation (bit masks), not from rounding through bf16: XLA's excess-precision rewrites
     may drop an f32 -> bf16 -> f32 round trip, which would make lo = a - hi vanish (seen on the H200: 3e-4 error).
-    hi and lo are exact in bf16, so their casts below are exact whatever the compiler does.
+    hi and lo are exact in bf16, so their casts below are exact whatever the compiler does; only the last piece
+    rounds.
     """
+    if n == 1:
+        return (a.astype(jnp.bfloat16),)
     hi = _trunc_bf16(a)
     r = a - hi  # exact
+    if n == 2:
+        return hi.astype(jnp.bfloat16), r.astype(jnp.bfloat16)
     lo = _trunc_bf16(r)
     lo2 = r - lo  # exact; its bf16 cast rounds the last ~8 bits
     return hi.astype(jnp.bfloat16), lo.astype(jnp.bfloat16), lo2.astype(jnp.bfloat16)
 
 
-def _dot_pieces(pieces, b, trans_b):
-    acc = None
+_split3 = _split
+
+
+def _dot(a, b, trans_b):
+    prec = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    if trans_b:
+        return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
+    return jnp.dot(a, b, precision=prec, preferred_element_type=jnp.float32)
+
+
+def _dot_pieces(pieces, b, trans_b, acc=None):
+    """acc + sum_i a_i · b, written as acc + dot so that Triton folds each add into the dot's accumulator: one
+    live fp32 accumulator however many pieces (separate dot results were 3 extra [BH, BR] fp32 tiles)."""
     for a in pieces:
-        prec = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-        if trans_b:
-            d = lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
-        else:
-            d = jnp.dot(a, b, precision=prec, preferred_element_type=jnp.float32)
+        d = _dot(a, b, trans_b)
         acc = d if acc is None else acc + d
     return acc
 
 
-def mla_decode_fwd_kernel(start_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *, scale, T, H, R, P, BL, NS):
-    # start_ref [1] int32; ql_ref [NP, BH, R]; qr_ref [NP, BH, P] (NP = query pieces); kv_ref [L, R + P];
-    # o_ref [BH, R] fp32; m_ref, l_ref [BH] fp32
-    bh = o_ref.shape[0]
-    i_h, i_s = pl.program_id(1), pl.program_id(2)
+def mla_decode_fwd_kernel(start_ref, ql_ref, qr_ref, kv_ref, o_ref, m_ref, l_ref, *, scale, T, H, R, P, BL, BK, NS,
+                          NP_P):
+    # start_ref [1] int32; ql_ref [NQ, BH, R]; qr_ref [NQR, BH, P] (query pieces); kv_ref [L, R + P];
+    # o_ref [BH, BR] fp32 (output columns i_r·BR ..); m_ref, l_ref [BH] fp32. Grid (NR, NHB, NS, B).
+    bh, br = o_ref.shape
+    i_r, i_h, i_s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     start = start_ref[0]
     end = start + T  # positions < end hold real data
     rows = i_h * bh + lax.iota(jnp.int32, bh)
     lim = start + jnp.minimum(rows // H, T - 1)  # [BH] last visible position per query row
-    n_pieces = ql_ref.shape[0]
-    b_ql = [ql_ref[p] for p in range(n_pieces)]  # NP × [BH, R]
-    b_qr = [qr_ref[p] for p in range(n_pieces)]  # NP × [BH, P]
+    nq, nqr = ql_ref.shape[0], qr_ref.shape[0]
+    held = BK is None
+    if held:
+        b_ql = [ql_ref[p] for p in range(nq)]  # NQ × [BH, R]
+    b_qr = [qr_ref[p] for p in range(nqr)]  # NQR × [BH, P]
     n_blocks = pl.cdiv(end, BL)
     per_split = pl.cdiv(n_blocks, NS)
     lo_blk = jnp.minimum(i_s * per_split, n_blocks)
     hi_blk = jnp.minimum(lo_blk + per_split, n_blocks)
     i_l = lax.iota(jnp.int32, BL)
+    o_r = pl.multiple_of(i_r * br, br)
+
+    # With block_k the output block is carried as BR / BV column chunks [BH, BV] (BV = min(BK, BR)), each updated
+    # by its own dot: smaller dot operands, and (BR = R) the ·V chunks are the score chunks already loaded.
+    bv = br if held else min(BK, br)
+    n_v = br // bv
 
     def body(blk, carry):
-        o, m_i, l_i = carry
+        o, m_i, l_i = carry  # o: n_v × [BH, BV]
         o_l = pl.multiple_of(blk * BL, BL)
         pos = o_l + i_l  # [BL]
-        live = (pos < end)[:, None]
-        b_c = jnp.where(live, kv_ref[pl.ds(o_l, BL), pl.ds(0, R)], 0)  # [BL, R]
-        b_r = jnp.where(live, kv_ref[pl.ds(o_l, BL), pl.ds(R, P)], 0)  # [BL, P]
-        s = (_dot_pieces(b_ql, b_c, True) + _dot_pieces(b_qr, b_r, True)) * scale  # [BH, BL]
-        s = jnp.where(pos[None, :] <= lim[:, None], s, -jnp.inf)
+        # Score operands are not zeroed past `end`: those columns are replaced by -inf below (a select, so a NaN
+        # score there is dropped). The ·V operand is zeroed, since 0 · NaN = NaN.
+        s = _dot_pieces(b_qr, kv_ref[pl.ds(o_l, BL), pl.ds(R, P)], True)  # [BH, BL]
+        c_chunks = {}
+        if held:
+            c_chunks[0] = kv_ref[pl.ds(o_l, BL), pl.ds(0, R)]  # [BL, R]
+            s = _dot_pieces(b_ql, c_chunks[0], True, acc=s)
+        else:
+            for k in range(0, R, BK):  # static: R / BK chunks, the query pieces re-read each time
+                c_chunks[k] = kv_ref[pl.ds(o_l, BL), pl.ds(k, BK)]  # [BL, BK]
+                s = _dot_pieces([ql_ref[p, :, pl.ds(k, BK)] for p in range(nq)], c_chunks[k], True, acc=s)
+        s = jnp.where(pos[None, :] <= lim[:, None], s * scale, -jnp.inf)
         m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
         alpha = jnp.exp(m_i - m_new)
         p = jnp.exp(s - m_new[:, None])
         l_new = l_i * alpha + jnp.sum(p, axis=1)
-        pieces = _split3(p) if b_c.dtype == jnp.bfloat16 else (p,)
-        o_new = o * alpha[:, None] + _dot_pieces(pieces, b_c, False)
-        return o_new, m_new, l_new
+        pieces = _split(p, NP_P) if kv_ref.dtype == jnp.bfloat16 else (p,)
+        live = (pos < end)[:, None]
+        o_new = []
+        for j in range(n_v):
+            if br == R and bv == (R if held else BK):
+                b_v = c_chunks[j * bv]
+            else:
+                b_v = kv_ref[pl.ds(o_l, BL), pl.ds(o_r + j * bv, bv)]
+            b_v = jnp.where(live, b_v, 0)  # [BL, BV]
+            o_new.append(_dot_pieces(pieces, b_v, False, acc=o[j] * alpha[:, None]))
+        return tuple(o_new), m_new, l_new
 
-    init = (jnp.zeros((bh, R), jnp.float32), jnp.full((bh,), _M_INIT, jnp.float32), jnp.zeros((bh,), jnp.float32))
+    o0 = tuple(jnp.zeros((bh, bv), jnp.float32) for _ in range(n_v))
+    init = (o0, jnp.full((bh,), _M_INIT, jnp.float32), jnp.zeros((bh,), jnp.float32))
     o, m_i, l_i = lax.fori_loop(lo_blk, hi_blk, body, init)
-    o_ref[...] = o
+    for j in range(n_v):
+        o_ref[:, pl.ds(j * bv, bv)] = o[j]
     m_ref[...] = m_i
     l_ref[...] = l_i
 
@@ -125,6 +192,19 @@ def _combine(o, m, l):
     w = jnp.exp(m - m_max)  # [B, NS, TH]
     num = jnp.einsum("bsh,bshr->bhr", w, o, precision=lax.Precision.HIGHEST)
     return num / jnp.sum(w * l, axis=1)[..., None]
+
+
+_N_SMS = 132  # H100/H200
+
+
+def _num_splits(length, bl, th, r, n_other, itemsize):
+    """Splits of the cache length: enough programs for ~2 waves of SMs (>= 1 block each), and beyond one wave the
+    partials' round trip (write + read of NS·TH·R fp32) kept under half of the cache bytes. At short L the
+    partials stay in L2, and filling the SMs is what counts (the old traffic-only cap gave 4 programs at L=1k)."""
+    by_sms = -(-2 * _N_SMS // n_other)
+    one_wave = -(-_N_SMS // n_other)
+    traffic_cap = (length * itemsize * (r + 64)) // (4 * th * r * 4)
+    return max(1, min(length // bl, by_sms, max(one_wave, traffic_cap)))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "tuning"))
@@ -139,50 +219,54 @@ def mla_decode_attention(q_latent, q_rope, kv_cache, start, *, scale, tuning: ML
     bl = min(tuning.block_l, length & -length)
     if bl < 16:
         raise ValueError(f"the Pallas MLA decode kernel needs the cache length L={length} to be a multiple of 16")
+    br = min(tuning.block_r or r, r)
+    bk = None if tuning.block_k is None or tuning.block_k >= r else tuning.block_k
     th = t * h
     thp = -(-th // 16) * 16
     bh = min(tuning.block_h, thp & -thp)
-    n_hb = thp // bh
+    n_hb, n_r = thp // bh, r // br
     ql = q_latent.reshape(b, th, r).astype(jnp.float32)
-    qr = q_rope.reshape(b, th, p).astype(jnp.float32)
+    qr = q_rope.reshape(b, th, p)
     if thp != th:
         ql = jnp.pad(ql, ((0, 0), (0, thp - th), (0, 0)))
         qr = jnp.pad(qr, ((0, 0), (0, thp - th), (0, 0)))
     if kv_cache.dtype == jnp.bfloat16:
-        ql, qr = jnp.stack(_split3(ql), 1), jnp.stack(_split3(qr), 1)  # [B, 3, THP, R], [B, 3, THP, P]
+        ql = jnp.stack(_split(ql, tuning.q_pieces), 1)  # [B, NQ, THP, R]
+        # A bf16 q_rope is one exact piece; an fp32 one is split like q_latent.
+        qr = qr[:, None] if qr.dtype == jnp.bfloat16 else jnp.stack(_split(qr, tuning.q_pieces), 1)
     else:
-        ql, qr, kv_cache = ql[:, None], qr[:, None], kv_cache.astype(jnp.float32)
-    n_pieces = ql.shape[1]
+        ql, qr, kv_cache = ql[:, None], qr.astype(jnp.float32)[:, None], kv_cache.astype(jnp.float32)
+    nq, nqr = ql.shape[1], qr.shape[1]
     ns = tuning.num_splits
     if ns is None:
-        # Enough programs for ~2 per SM, but keep the partials' round trip (write + read of NS·TH·R fp32)
-        # under half of the cache bytes, and >= 4 blocks per split.
-        n_sms = 132
-        traffic_cap = (length * (r + p) * kv_cache.dtype.itemsize) // (4 * th * r * 4)
-        ns = max(1, min(length // (4 * bl), (2 * n_sms) // max(1, b * n_hb), traffic_cap))
+        ns = _num_splits(length, bl, th, r, b * n_hb * n_r, kv_cache.dtype.itemsize)
     start_arr = jnp.reshape(start, (1,)).astype(jnp.int32)
-    kernel = functools.partial(mla_decode_fwd_kernel, scale=float(scale), T=t, H=h, R=r, P=p, BL=bl, NS=ns)
+    kernel = functools.partial(mla_decode_fwd_kernel, scale=float(scale), T=t, H=h, R=r, P=p, BL=bl, BK=bk, NS=ns,
+                               NP_P=tuning.p_pieces)
+    # Grid (NR, NHB, NS, B): the programs sharing cache blocks (column and row blocks of one split) are adjacent
+    # in launch order, so their cache reads after the first hit L2.
     o, m, l = pl.pallas_call(
         kernel,
-        grid=(b, n_hb, ns),
+        grid=(n_r, n_hb, ns, b),
         in_specs=[
-            pl.BlockSpec((1,), lambda i, j, k: (0,)),
-            pl.BlockSpec((None, n_pieces, bh, r), lambda i, j, k: (i, 0, j, 0)),
-            pl.BlockSpec((None, n_pieces, bh, p), lambda i, j, k: (i, 0, j, 0)),
-            pl.BlockSpec((None, length, r + p), lambda i, j, k: (i, 0, 0)),
+            pl.BlockSpec((1,), lambda c, j, k, i: (0,)),
+            pl.BlockSpec((None, nq, bh, r), lambda c, j, k, i: (i, 0, j, 0)),
+            pl.BlockSpec((None, nqr, bh, p), lambda c, j, k, i: (i, 0, j, 0)),
+            pl.BlockSpec((None, length, r + p), lambda c, j, k, i: (i, 0, 0)),
         ],
         out_specs=[
-            pl.BlockSpec((None, None, bh, r), lambda i, j, k: (i, k, j, 0)),
-            pl.BlockSpec((None, None, bh), lambda i, j, k: (i, k, j)),
-            pl.BlockSpec((None, None, bh), lambda i, j, k: (i, k, j)),
+            pl.BlockSpec((None, None, bh, br), lambda c, j, k, i: (i, k, j, c)),
+            pl.BlockSpec((None, None, None, bh), lambda c, j, k, i: (i, k, c, j)),
+            pl.BlockSpec((None, None, None, bh), lambda c, j, k, i: (i, k, c, j)),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((b, ns, thp, r), jnp.float32),
-            jax.ShapeDtypeStruct((b, ns, thp), jnp.float32),
-            jax.ShapeDtypeStruct((b, ns, thp), jnp.float32),
+            jax.ShapeDtypeStruct((b, ns, n_r, thp), jnp.float32),
+            jax.ShapeDtypeStruct((b, ns, n_r, thp), jnp.float32),
         ],
         compiler_params=pltriton.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
         interpret=interpret_mode(),
         name="mla_decode_fwd_kernel",
     )(start_arr, ql, qr, kv_cache)
-    return _combine(o, m, l)[:, :th].reshape(b, t, h, r)
+    # Every column block of a row computes the same m and l (same scores, same order); take the first.
+    return _combine(o, m[:, :, 0], l[:, :, 0])[:, :th].reshape(b, t, h, r)

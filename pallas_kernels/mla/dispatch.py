@@ -36,7 +36,7 @@ def mla_prefill_attention(q, k, v, *, scale, backend="reference"):
     return reference.mla_prefill_attention(q, k, v, scale=scale)
 
 
-def mla_decode_attention(q_latent, q_rope, kv_cache, start, *, scale, backend="reference"):
+def mla_decode_attention(q_latent, q_rope, kv_cache, start, *, scale, backend="reference", tuning=None):
     """Absorbed MLA attention of T new queries over the latent cache.
 
     Args:
@@ -47,6 +47,7 @@ def mla_decode_attention(q_latent, q_rope, kv_cache, start, *, scale, backend="r
       start: int32 scalar (may be traced): cache position of the first new query.
       scale: softmax scale.
       backend: "reference" | "pallas".
+      tuning: optional `decode.MLADecodeTuning` for backend="pallas" (tiling, cheaper precision modes).
     Returns:
       o_latent [B, T, H, R] float32 (the caller applies W_uv and the head-wise gate).
     """
@@ -68,7 +69,10 @@ def mla_decode_attention(q_latent, q_rope, kv_cache, start, *, scale, backend="r
         raise ValueError(f"start (shape {start.shape}, dtype {start.dtype}) must be an integer scalar")
     start = start.astype(jnp.int32)
     if backend == "reference":
+        if tuning is not None:
+            raise ValueError("tuning applies only to backend='pallas'")
         return reference.mla_decode_attention(q_latent, q_rope, kv_cache, start, scale=scale)
     from pallas_kernels.mla import decode
 
-    return decode.mla_decode_attention(q_latent, q_rope, kv_cache, start, scale=scale)
+    tuning = decode.MLADecodeTuning() if tuning is None else tuning
+    return decode.mla_decode_attention(q_latent, q_rope, kv_cache, start, scale=scale, tuning=tuning)

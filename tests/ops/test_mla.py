@@ -49,10 +49,11 @@ def expanded_attention(case, start, scale):
     return np.einsum("bhtl,blhd->bthd", pr, v)
 
 
-def absorbed(case, start, scale, backend, dtype=jnp.float32):
+def absorbed(case, start, scale, backend, dtype=jnp.float32, tuning=None):
     q_latent = jnp.einsum("bthd,hrd->bthr", case["q_nope"], case["w_uk"], precision="highest")
+    kw = {} if tuning is None else dict(tuning=tuning)
     o = mla.mla_decode_attention(q_latent, jnp.asarray(case["q_rope"], dtype), jnp.asarray(case["cache"], dtype),
-                                 jnp.int32(start), scale=scale, backend=backend)
+                                 jnp.int32(start), scale=scale, backend=backend, **kw)
     assert o.dtype == jnp.float32 and o.shape == q_latent.shape
     return o
 
@@ -136,6 +137,42 @@ def test_decode_pallas(b, t, h, length, start, dtype):
         assert rel_err(got, expanded_attention(case, start, scale)) <= 1e-5
 
 
+# Column split (block_r) with chunked in-loop query loads (block_k), forced split counts that do not divide the
+# blocks (some splits empty when start is near 0), awkward T, start near 0 and at L - T, NaN poison past start + T.
+_TILED = [
+    (dict(block_l=16, block_r=32, block_k=32, num_splits=3), 3, 80, 2, "float32"),
+    (dict(block_l=16, block_r=32, num_splits=5), 6, 96, 90, "bfloat16"),
+    (dict(block_h=16, block_l=16, block_k=16, num_splits=4), 3, 112, 109, "bfloat16"),
+    (dict(block_r=16, block_k=32, num_splits=2, num_warps=8), 6, 64, 0, "float32"),
+]
+
+
+@pytest.mark.parametrize("kw,t,length,start,dtype", _TILED, ids=lambda v: str(v))
+def test_decode_pallas_tilings(kw, t, length, start, dtype):
+    from pallas_kernels.mla.decode import MLADecodeTuning
+
+    case = _decode_case(5, b=1, t=t, h=4, length=length, start=start, poison=np.nan)
+    scale = 48 ** -0.5
+    o = absorbed(case, start, scale, "pallas", jnp.dtype(dtype), tuning=MLADecodeTuning(**kw))
+    o_ref = absorbed(case, start, scale, "reference", jnp.dtype(dtype))
+    assert np.isfinite(np.asarray(o)).all()
+    assert rel_err(o, o_ref) <= 1e-5
+
+
+@pytest.mark.parametrize("pieces,tol", [((2, 3), 3e-5), ((1, 1), 1e-2)], ids=["q2p3", "q1p1"])
+def test_decode_pallas_cheap_precision(pieces, tol):
+    """The cheaper precision modes (fewer bf16 pieces of the fp32 query / probabilities) on a bf16 cache."""
+    from pallas_kernels.mla.decode import MLADecodeTuning
+
+    case = _decode_case(6, b=1, t=3, h=4, length=64, start=40, poison=np.nan)
+    scale = 48 ** -0.5
+    tu = MLADecodeTuning(block_l=16, block_r=32, q_pieces=pieces[0], p_pieces=pieces[1])
+    o = absorbed(case, 40, scale, "pallas", jnp.bfloat16, tuning=tu)
+    err = rel_err(o, absorbed(case, 40, scale, "reference", jnp.bfloat16))
+    print(f"pieces {pieces}: rel err {err:.2e}")
+    assert np.isfinite(np.asarray(o)).all() and err <= tol
+
+
 def test_decode_pallas_1e30_poison_traced_start():
     case = _decode_case(4, b=1, t=2, h=4, length=64, start=30, poison=1e30)
     q_latent = jnp.einsum("bthd,hrd->bthr", case["q_nope"], case["w_uk"], precision="highest")
@@ -151,15 +188,20 @@ def test_decode_pallas_rejects_unaligned_cache():
         absorbed(case, 5, 0.1, "pallas")
 
 
-@pytest.mark.parametrize("t", [1, 6])
-def test_decode_pallas_lowers_for_cuda(monkeypatch, t):
+@pytest.mark.parametrize("t,kw", [(1, {}), (6, {}), (1, dict(block_l=64, block_r=128, block_k=128)),
+                                  (6, dict(block_h=64, block_r=256, q_pieces=1, p_pieces=1)),
+                                  (6, dict(block_h=32, num_warps=4)), (1, dict(block_k=128)),
+                                  (1, dict(block_l=16, q_pieces=2, p_pieces=2, num_splits=7))],
+                         ids=lambda v: str(v))
+def test_decode_pallas_lowers_for_cuda(monkeypatch, t, kw):
     from test_moe import lower_for_cuda
 
     from pallas_kernels.mla import decode
 
     sds = jax.ShapeDtypeStruct
+    tu = decode.MLADecodeTuning(**kw)
     txt = lower_for_cuda(monkeypatch, [decode],
-                         lambda ql, qr, c, s: decode.mla_decode_attention(ql, qr, c, s, scale=192 ** -0.5),
+                         lambda ql, qr, c, s: decode.mla_decode_attention(ql, qr, c, s, scale=192 ** -0.5, tuning=tu),
                          sds((1, t, 32, 512), jnp.float32), sds((1, t, 32, 64), jnp.bfloat16),
                          sds((1, 8192, 576), jnp.bfloat16), sds((), jnp.int32))
     assert txt.count("stablehlo.custom_call") == 1
