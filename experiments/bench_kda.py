@@ -38,7 +38,7 @@ ROWS = []
 T_START = time.time()
 BUDGET_S = [1e9]
 VERIFY_TS = [tuple(range(2, 10))]
-PREFILL = dict(dtypes=("bfloat16", "float32"), n_configs=3)
+PREFILL = dict(dtypes=("bfloat16", "float32"), n_configs=3, fla=True)
 
 
 def over_budget(what):
@@ -380,16 +380,17 @@ def bench_prefill(H, K, T, n_rep, smoke):
         args = inputs(7, B, T, H, K, dtype)
         dn = jnp.dtype(dtype).name
         # BV < 64 gives the h kernel (grid B × H × V/BV, chunks in sequence) more than 64 programs for the
-        # H200's 132 SMs.
-        configs = [chunk.ChunkConfig(BV=64), chunk.ChunkConfig(BV=64, conv="xla"), chunk.ChunkConfig(BV=32),
-                   chunk.ChunkConfig(BV=16), chunk.ChunkConfig(BV=64, num_warps_intra=8),
-                   chunk.ChunkConfig(BV=32, num_warps_h=8)]
+        # H200's 132 SMs; split_o takes the output dots off that serial chain.
+        CC = chunk.ChunkConfig
+        configs = [CC(BV=64), CC(BV=64, conv="xla"), CC(BV=32, split_o=True), CC(BV=16, split_o=True),
+                   CC(BV=32), CC(BV=64, split_o=True), CC(BV=16), CC(BV=64, num_warps_intra=8),
+                   CC(BV=32, split_o=True, num_warps_h=2)]
         configs = configs[:PREFILL["n_configs"]]
-        if smoke or dtype == jnp.float32:
+        if dtype == jnp.float32:
             configs = configs[:2]
         outs = {}
         for i_cfg, cfg in enumerate(configs):
-            if i_cfg == 1 and not smoke:
+            if i_cfg == 1 and not smoke and PREFILL["fla"]:
                 bench_fla_prefill(B, T, H, K, dtype, n_rep)
             if over_budget(f"prefill {dn} {cfg}"):
                 continue
@@ -400,11 +401,14 @@ def bench_prefill(H, K, T, n_rep, smoke):
                 record("prefill", f"pallas {dn} {cfg}", error=repr(e)[:300])
                 continue
             outs.setdefault(cfg.conv, out)
-            record("prefill", f"pallas {dn} T{T} conv={cfg.conv} BV{cfg.BV} wi{cfg.num_warps_intra} "
-                   f"wh{cfg.num_warps_h} (whole layer)", ms=t * 1e3)
+            if cfg.split_o and "fused" in outs and not over_budget(f"prefill {dn} agreement"):
+                record("prefill", f"pallas {dn} T{T} split_o BV{cfg.BV} vs config 0",
+                       y_rel_err=rel_err(out[0], outs["fused"][0]), state_rel_err=rel_err(out[2], outs["fused"][2]))
+            record("prefill", f"pallas {dn} T{T} conv={cfg.conv} split_o={int(cfg.split_o)} BV{cfg.BV} "
+                   f"wi{cfg.num_warps_intra} wh{cfg.num_warps_h} (whole layer)", ms=t * 1e3)
             if cfg.conv == "xla" and not over_budget(f"prefill {dn} core"):
                 bench_prefill_core(args, cfg, dn, T, n_rep)
-        if len(configs) == 1 and not smoke:
+        if len(configs) == 1 and not smoke and PREFILL["fla"]:
             bench_fla_prefill(B, T, H, K, dtype, n_rep)
         if "fused" in outs and "xla" in outs:
             (y0, w0, S0), (y1, w1, S1) = outs["fused"], outs["xla"]
@@ -473,11 +477,12 @@ def main():
                    "the decode section is not run")
     p.add_argument("--prefill-dtypes", default="bfloat16,float32")
     p.add_argument("--prefill-configs", type=int, default=3)
+    p.add_argument("--no-fla", action="store_true", help="skip fla's chunk_kda (its autotuning takes ~100 s)")
     p.add_argument("--budget", type=float, default=1e9, help="seconds after which remaining configs are skipped")
     a = p.parse_args()
     BUDGET_S[0] = a.budget
     VERIFY_TS[0] = tuple(int(t) for t in a.verify_ts.split(","))
-    PREFILL.update(dtypes=tuple(a.prefill_dtypes.split(",")), n_configs=a.prefill_configs)
+    PREFILL.update(dtypes=tuple(a.prefill_dtypes.split(",")), n_configs=a.prefill_configs, fla=not a.no_fla)
     sections = a.sections.split(",")
     if a.smoke:
         H, K, L, reps, n_rep, T_pf = 2, 32, 2, 1, 2, 130

@@ -43,6 +43,9 @@ class ChunkConfig:
     "ieee", "tf32" or "bf16". Interpret mode always computes fp32 dots.
     conv: "fused" (the intra kernel convolves the raw rows as it loads them) or "xla" (``reference.short_conv``
     as a separate XLA pass, then the kernels read its output).
+    split_o: the sequential h kernel only carries the state (stores each chunk's entry state and Ũ) and a
+    third kernel, parallel over chunks, forms O = (Q ⊙ e^Γ) S + A_qk Ũ with the gated norm fused (fla's
+    h / o split): fewer dots on the serial chain, more HBM traffic. BV then tiles only the h kernel.
     """
     BV: int = 64
     num_warps_intra: int = 4
@@ -50,6 +53,8 @@ class ChunkConfig:
     num_stages_h: int = 2
     dot: str = "auto"
     conv: str = "fused"
+    split_o: bool = False
+    num_warps_o: int = 4
 
     def __post_init__(self):
         if not is_pow2(self.BV) or self.BV < 16:
@@ -285,6 +290,59 @@ def chunk_kda_fwd_kernel_h(
     ht_ref[i_b, i_h, :, o_v] = lax.fori_loop(0, NT, body, b_h)
 
 
+def chunk_kda_fwd_kernel_hs(
+    w_ref,     # [B, NT*C, H, K]
+    u_ref,     # [B, NT*C, H, V]
+    kg_ref,    # [B, NT*C, H, K]
+    gc_ref,    # [B, NT, H, K] fp32
+    h0_ref,    # [B, H, K, V] fp32
+    hs_ref,    # [B, NT, H, K, V] out: the state entering each chunk (stored dtype)
+    vn_ref,    # [B, NT*C, H, V] out: Ũ = U − W S (stored dtype)
+    ht_ref,    # [B, H, K, V] fp32 out
+    *, NT, C, BV, dot,
+):
+    """``split_o`` h kernel: the state recurrence alone. hs and Ũ are stored in the dtype the output dots
+    round them to anyway, so the split changes no numerics."""
+    i_b, i_h, i_v = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    o_v = pl.ds(i_v * BV, BV)
+
+    def body(i_n, b_h):
+        t = pl.ds(i_n * C, C)
+        hs_ref[i_b, i_n, i_h, :, o_v] = b_h.astype(hs_ref.dtype)
+        b_vn = u_ref[i_b, t, i_h, o_v].astype(jnp.float32) - dot(w_ref[i_b, t, i_h, :], b_h)
+        vn_ref[i_b, t, i_h, o_v] = b_vn.astype(vn_ref.dtype)
+        b_gc = gc_ref[i_b, i_n, i_h, :]
+        return b_h * b_gc[:, None] + dot(kg_ref[i_b, t, i_h, :], b_vn, trans_a=True)
+
+    ht_ref[i_b, i_h, :, o_v] = lax.fori_loop(0, NT, body, h0_ref[i_b, i_h, :, o_v])
+
+
+def chunk_kda_fwd_kernel_o(
+    qg_ref,    # [B, NT*C, H, K]
+    aqk_ref,   # [B, NT, H, C, C]
+    hs_ref,    # [B, NT, H, K, V]
+    vn_ref,    # [B, NT*C, H, V]
+    z_ref,     # [B, T, H, V]
+    nw_ref,    # [V]
+    y_ref,     # [B, T, H, V] out
+    *, T, C, eps, dot,
+):
+    """``split_o`` output kernel, grid (B, H, NT): O = (Q ⊙ e^Γ) S_n + A_qk Ũ, rounded to the compute dtype,
+    then the gated RMSNorm over the whole head (as the h kernel's fused norm)."""
+    i_b, i_h, i_n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    f32 = jnp.float32
+    t = pl.ds(i_n * C, C)
+    b_o = dot(qg_ref[i_b, t, i_h, :], hs_ref[i_b, i_n, i_h, :, :]) + dot(aqk_ref[i_b, i_n, i_h, :, :],
+                                                                        vn_ref[i_b, t, i_h, :])
+    V = b_o.shape[1]
+    m_t = jnp.broadcast_to(((i_n * C + lax.iota(jnp.int32, C)) < T)[:, None], (C, V))
+    b_of = b_o.astype(y_ref.dtype).astype(f32)
+    b_z = pltriton.load(z_ref.at[i_b, t, i_h, :], mask=m_t, other=0.0).astype(f32)
+    b_y = b_of * lax.rsqrt(jnp.mean(b_of * b_of, axis=1, keepdims=True) + eps)
+    b_y = b_y * nw_ref[...].astype(f32)[None, :] * jax.nn.sigmoid(b_z)
+    pltriton.store(y_ref.at[i_b, t, i_h, :], b_y.astype(y_ref.dtype), mask=m_t)
+
+
 def _new_window(qkv, conv_window):
     """Last W−1 pre-conv rows of window ++ qkv, without concatenating all T rows."""
     T, Wm1 = qkv.shape[1], conv_window.shape[1]
@@ -348,6 +406,25 @@ def core(qkv, f, b, z, state, A_log, dt_bias, o_norm_w, conv=None, *, lower_boun
     )(qkv, head, conv_w, f, b, A_log, dt_bias)
 
     BV = min(cfg.BV, V)
+    if cfg.split_o:
+        hs, vn, ht = pl.pallas_call(
+            functools.partial(chunk_kda_fwd_kernel_hs, NT=NT, C=C, BV=BV, dot=dot),
+            out_shape=[sds((B, NT, H, K, V), store_dt), sds((B, TP, H, V), store_dt),
+                       sds((B, H, K, V), jnp.float32)],
+            grid=(B, H, V // BV),
+            interpret=interpret_mode(),
+            name="kda_chunk_hs",
+            compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps_h, num_stages=cfg.num_stages_h),
+        )(w, u, kg, gc, state)
+        y = pl.pallas_call(
+            functools.partial(chunk_kda_fwd_kernel_o, T=T, C=C, eps=float(eps), dot=dot),
+            out_shape=sds((B, T, H, V), dtype),
+            grid=(B, H, NT),
+            interpret=interpret_mode(),
+            name="kda_chunk_o",
+            compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps_o, num_stages=1),
+        )(qg, aqk, hs, vn, z, o_norm_w)
+        return y, ht
     fuse_norm = BV == V
     y, ht = pl.pallas_call(
         functools.partial(chunk_kda_fwd_kernel_h, T=T, NT=NT, C=C, BV=BV, eps=float(eps), FUSE_NORM=fuse_norm,
