@@ -11,6 +11,8 @@ Pipeline (kernels.md §1.3, fla's ``chunk_kda_fwd`` with fewer launches):
 3. ``chunk_kda_fwd_kernel_h``, grid (B, H, V / BV), chunks in sequence with the [K, BV] state in registers:
    Ũ = U − W S, O = (Q ⊙ e^Γ) S + A_qk Ũ, S ← e^{Γ_C} ⊙ S + (K ⊙ e^{Γ_C − Γ})ᵀ Ũ. With BV == V the gated
    RMSNorm is fused; otherwise it runs as an XLA fusion.
+   ``split_o=True`` (fla's layout): ``chunk_kda_fwd_kernel_hs`` carries only the state (storing each chunk's
+   entry state S_n and Ũ), then ``chunk_kda_fwd_kernel_o``, grid (B, H, NT), forms O and the gated norm.
 
 Numerical safety for gates down to −5: every decay factor is e^{Γ_r − ref} with ref the Γ of the first row of
 the query sub-block, times e^{ref − Γ_c} for the key. Off the diagonal both are ≤ 1; on a 16-row diagonal
