@@ -203,8 +203,13 @@ def check_quick(H, K):
         args = inputs(40 + T, 1, T, H, K, dtype)
         y, w, S = kda.kda_prefill(*args, backend="pallas")
         yr, wr, Sr = kda.kda_prefill(*args)
+        ys, ws, Ss = chunk.prefill(*args, cfg=chunk.ChunkConfig(BV=32, split_o=True))
         tol = 1e-4 if dtype == jnp.float32 else 2e-2
-        for name, a, b in (("y", y, yr), ("state", S, Sr)):
+        win_ok = bool((w == wr).all()) and bool((ws == wr).all())
+        ok &= win_ok
+        record("check", f"prefill {jnp.dtype(dtype).name} T{T} conv window == ref", passed=win_ok)
+        for name, a, b in (("y", y, yr), ("state", S, Sr), ("split_o BV32 y", ys, yr),
+                           ("split_o BV32 state", Ss, Sr)):
             err = rel_err(a, b)
             ok &= err <= tol
             record("check", f"prefill {jnp.dtype(dtype).name} T{T} {name} vs ref", rel_err=err, tol=tol,
