@@ -387,8 +387,8 @@ def bench_prefill(H, K, T, n_rep, smoke):
         # BV < 64 gives the h kernel (grid B × H × V/BV, chunks in sequence) more than 64 programs for the
         # H200's 132 SMs; split_o takes the output dots off that serial chain.
         CC = chunk.ChunkConfig
-        configs = [CC(BV=64), CC(BV=64, conv="xla"), CC(BV=32, split_o=True), CC(BV=16, split_o=True),
-                   CC(BV=32), CC(BV=64, split_o=True), CC(BV=16), CC(BV=64, num_warps_intra=8),
+        configs = [CC(BV=64), CC(BV=64, conv="xla"), CC(BV=32, split_o=True), CC(BV=64, num_warps_intra=8),
+                   CC(BV=16, split_o=True), CC(BV=32), CC(BV=64, split_o=True), CC(BV=16),
                    CC(BV=32, split_o=True, num_warps_h=2)]
         configs = configs[:PREFILL["n_configs"]]
         if dtype == jnp.float32:
