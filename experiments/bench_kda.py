@@ -38,7 +38,7 @@ ROWS = []
 T_START = time.time()
 BUDGET_S = [1e9]
 VERIFY_TS = [tuple(range(2, 10))]
-PREFILL = dict(dtypes=("bfloat16", "float32"), n_configs=3)
+PREFILL = dict(dtypes=("bfloat16", "float32"), n_configs=3, fla=True)
 
 
 def over_budget(what):
@@ -203,8 +203,13 @@ def check_quick(H, K):
         args = inputs(40 + T, 1, T, H, K, dtype)
         y, w, S = kda.kda_prefill(*args, backend="pallas")
         yr, wr, Sr = kda.kda_prefill(*args)
+        ys, ws, Ss = chunk.prefill(*args, cfg=chunk.ChunkConfig(BV=32, split_o=True))
         tol = 1e-4 if dtype == jnp.float32 else 2e-2
-        for name, a, b in (("y", y, yr), ("state", S, Sr)):
+        win_ok = bool((w == wr).all()) and bool((ws == wr).all())
+        ok &= win_ok
+        record("check", f"prefill {jnp.dtype(dtype).name} T{T} conv window == ref", passed=win_ok)
+        for name, a, b in (("y", y, yr), ("state", S, Sr), ("split_o BV32 y", ys, yr),
+                           ("split_o BV32 state", Ss, Sr)):
             err = rel_err(a, b)
             ok &= err <= tol
             record("check", f"prefill {jnp.dtype(dtype).name} T{T} {name} vs ref", rel_err=err, tol=tol,
@@ -371,65 +376,101 @@ def bench_verify(H, K, L, n_rep, smoke, decode_best):
 # --- prefill ----------------------------------------------------------------------------------------------
 
 def bench_prefill(H, K, T, n_rep, smoke):
+    """Whole layer (conv + kernels + norm) per config; the first n_configs of the list run, fla's chunk_kda
+    right after config 0 (the default: conv fused into the intra kernel) so that the key comparison lands
+    first. Config 1 runs the same kernels after a separate XLA conv pass and brings the XLA conv alone, the
+    conv-free core and the fused-vs-XLA-conv output agreement. Later configs sweep the h kernel's BV."""
     B = 1
     for dtype in (jnp.dtype(d) for d in PREFILL["dtypes"]):
         args = inputs(7, B, T, H, K, dtype)
         dn = jnp.dtype(dtype).name
-        configs = [chunk.ChunkConfig(BV=64), chunk.ChunkConfig(BV=64, num_warps_intra=8),
-                   chunk.ChunkConfig(BV=32, num_warps_intra=8)]
+        # BV < 64 gives the h kernel (grid B × H × V/BV, chunks in sequence) more than 64 programs for the
+        # H200's 132 SMs; split_o takes the output dots off that serial chain.
+        CC = chunk.ChunkConfig
+        configs = [CC(BV=64), CC(BV=64, conv="xla"), CC(BV=32, split_o=True), CC(BV=64, num_warps_intra=8),
+                   CC(BV=16, split_o=True), CC(BV=32), CC(BV=64, split_o=True), CC(BV=16),
+                   CC(BV=32, split_o=True, num_warps_h=2)]
         configs = configs[:PREFILL["n_configs"]]
-        if smoke or dtype == jnp.float32:
-            configs = configs[:1]
-        if not smoke and PREFILL["n_configs"] > 1:
-            from pallas_kernels.kda import reference
-            conv = jax.jit(lambda qkv, win, cw: reference.short_conv(qkv, win, cw))
-            t, _ = median_time(conv, args[0], args[4], args[6], n_rep=n_rep)
-            record("prefill", f"pallas {dn} T{T} of which XLA conv+SiLU", ms=t * 1e3)
-        for cfg in configs:
+        if dtype == jnp.float32:
+            configs = configs[:2]
+        outs = {}
+        for i_cfg, cfg in enumerate(configs):
+            if i_cfg == 1 and not smoke and PREFILL["fla"]:
+                bench_fla_prefill(B, T, H, K, dtype, n_rep)
             if over_budget(f"prefill {dn} {cfg}"):
                 continue
-            fn = jax.jit(lambda *a: chunk.prefill(*a, cfg=cfg))
+            fn = jax.jit(lambda *a, cfg=cfg: chunk.prefill(*a, cfg=cfg))
             try:
-                t, _ = median_time(fn, *args, n_rep=n_rep)
+                t, out = median_time(fn, *args, n_rep=n_rep)
             except Exception as e:
                 record("prefill", f"pallas {dn} {cfg}", error=repr(e)[:300])
                 continue
-            record("prefill", f"pallas {dn} T{T} BV{cfg.BV} wi{cfg.num_warps_intra} wh{cfg.num_warps_h}",
-                   ms=t * 1e3)
-        try:
-            import torch
-            from fla.ops.kda import chunk_kda
-            tdt = torch.bfloat16 if dtype == jnp.bfloat16 else torch.float32
-            dev = "cuda"
-            gen = torch.Generator(device=dev).manual_seed(0)
-            mk = lambda *s: torch.randn(*s, device=dev, generator=gen)
-            q, k, v, f = (mk(B, T, H, K).to(tdt) for _ in range(4))
-            beta = mk(B, T, H).to(tdt)
-            h0 = mk(B, H, K, K) * 0.5
-            A_log = torch.rand(H, device=dev) + 1.5
-            dt_bias = torch.rand(H * K, device=dev) + 2.0
+            outs.setdefault(cfg.conv, out)
+            if cfg.split_o and "fused" in outs and not over_budget(f"prefill {dn} agreement"):
+                record("prefill", f"pallas {dn} T{T} split_o BV{cfg.BV} vs config 0",
+                       y_rel_err=rel_err(out[0], outs["fused"][0]), state_rel_err=rel_err(out[2], outs["fused"][2]))
+            record("prefill", f"pallas {dn} T{T} conv={cfg.conv} split_o={int(cfg.split_o)} BV{cfg.BV} "
+                   f"wi{cfg.num_warps_intra} wh{cfg.num_warps_h} (whole layer)", ms=t * 1e3)
+            if cfg.conv == "xla" and not over_budget(f"prefill {dn} core"):
+                bench_prefill_core(args, cfg, dn, T, n_rep)
+        if len(configs) == 1 and not smoke and PREFILL["fla"]:
+            bench_fla_prefill(B, T, H, K, dtype, n_rep)
+        if "fused" in outs and "xla" in outs:
+            (y0, w0, S0), (y1, w1, S1) = outs["fused"], outs["xla"]
+            record("prefill", f"pallas {dn} T{T} fused vs xla conv", y_rel_err=rel_err(y0, y1),
+                   state_rel_err=rel_err(S0, S1), window_equal=bool((w0 == w1).all()))
 
-            def run():
-                return chunk_kda(q, k, v, f, beta, initial_state=h0, output_final_state=True,
-                                 use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                                 use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0,
-                                 A_log=A_log, dt_bias=dt_bias)
-            with torch.inference_mode():
-                for _ in range(3):
-                    run()
+
+def bench_prefill_core(args, cfg, dn, T, n_rep):
+    """The XLA conv alone, and the conv-free core (both kernels + gated norm on a precomputed conv output):
+    the closest match to what fla's chunk_kda does (it has no conv and no norm)."""
+    from pallas_kernels.kda import reference
+    qkv, f, b, z, win, state, conv_w, A_log, dt_bias, o_norm_w = args
+    conv = jax.jit(lambda qkv, win, cw: reference.short_conv(qkv, win, cw))
+    t, (y_conv, _) = median_time(conv, qkv, win, conv_w, n_rep=n_rep)
+    record("prefill", f"pallas {dn} T{T} XLA conv+SiLU alone", ms=t * 1e3)
+    core = jax.jit(lambda *a: chunk.core(*a, cfg=cfg))
+    t, _ = median_time(core, y_conv, f, b, z, state, A_log, dt_bias, o_norm_w, n_rep=n_rep)
+    record("prefill", f"pallas {dn} T{T} core BV{cfg.BV} (kernels + gated norm, no conv)", ms=t * 1e3)
+
+
+def bench_fla_prefill(B, T, H, K, dtype, n_rep):
+    """fla's chunk_kda (autotunes on its first call: budget ~100 s for it)."""
+    dn = jnp.dtype(dtype).name
+    try:
+        import torch
+        from fla.ops.kda import chunk_kda
+        tdt = torch.bfloat16 if dtype == jnp.bfloat16 else torch.float32
+        dev = "cuda"
+        gen = torch.Generator(device=dev).manual_seed(0)
+        mk = lambda *s: torch.randn(*s, device=dev, generator=gen)
+        q, k, v, f = (mk(B, T, H, K).to(tdt) for _ in range(4))
+        beta = mk(B, T, H).to(tdt)
+        h0 = mk(B, H, K, K) * 0.5
+        A_log = torch.rand(H, device=dev) + 1.5
+        dt_bias = torch.rand(H * K, device=dev) + 2.0
+
+        def run():
+            return chunk_kda(q, k, v, f, beta, initial_state=h0, output_final_state=True,
+                             use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                             use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0,
+                             A_log=A_log, dt_bias=dt_bias)
+        with torch.inference_mode():
+            for _ in range(3):
+                run()
+            torch.cuda.synchronize()
+            ts = []
+            for _ in range(n_rep):
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                run()
+                e1.record()
                 torch.cuda.synchronize()
-                ts = []
-                for _ in range(n_rep):
-                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    e0.record()
-                    run()
-                    e1.record()
-                    torch.cuda.synchronize()
-                    ts.append(e0.elapsed_time(e1))
-            record("prefill", f"fla chunk_kda {dn} T{T} (core: l2norm+gate in kernel, no conv/norm)",
-                   ms=statistics.median(ts))
-        except Exception as e:
-            record("prefill", f"fla chunk_kda {dn}", error=repr(e)[:300])
+                ts.append(e0.elapsed_time(e1))
+        record("prefill", f"fla chunk_kda {dn} T{T} (core: l2norm+gate in kernel, no conv/norm)",
+               ms=statistics.median(ts))
+    except Exception as e:
+        record("prefill", f"fla chunk_kda {dn}", error=repr(e)[:300])
 
 
 def main():
@@ -441,11 +482,12 @@ def main():
                    "the decode section is not run")
     p.add_argument("--prefill-dtypes", default="bfloat16,float32")
     p.add_argument("--prefill-configs", type=int, default=3)
+    p.add_argument("--no-fla", action="store_true", help="skip fla's chunk_kda (its autotuning takes ~100 s)")
     p.add_argument("--budget", type=float, default=1e9, help="seconds after which remaining configs are skipped")
     a = p.parse_args()
     BUDGET_S[0] = a.budget
     VERIFY_TS[0] = tuple(int(t) for t in a.verify_ts.split(","))
-    PREFILL.update(dtypes=tuple(a.prefill_dtypes.split(",")), n_configs=a.prefill_configs)
+    PREFILL.update(dtypes=tuple(a.prefill_dtypes.split(",")), n_configs=a.prefill_configs, fla=not a.no_fla)
     sections = a.sections.split(",")
     if a.smoke:
         H, K, L, reps, n_rep, T_pf = 2, 32, 2, 1, 2, 130

@@ -7,6 +7,8 @@ headline. Inputs are hot here (the same weights every call), so kernel durations
 memory-bound ops; latency-bound ones (KDA decode, router, MLA at short L) are what this is for.
 
 Run on the GPU: `PYTHONPATH=. python3 experiments/profile_ops.py [--ops kda_decode,moe,mla] [--n 20]`.
+KDA chunked prefill at T = 8192 (not in the default list): `--ops kda_prefill8k,kda_prefill8k_split
+--backends pallas --n 10`.
 """
 
 from __future__ import annotations
@@ -36,14 +38,19 @@ D, E, I = 2560, 512, 768
 R, P = 512, 64
 
 
-def kda_op(backend, T):
+def kda_op(backend, T, split_o=None):
     rng = np.random.default_rng(0)
     bf = jnp.bfloat16
     a = lambda shape, s=1.0, dt=bf: jnp.asarray(rng.standard_normal(shape) * s, dt)  # noqa: E731
     args = (a((1, T, 3, H, K)), a((1, T, H, K)), a((1, T, H)), a((1, T, H, K)), a((1, W - 1, 3, H, K)),
             a((1, H, K, K), 0.1, jnp.float32), a((W, 3, H, K), 0.5, jnp.float32), a((H,), 0.5, jnp.float32),
             a((H, K), 0.5, jnp.float32), a((K,), 1.0))
-    if T == 1:
+    if split_o is not None:  # prefill; the chunk config is only chosen for the pallas backend
+        from pallas_kernels.kda import chunk
+        cfg = chunk.ChunkConfig(BV=32, split_o=True) if split_o else chunk.DEFAULT
+        fn = jax.jit(lambda *x: chunk.prefill(*x, cfg=cfg) if backend == "pallas"
+                     else kda.kda_prefill(*x, backend=backend))
+    elif T == 1:
         fn = jax.jit(lambda *x: kda.kda_decode(*x, backend=backend))
     else:
         fn = jax.jit(lambda *x: kda.kda_verify(*x, backend=backend))
@@ -86,6 +93,8 @@ def mla_op(backend, T, L):
 OPS = {
     "kda_decode": lambda b: kda_op(b, 1),
     "kda_verify6": lambda b: kda_op(b, 6),
+    "kda_prefill8k": lambda b: kda_op(b, 8192, split_o=False),  # default ChunkConfig
+    "kda_prefill8k_split": lambda b: kda_op(b, 8192, split_o=True),  # split_o, BV 32
     "moe": lambda b: moe_op(b, 1),
     "moe6": lambda b: moe_op(b, 6),
     "mla_1k": lambda b: mla_op(b, 1, 1024),

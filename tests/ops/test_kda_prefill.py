@@ -1,0 +1,64 @@
+"""KDA chunked prefill with the conv + SiLU fused into the intra kernel (``ChunkConfig.conv="fused"``).
+
+The edges of the fused conv: T < W − 1 (the new window keeps old rows), T inside the first 16-row sub-block,
+T not a multiple of the chunk, a nonzero carried window, and the conv taps that cross a sub-block and a chunk
+boundary. Checked against the reference layer and against the unfused path (``conv="xla"``), which runs the
+same kernels on ``reference.short_conv``'s output. Interpret mode on CPU, compiled on a GPU.
+"""
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import kda
+from pallas_kernels.kda import chunk
+from tests.numerics import rel_err
+from tests.ops.test_kda import fresh_seed, layer_inputs
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+CASES = [
+    # (T, dtype, gate, split_o): T = 2 < W − 1 (inside sub-block 0, the window rows survive into the new
+    # window), 67 and 70 cross a chunk boundary (the taps of chunk 1's first rows reach back into chunk 0).
+    # T = 1, 7, 100, 300 with a carried window (split_o off) run in tests/ops/test_kda.py::test_prefill.
+    (2, "float32", "mixed", False),
+    (67, "float32", "strong", True),
+    (70, "bfloat16", "mixed", True),
+]
+
+
+@pytest.mark.parametrize("T,dtype,gate,split_o", CASES, ids=[f"T{c[0]}-{c[1]}-{c[2]}-split{int(c[3])}" for c in CASES])
+def test_fused_conv_prefill(T, dtype, gate, split_o):
+    """Fused conv (and the h / o split) vs the reference and vs the XLA-conv, unsplit path."""
+    seed = fresh_seed()
+    args = layer_inputs(seed, 1, T, 2, 32, jnp.dtype(dtype), gate)
+    y, w, S = chunk.prefill(*args, cfg=chunk.ChunkConfig(BV=16 if split_o else 32, split_o=split_o))
+    y_x, w_x, S_x = chunk.prefill(*args, cfg=chunk.ChunkConfig(BV=32, conv="xla"))
+    y_r, w_r, S_r = kda.kda_prefill(*args)
+    np.testing.assert_array_equal(np.asarray(w), np.asarray(w_r))
+    np.testing.assert_array_equal(np.asarray(w_x), np.asarray(w_r))
+    tol = 1e-4 if dtype == "float32" else 2e-2
+    assert rel_err(y, y_r) < tol, seed
+    assert rel_err(S, S_r) < tol, seed
+    # Same arithmetic: the two paths agree far more tightly than with the reference (bf16: a conv output
+    # rounding flip where XLA fuses the taps differently; split_o stores S and Ũ in bf16, which the compiled
+    # dots round to anyway but interpret mode's fp32 dots do not).
+    tol_x = 1e-5 if dtype == "float32" else 5e-3
+    assert rel_err(y, y_x) < tol_x, seed
+    assert rel_err(S, S_x) < tol_x, seed
+
+
+def test_triton_lowering_conv_modes():
+    """Both conv modes and split_o lower for sm_90, with T < one sub-block (only the window-head taps) and T = 70."""
+    from unittest import mock
+    from jax._src.pallas.triton import gpu_info, pallas_call_registration
+    h100 = gpu_info.GpuInfo(gpu_version=None, arch_name="9.0", compute_capability=90)
+    lower = lambda f, *a: jax.jit(f).trace(*a).lower(lowering_platforms=("cuda",))
+    with mock.patch.object(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: h100), \
+            mock.patch.object(chunk, "interpret_mode", lambda: False):
+        for T in (5, 70):
+            a = layer_inputs(0, 1, T, 4, 128, jnp.bfloat16)
+            for cfg in (chunk.ChunkConfig(), chunk.ChunkConfig(conv="xla"), chunk.ChunkConfig(BV=32, split_o=True)):
+                lower(lambda *x: chunk.prefill(*x, cfg=cfg), *a)
