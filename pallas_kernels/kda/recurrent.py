@@ -27,16 +27,28 @@ from pallas_kernels.kda import reference
 
 @dataclasses.dataclass(frozen=True)
 class RecurrentConfig:
-    """Tiling of the recurrent kernels. BV == V fuses the gated RMSNorm."""
+    """Tiling of the recurrent kernels. BV == V fuses the gated RMSNorm.
+
+    Verify only: ``prologue="xla"`` computes the state-independent front half (conv + SiLU, L2 norms, gate,
+    beta) for all T tokens as one vectorised XLA fusion before the kernel, so the kernel's sequential chain is
+    only the delta step and the output; ``"kernel"`` does it per token inside the loop; ``"hoist"`` does it in
+    the kernel for all T tokens (unrolled, straight-line) before the T dependent steps. ``unroll`` unrolls
+    the token loop (T is static) so that the next token's loads can issue before the current step ends.
+    """
     BV: int = 32
     num_warps: int = 4
     num_stages: int = 1
+    prologue: str = "kernel"
+    unroll: bool = False
 
     def __post_init__(self):
-        if not is_pow2(self.BV) or self.BV < 16:
-            raise ValueError(f"{self.BV=} must be a power of two >= 16")
+        # No tl.dot in these kernels, so Triton takes [K, 8] tiles (fla's fused_recurrent uses BV = 8).
+        if not is_pow2(self.BV) or self.BV < 8:
+            raise ValueError(f"{self.BV=} must be a power of two >= 8")
         if not is_pow2(self.num_warps):
             raise ValueError(f"{self.num_warps=} must be a power of two")
+        if self.prologue not in ("kernel", "hoist", "xla"):
+            raise ValueError(f"{self.prologue=} must be 'kernel', 'hoist' or 'xla'")
 
 
 # H200, H=32, K=V=128, batch 1 (experiments/RESULTS.md, KDA): BV=16 with 2 warps (256 programs) measured
@@ -77,7 +89,7 @@ def recurrent_kda_fwd_kernel(
     dtb_ref,    # [H, K] fp32
     normw_ref,  # [K]
     *out_refs,
-    T, W, K, BV, lower_bound, eps, scale, FUSE_NORM, MODE,
+    T, W, K, BV, lower_bound, eps, scale, FUSE_NORM, MODE, UNROLL=False, HOIST=False,
 ):
     """MODE: "decode" (outs: y|o, new window, ht), "states" (outs: y|o, per-token states) or "inputs"
     (outs: y|o, k̂, v, g, beta per token)."""
@@ -105,8 +117,8 @@ def recurrent_kda_fwd_kernel(
     def l2(x):
         return x * lax.rsqrt(jnp.sum(x * x) + 1e-6)
 
-    def body(t, carry):
-        b_h, rq, rk, rv = carry
+    def front(t, rq, rk, rv):
+        """The state-independent half of token t: conv + SiLU, L2 norms, gate, beta (and design B's stores)."""
         x_q = qkv_ref[i_b, t, 0, i_h, :]
         x_k = qkv_ref[i_b, t, 1, i_h, :]
         x_v = qkv_ref[i_b, t, 2, i_h, o_v]
@@ -117,6 +129,20 @@ def recurrent_kda_fwd_kernel(
         # Safe gate in fp32, then rounded to the compute dtype as the HF reference does.
         b_g = (lower_bound * jax.nn.sigmoid(b_a * (b_f + b_dtb))).astype(dtype).astype(f32)
         b_beta = jax.nn.sigmoid(b_ref[i_b, t, i_h].astype(f32)).astype(dtype).astype(f32)
+        if MODE == "inputs":
+            kk_ref, vv_ref, gg_ref, bb_ref = out_refs[1:5]
+            m_first = i_v == 0
+            t_ = jnp.int32(t)
+            pltriton.store(kk_ref.at[i_b, t_, i_h, :], b_k, mask=jnp.broadcast_to(m_first, (K,)))
+            pltriton.store(gg_ref.at[i_b, t_, i_h, :], b_g, mask=jnp.broadcast_to(m_first, (K,)))
+            pltriton.store(bb_ref.at[i_b, t_, i_h, pl.ds(0, 1)], jnp.broadcast_to(b_beta, (1,)),
+                           mask=jnp.broadcast_to(m_first, (1,)))
+            vv_ref[i_b, t_, i_h, o_v] = b_v
+        return (b_q, b_k, b_v, b_g, b_beta), (*rq[1:], x_q), (*rk[1:], x_k), (*rv[1:], x_v)
+
+    def back(t, b_h, vals):
+        """The dependent half: delta step, output (and gated norm), design A's state store."""
+        b_q, b_k, b_v, b_g, b_beta = vals
         b_h = delta_step(b_h, b_k, b_v, b_g, b_beta)
         b_o = jnp.sum(b_q[:, None] * b_h, axis=0).astype(dtype)  # [BV]
         if FUSE_NORM:
@@ -128,27 +154,30 @@ def recurrent_kda_fwd_kernel(
             y_ref[i_b, t, i_h, o_v] = b_o.astype(y_ref.dtype)
         if MODE == "states":
             out_refs[1][i_b, t, i_h, :, o_v] = b_h
-        elif MODE == "inputs":
-            kk_ref, vv_ref, gg_ref, bb_ref = out_refs[1:5]
-            m_first = i_v == 0
-            t = jnp.int32(t)
-            pltriton.store(kk_ref.at[i_b, t, i_h, :], b_k, mask=jnp.broadcast_to(m_first, (K,)))
-            pltriton.store(gg_ref.at[i_b, t, i_h, :], b_g, mask=jnp.broadcast_to(m_first, (K,)))
-            pltriton.store(bb_ref.at[i_b, t, i_h, pl.ds(0, 1)], jnp.broadcast_to(b_beta, (1,)),
-                           mask=jnp.broadcast_to(m_first, (1,)))
-            vv_ref[i_b, t, i_h, o_v] = b_v
-        rq = (*rq[1:], x_q)
-        rk = (*rk[1:], x_k)
-        rv = (*rv[1:], x_v)
-        return b_h, rq, rk, rv
+        return b_h
+
+    def body(t, carry):
+        b_h, rq, rk, rv = carry
+        vals, rq, rk, rv = front(t, rq, rk, rv)
+        return back(t, b_h, vals), rq, rk, rv
 
     rq = tuple(win_ref[i_b, j, 0, i_h, :] for j in range(W - 1))
     rk = tuple(win_ref[i_b, j, 1, i_h, :] for j in range(W - 1))
     rv = tuple(win_ref[i_b, j, 2, i_h, o_v] for j in range(W - 1))
     b_h = h0_ref[i_b, i_h, :, o_v].astype(f32)
     carry = (b_h, rq, rk, rv)
-    if T == 1:
-        carry = body(0, carry)
+    if HOIST and T > 1:
+        # Every token's front half first (straight-line, no dependence on the state), then the T steps.
+        vals = []
+        for t in range(T):
+            v_t, rq, rk, rv = front(t, rq, rk, rv)
+            vals.append(v_t)
+        for t in range(T):
+            b_h = back(t, b_h, vals[t])
+        carry = (b_h, rq, rk, rv)
+    elif T == 1 or UNROLL:
+        for t in range(T):  # static token indices: straight-line code the compiler can schedule across steps
+            carry = body(t, carry)
     else:
         carry = lax.fori_loop(0, T, body, carry)
     b_h, rq, rk, rv = carry
@@ -163,6 +192,55 @@ def recurrent_kda_fwd_kernel(
             pltriton.store(nw_ref.at[i_b, j_, c1, i_h, :], rk[j], mask=m_first)
             nw_ref[i_b, j, 2, i_h, o_v] = rv[j]
         ht_ref[i_b, i_h, :, o_v] = b_h
+
+
+def verify_core_kernel(
+    q_ref,      # [B, T, H, K] fp32 L2-normalised q (unscaled)
+    k_ref,      # [B, T, H, K] fp32 L2-normalised k
+    v_ref,      # [B, T, H, V] fp32 conv output v
+    g_ref,      # [B, T, H, K] fp32 log decay
+    bb_ref,     # [B, T, H, 1] fp32 beta
+    z_ref,      # [B, T, H, K]
+    h0_ref,     # [B, H, K, V] fp32
+    normw_ref,  # [K]
+    *out_refs,
+    T, BV, eps, scale, FUSE_NORM, MODE, UNROLL,
+):
+    """Verify with the front half precomputed (``prologue="xla"``): per token only the delta step and q·S.
+    MODE "states" also writes every post-state; "inputs" writes y only (the staged inputs are the inputs)."""
+    i_b, i_h, i_v = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    o_v = pl.ds(i_v * BV, BV)
+    f32 = jnp.float32
+    y_ref = out_refs[0]
+    dtype = y_ref.dtype
+    if FUSE_NORM:
+        b_nw = normw_ref[...].astype(f32)
+
+    def body(t, b_h):
+        b_q = q_ref[i_b, t, i_h, :] * scale
+        b_k = k_ref[i_b, t, i_h, :]
+        b_v = v_ref[i_b, t, i_h, o_v]
+        b_g = g_ref[i_b, t, i_h, :]
+        b_beta = bb_ref[i_b, t, i_h, 0]
+        b_h = delta_step(b_h, b_k, b_v, b_g, b_beta)
+        b_o = jnp.sum(b_q[:, None] * b_h, axis=0).astype(dtype)  # [BV]
+        if FUSE_NORM:
+            b_of = b_o.astype(f32)
+            b_z = z_ref[i_b, t, i_h, :].astype(f32)
+            b_y = b_of * lax.rsqrt(jnp.mean(b_of * b_of) + eps) * b_nw * jax.nn.sigmoid(b_z)
+            y_ref[i_b, t, i_h, :] = b_y.astype(dtype)
+        else:
+            y_ref[i_b, t, i_h, o_v] = b_o
+        if MODE == "states":
+            out_refs[1][i_b, t, i_h, :, o_v] = b_h
+        return b_h
+
+    b_h = h0_ref[i_b, i_h, :, o_v].astype(f32)
+    if UNROLL:
+        for t in range(T):
+            b_h = body(t, b_h)
+    else:
+        lax.fori_loop(0, T, body, b_h)
 
 
 def replay_kda_fwd_kernel(
@@ -216,7 +294,7 @@ def _recurrent_call(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_
         aliases = {}
     kernel = functools.partial(
         recurrent_kda_fwd_kernel, T=T, W=W, K=K, BV=BV, lower_bound=float(lower_bound), eps=float(eps),
-        scale=K ** -0.5, FUSE_NORM=fuse_norm, MODE=mode)
+        scale=K ** -0.5, FUSE_NORM=fuse_norm, MODE=mode, UNROLL=cfg.unroll, HOIST=cfg.prologue == "hoist")
     outs = pl.pallas_call(
         kernel,
         out_shape=out_shape,
@@ -232,6 +310,36 @@ def _recurrent_call(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_
     return y, outs[1:]
 
 
+def _verify_xla_prologue(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, *, lower_bound,
+                         eps, mode, cfg):
+    """``prologue="xla"``: the reference front half, vectorised over T and heads, then the core kernel."""
+    B, T, _, H, K = qkv.shape
+    V = K
+    BV = min(cfg.BV, V)
+    fuse_norm = BV == V
+    dtype = qkv.dtype
+    (q, k, v, g, beta), _ = reference.kda_inputs(qkv, f, b, conv_window, conv_w, A_log, dt_bias, lower_bound)
+    sds = jax.ShapeDtypeStruct
+    out_shape = [sds((B, T, H, V), dtype)]
+    if mode == "states":
+        out_shape.append(sds((B, T, H, K, V), jnp.float32))
+    kernel = functools.partial(verify_core_kernel, T=T, BV=BV, eps=float(eps), scale=K ** -0.5,
+                               FUSE_NORM=fuse_norm, MODE=mode, UNROLL=cfg.unroll)
+    outs = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(B, H, V // BV),
+        interpret=interpret_mode(),
+        name=f"kda_verify_core_{mode}",
+        compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+    )(q, k, v, g, beta[..., None], z, state, o_norm_w)
+    y = outs[0]
+    if not fuse_norm:
+        y = reference.gated_rms_norm(y, z, o_norm_w, eps)
+    staged = (outs[1],) if mode == "states" else (k, v, g, beta[..., None])
+    return y, staged
+
+
 @functools.partial(jax.jit, static_argnames=("lower_bound", "eps", "cfg"), donate_argnums=())
 def decode(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, *, lower_bound=-5.0, eps=1e-6,
            cfg=DEFAULT_DECODE):
@@ -245,7 +353,8 @@ def decode(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, *
 def verify(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, *, lower_bound=-5.0, eps=1e-6,
            store="states", cfg=DEFAULT_VERIFY):
     from pallas_kernels.kda.dispatch import KDAStaged
-    y, staged = _recurrent_call(
+    call = _verify_xla_prologue if cfg.prologue == "xla" else _recurrent_call
+    y, staged = call(
         qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, lower_bound=lower_bound, eps=eps,
         mode=store, cfg=cfg)
     conv_rows = jnp.concatenate([conv_window, qkv], axis=1)
