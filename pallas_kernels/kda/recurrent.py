@@ -91,8 +91,8 @@ def recurrent_kda_fwd_kernel(
     *out_refs,
     T, W, K, BV, lower_bound, eps, scale, FUSE_NORM, MODE, UNROLL=False, HOIST=False,
 ):
-    """MODE: "decode" (outs: y|o, new window, ht), "states" (outs: y|o, per-token states) or "inputs"
-    (outs: y|o, k̂, v, g, beta per token)."""
+    """MODE: "decode" (outs: y|o, new window, ht), "states" (outs: y|o, per-token states, conv_rows) or
+    "inputs" (outs: y|o, k̂, v, g, beta per token, conv_rows)."""
     i_b, i_h, i_v = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     o_v = pl.ds(i_v * BV, BV)
     dtype = qkv_ref.dtype
@@ -117,11 +117,23 @@ def recurrent_kda_fwd_kernel(
     def l2(x):
         return x * lax.rsqrt(jnp.sum(x * x) + 1e-6)
 
+    def store_row(r, x_q, x_k, x_v):
+        """Verify: row r of conv_rows (old window ++ qkv), written here so that no XLA concatenate runs."""
+        rows_ref = out_refs[-1]
+        m_first = jnp.broadcast_to(i_v == 0, (K,))
+        # Masked-store indices must be traced values for the interpret-mode discharge rule.
+        r_, c0, c1 = jnp.int32(r), jnp.int32(0), jnp.int32(1)
+        pltriton.store(rows_ref.at[i_b, r_, c0, i_h, :], x_q, mask=m_first)
+        pltriton.store(rows_ref.at[i_b, r_, c1, i_h, :], x_k, mask=m_first)
+        rows_ref[i_b, r, 2, i_h, o_v] = x_v
+
     def front(t, rq, rk, rv):
         """The state-independent half of token t: conv + SiLU, L2 norms, gate, beta (and design B's stores)."""
         x_q = qkv_ref[i_b, t, 0, i_h, :]
         x_k = qkv_ref[i_b, t, 1, i_h, :]
         x_v = qkv_ref[i_b, t, 2, i_h, o_v]
+        if MODE != "decode":
+            store_row(W - 1 + t, x_q, x_k, x_v)
         b_q = l2(conv(rq, b_wq, x_q)) * scale
         b_k = l2(conv(rk, b_wk, x_k))
         b_v = conv(rv, b_wv, x_v)
@@ -164,6 +176,9 @@ def recurrent_kda_fwd_kernel(
     rq = tuple(win_ref[i_b, j, 0, i_h, :] for j in range(W - 1))
     rk = tuple(win_ref[i_b, j, 1, i_h, :] for j in range(W - 1))
     rv = tuple(win_ref[i_b, j, 2, i_h, o_v] for j in range(W - 1))
+    if MODE != "decode":
+        for j in range(W - 1):
+            store_row(j, rq[j], rk[j], rv[j])
     b_h = h0_ref[i_b, i_h, :, o_v].astype(f32)
     carry = (b_h, rq, rk, rv)
     if HOIST and T > 1:
@@ -286,11 +301,12 @@ def _recurrent_call(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_
         out_shape = [y_shape, sds(conv_window.shape, dtype), sds(state.shape, jnp.float32)]
         aliases = {5: 2}
     elif mode == "states":
-        out_shape = [y_shape, sds((B, T, H, K, V), jnp.float32)]
+        out_shape = [y_shape, sds((B, T, H, K, V), jnp.float32), sds((B, W - 1 + T, 3, H, K), dtype)]
         aliases = {}
     else:
         out_shape = [y_shape, sds((B, T, H, K), jnp.float32), sds((B, T, H, V), jnp.float32),
-                     sds((B, T, H, K), jnp.float32), sds((B, T, H, 1), jnp.float32)]
+                     sds((B, T, H, K), jnp.float32), sds((B, T, H, 1), jnp.float32),
+                     sds((B, W - 1 + T, 3, H, K), dtype)]
         aliases = {}
     kernel = functools.partial(
         recurrent_kda_fwd_kernel, T=T, W=W, K=K, BV=BV, lower_bound=float(lower_bound), eps=float(eps),
@@ -337,7 +353,7 @@ def _verify_xla_prologue(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bia
     if not fuse_norm:
         y = reference.gated_rms_norm(y, z, o_norm_w, eps)
     staged = (outs[1],) if mode == "states" else (k, v, g, beta[..., None])
-    return y, staged
+    return y, (*staged, jnp.concatenate([conv_window, qkv], axis=1))
 
 
 @functools.partial(jax.jit, static_argnames=("lower_bound", "eps", "cfg"), donate_argnums=())
@@ -357,7 +373,8 @@ def verify(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, *
     y, staged = call(
         qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, lower_bound=lower_bound, eps=eps,
         mode=store, cfg=cfg)
-    conv_rows = jnp.concatenate([conv_window, qkv], axis=1)
+    # The kernel prologues write conv_rows themselves; the XLA prologue concatenates (one fusion with it).
+    *staged, conv_rows = staged
     if store == "states":
         return y, KDAStaged(conv_rows, states=staged[0], backend="pallas")
     kk, vv, gg, bb = staged
