@@ -32,7 +32,8 @@ class RecurrentConfig:
     Verify only: ``prologue="xla"`` computes the state-independent front half (conv + SiLU, L2 norms, gate,
     beta) for all T tokens as one vectorised XLA fusion before the kernel, so the kernel's sequential chain is
     only the delta step and the output; ``"kernel"`` does it per token inside the loop; ``"hoist"`` does it in
-    the kernel for all T tokens (unrolled, straight-line) before the T dependent steps. ``unroll`` unrolls
+    the kernel for all T tokens (unrolled, straight-line) before the T dependent steps; ``"vec"`` is "hoist"
+    with the 2T L2-norm reductions batched into two [TP, K] row reductions. ``unroll`` unrolls
     the token loop (T is static) so that the next token's loads can issue before the current step ends.
     """
     BV: int = 32
@@ -47,8 +48,8 @@ class RecurrentConfig:
             raise ValueError(f"{self.BV=} must be a power of two >= 8")
         if not is_pow2(self.num_warps):
             raise ValueError(f"{self.num_warps=} must be a power of two")
-        if self.prologue not in ("kernel", "hoist", "xla"):
-            raise ValueError(f"{self.prologue=} must be 'kernel', 'hoist' or 'xla'")
+        if self.prologue not in ("kernel", "hoist", "vec", "xla"):
+            raise ValueError(f"{self.prologue=} must be 'kernel', 'hoist', 'vec' or 'xla'")
 
 
 # H200, H=32, K=V=128, batch 1 (experiments/RESULTS.md, KDA): BV=16 with 2 warps (256 programs) measured
@@ -89,7 +90,7 @@ def recurrent_kda_fwd_kernel(
     dtb_ref,    # [H, K] fp32
     normw_ref,  # [K]
     *out_refs,
-    T, W, K, BV, lower_bound, eps, scale, FUSE_NORM, MODE, UNROLL=False, HOIST=False,
+    T, W, K, BV, lower_bound, eps, scale, FUSE_NORM, MODE, UNROLL=False, HOIST=False, VEC=False,
 ):
     """MODE: "decode" (outs: y|o, new window, ht), "states" (outs: y|o, per-token states, conv_rows) or
     "inputs" (outs: y|o, k̂, v, g, beta per token, conv_rows)."""
@@ -127,16 +128,18 @@ def recurrent_kda_fwd_kernel(
         pltriton.store(rows_ref.at[i_b, r_, c1, i_h, :], x_k, mask=m_first)
         rows_ref[i_b, r, 2, i_h, o_v] = x_v
 
-    def front(t, rq, rk, rv):
-        """The state-independent half of token t: conv + SiLU, L2 norms, gate, beta (and design B's stores)."""
+    def conv_t(t, rq, rk, rv):
+        """Token t's conv + SiLU outputs (fp32, rounded to the compute dtype) and the shifted windows."""
         x_q = qkv_ref[i_b, t, 0, i_h, :]
         x_k = qkv_ref[i_b, t, 1, i_h, :]
         x_v = qkv_ref[i_b, t, 2, i_h, o_v]
         if MODE != "decode":
             store_row(W - 1 + t, x_q, x_k, x_v)
-        b_q = l2(conv(rq, b_wq, x_q)) * scale
-        b_k = l2(conv(rk, b_wk, x_k))
-        b_v = conv(rv, b_wv, x_v)
+        cs = (conv(rq, b_wq, x_q), conv(rk, b_wk, x_k), conv(rv, b_wv, x_v))
+        return cs, (*rq[1:], x_q), (*rk[1:], x_k), (*rv[1:], x_v)
+
+    def finish(t, b_q, b_k, b_v):
+        """Gate and beta of token t (and design B's stores)."""
         b_f = f_ref[i_b, t, i_h, :].astype(f32)
         # Safe gate in fp32, then rounded to the compute dtype as the HF reference does.
         b_g = (lower_bound * jax.nn.sigmoid(b_a * (b_f + b_dtb))).astype(dtype).astype(f32)
@@ -150,7 +153,37 @@ def recurrent_kda_fwd_kernel(
             pltriton.store(bb_ref.at[i_b, t_, i_h, pl.ds(0, 1)], jnp.broadcast_to(b_beta, (1,)),
                            mask=jnp.broadcast_to(m_first, (1,)))
             vv_ref[i_b, t_, i_h, o_v] = b_v
-        return (b_q, b_k, b_v, b_g, b_beta), (*rq[1:], x_q), (*rk[1:], x_k), (*rv[1:], x_v)
+        return b_q, b_k, b_v, b_g, b_beta
+
+    def front(t, rq, rk, rv):
+        """The state-independent half of token t: conv + SiLU, L2 norms, gate, beta."""
+        (c_q, c_k, c_v), rq, rk, rv = conv_t(t, rq, rk, rv)
+        return finish(t, l2(c_q) * scale, l2(c_k), c_v), rq, rk, rv
+
+    def vec_fronts(rq, rk, rv):
+        """All T front halves with the 2T L2-norm reductions done as two [TP, K] reductions (TP = T rounded
+        up to a power of two): each token's conv row is placed in row t of a tile, the row sums give every
+        norm at once, and token t's norm is read back by a one-hot sum over TP (exact)."""
+        TP = 1 << (T - 1).bit_length()
+        cs = []
+        for t in range(T):
+            c_t, rq, rk, rv = conv_t(t, rq, rk, rv)
+            cs.append(c_t)
+        rows = lax.broadcasted_iota(jnp.int32, (TP, 1), 0)
+        idx = lax.broadcasted_iota(jnp.int32, (TP,), 0)
+
+        def inv_norms(xs):
+            tile = jnp.zeros((TP, K), f32)
+            for t, x in enumerate(xs):
+                tile = jnp.where(rows == t, x[None, :], tile)
+            return lax.rsqrt(jnp.sum(tile * tile, axis=1) + 1e-6)  # [TP]
+
+        n_q = inv_norms([c[0] for c in cs])
+        n_k = inv_norms([c[1] for c in cs])
+        pick = lambda n, t: jnp.sum(jnp.where(idx == t, n, 0.0))
+        vals = [finish(t, c_q * pick(n_q, t) * scale, c_k * pick(n_k, t), c_v)
+                for t, (c_q, c_k, c_v) in enumerate(cs)]
+        return vals, rq, rk, rv
 
     def back(t, b_h, vals):
         """The dependent half: delta step, output (and gated norm), design A's state store."""
@@ -181,12 +214,15 @@ def recurrent_kda_fwd_kernel(
             store_row(j, rq[j], rk[j], rv[j])
     b_h = h0_ref[i_b, i_h, :, o_v].astype(f32)
     carry = (b_h, rq, rk, rv)
-    if HOIST and T > 1:
+    if (HOIST or VEC) and T > 1:
         # Every token's front half first (straight-line, no dependence on the state), then the T steps.
-        vals = []
-        for t in range(T):
-            v_t, rq, rk, rv = front(t, rq, rk, rv)
-            vals.append(v_t)
+        if VEC:
+            vals, rq, rk, rv = vec_fronts(rq, rk, rv)
+        else:
+            vals = []
+            for t in range(T):
+                v_t, rq, rk, rv = front(t, rq, rk, rv)
+                vals.append(v_t)
         for t in range(T):
             b_h = back(t, b_h, vals[t])
         carry = (b_h, rq, rk, rv)
@@ -310,7 +346,8 @@ def _recurrent_call(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_
         aliases = {}
     kernel = functools.partial(
         recurrent_kda_fwd_kernel, T=T, W=W, K=K, BV=BV, lower_bound=float(lower_bound), eps=float(eps),
-        scale=K ** -0.5, FUSE_NORM=fuse_norm, MODE=mode, UNROLL=cfg.unroll, HOIST=cfg.prologue == "hoist")
+        scale=K ** -0.5, FUSE_NORM=fuse_norm, MODE=mode, UNROLL=cfg.unroll, HOIST=cfg.prologue == "hoist",
+        VEC=cfg.prologue == "vec")
     outs = pl.pallas_call(
         kernel,
         out_shape=out_shape,

@@ -1,8 +1,10 @@
-"""KDA decode / verify tuning variants (RecurrentConfig): BV = 8, unrolled token loop, hoisted or XLA prologue.
+"""KDA decode / verify tuning variants (RecurrentConfig): BV = 8, unrolled token loop, hoisted,
+vectorised or XLA prologue.
 
 Each variant against the pure-jnp reference (fp32, 1e-5) and, for verify, commit design A against design B
 bit for bit, at awkward sizes (T = 7, small H and K). Interpret mode on CPU; the last test lowers every
-variant for sm_90.
+variant for sm_90. ("hoist" runs the default kernel's per-token front half, reordered; it is covered by the
+lowering test here and by the compiled checks in experiments/bench_kda.py, check_default.)
 """
 
 import numpy as np
@@ -20,10 +22,8 @@ RC = recurrent.RecurrentConfig
 VERIFY_VARIANTS = [
     # (B, T, H, K, cfg)
     (2, 7, 2, 16, RC(BV=8, num_warps=1, prologue="xla")),
-    (1, 7, 3, 32, RC(BV=32, num_warps=4, prologue="xla", unroll=True)),   # BV == V: norm fused
-    (2, 5, 2, 32, RC(BV=16, num_warps=2, prologue="kernel", unroll=True)),
-    (1, 7, 2, 16, RC(BV=8, num_warps=1, prologue="hoist")),
-    (1, 6, 2, 32, RC(BV=32, num_warps=4, prologue="hoist")),                # hoisted front half + fused norm
+    (1, 5, 2, 32, RC(BV=32, num_warps=4, prologue="xla", unroll=True)),   # BV == V: norm fused
+    (1, 7, 2, 16, RC(BV=8, num_warps=1, prologue="vec")),                 # T = 7 padded to 8, two V tiles
 ]
 
 
@@ -47,8 +47,8 @@ def test_verify_variant(B, T, H, K, cfg):
     np.testing.assert_array_equal(np.asarray(Sa), np.asarray(Sb))
 
 
-@pytest.mark.parametrize("cfg", [RC(BV=8, num_warps=1), RC(BV=8, num_warps=1, num_stages=2)])
-def test_decode_bv8(cfg):
+def test_decode_bv8():
+    cfg = RC(BV=8, num_warps=1)
     seed = fresh_seed()
     args = layer_inputs(seed, 2, 1, 3, 16)
     y_r, w_r, S_r = kda.kda_decode(*args)
@@ -62,7 +62,7 @@ def test_decode_bv8(cfg):
 def test_config_validation():
     with pytest.raises(ValueError, match="BV=4 must be a power of two >= 8"):
         RC(BV=4)
-    with pytest.raises(ValueError, match="prologue=.triton. must be .kernel., .hoist. or .xla."):
+    with pytest.raises(ValueError, match="prologue=.triton. must be .kernel., .hoist., .vec. or .xla."):
         RC(prologue="triton")
 
 
@@ -78,6 +78,6 @@ def test_variants_lower_for_sm90():
         lower(lambda *a: recurrent.decode(*a, cfg=RC(BV=8, num_warps=1)), *a1)
         for cfg in (RC(BV=8, num_warps=1, prologue="xla"), RC(BV=128, num_warps=8, prologue="xla", unroll=True),
                     RC(BV=16, num_warps=2, unroll=True), RC(BV=16, num_warps=2, prologue="hoist"),
-                    RC(BV=128, num_warps=8, prologue="hoist")):
+                    RC(BV=8, num_warps=1, prologue="vec")):
             for store in ("states", "inputs"):
                 lower(lambda *a: recurrent.verify(*a, store=store, cfg=cfg), *a7)
