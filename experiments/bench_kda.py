@@ -16,12 +16,11 @@ Lead's decode/verify command (H200, ~150 s):
   timeout 170 python3 experiments/bench_kda.py --sections check_default,check_quick,decode,verify --budget 140
 
 Usage: python experiments/bench_kda.py [--smoke] [--sections check,check_default,check_quick,decode,verify,prefill]
-       [--verify-ts 2,...,9] [--verify-reps 2] [--no-profile] [--budget S]
+       [--verify-ts 2,...,9] [--verify-reps 1] [--no-profile] [--budget S]
 Writes experiments/results/kda_bench.json (and $OUT/kda_bench.json when OUT is set).
 """
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os
@@ -263,8 +262,10 @@ def check_quick(H, K):
 #     `kern_sum_us` = their sum (device-busy time, a lower bound), `prof_span_us` = first kernel start to last
 #     kernel end / layer-calls under the profiler (XLA turns command buffers off while profiling unless
 #     --xla_enable_command_buffers_during_profiling, so this span includes host launch gaps).
-#   * fla row: fused_recurrent_kda_fwd (L2 norm, gate and beta in kernel; no conv, no gated norm) captured in a
-#     CUDA graph over the same 32 distinct layers x reps, states updated in place, timed with CUDA events.
+#   * fla rows: fused_recurrent_kda_fwd (L2 norm, gate and beta in kernel; no conv, no gated norm) captured in a
+#     CUDA graph over the same 32 distinct layers x reps (separate q/k/v/g/beta/state tensors per layer),
+#     states updated in place, timed with CUDA events; once through the default API (which memsets a fresh
+#     output with zeros_like every call) and once with `out=` preallocated per layer (kernel only).
 
 def layer_stack(L, B, T, H, K, dtype):
     """L independent layers of inputs, plus their states (2 MiB each at H=32, K=V=128), as separate buffers."""
@@ -393,34 +394,39 @@ def bench_decode(H, K, L, reps, n_rep, smoke):
         A_log = torch.rand(H, device=dev) + 1.5
         dt_bias = torch.rand(H * K, device=dev) + 2.0
 
-        def run():
-            for d in lay:
-                fused_recurrent_kda_fwd(d["q"], d["k"], d["v"], d["g"], d["beta"], A_log=A_log, dt_bias=dt_bias,
-                                        initial_state=d["h"], output_final_state=True, inplace_final_state=True,
-                                        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                                        use_beta_sigmoid_in_kernel=True, lower_bound=-5.0)
-        run()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(reps):
-                run()
-        graph.replay()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(n_rep):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            graph.replay()
-            e1.record()
+        for d in lay:
+            d["o"] = torch.zeros_like(d["v"])
+        for prealloc in (False, True):
+            def run():
+                for d in lay:
+                    # prealloc: the output buffer is passed in (`out=`), skipping fla's zeros_like memset.
+                    fused_recurrent_kda_fwd(d["q"], d["k"], d["v"], d["g"], d["beta"], A_log=A_log,
+                                            dt_bias=dt_bias, initial_state=d["h"], output_final_state=True,
+                                            inplace_final_state=True, use_qk_l2norm_in_kernel=True,
+                                            use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                                            lower_bound=-5.0, **(dict(out=d["o"]) if prealloc else {}))
+            run()
             torch.cuda.synchronize()
-            ts.append(e0.elapsed_time(e1) * 1e-3)
-        us = statistics.median(ts) / (L * reps) * 1e6
-        # Graph nodes per layer-call (kernels + memsets), to see what fla's number includes.
-        nodes = graph.num_nodes() if hasattr(graph, "num_nodes") else None
-        record("decode", "fla fused_recurrent_kda (core only, CUDA graph, events)", us_per_layer=us,
-               pct_of_floor=100 * floor_us / us, graph_nodes_per_call=(nodes / (L * reps)) if nodes else "n/a")
-        del graph, lay
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(reps):
+                    run()
+            graph.replay()
+            torch.cuda.synchronize()
+            ts = []
+            for _ in range(n_rep):
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                graph.replay()
+                e1.record()
+                torch.cuda.synchronize()
+                ts.append(e0.elapsed_time(e1) * 1e-3)
+            us = statistics.median(ts) / (L * reps) * 1e6
+            what = "out= preallocated, no memset" if prealloc else "default API: zeros_like(out) memset"
+            record("decode", f"fla fused_recurrent_kda (core only, CUDA graph, events; {what})", us_per_layer=us,
+                   pct_of_floor=100 * floor_us / us)
+            del graph
+        lay = None
         torch.cuda.empty_cache()
     except Exception as e:
         record("decode", "fla fused_recurrent_kda", error=repr(e)[:300])
@@ -430,13 +436,15 @@ def bench_decode(H, K, L, reps, n_rep, smoke):
 # --- verify -----------------------------------------------------------------------------------------------
 
 RC = recurrent.RecurrentConfig
-# (label, cfg): the default first; the variants are swept at T = 6, then the best per store runs every T.
+# (label, cfg): the default first; the variants are swept at T = 6, then the best per store runs at every other
+# T (and the default too at T = 2 and 9). Verify executables pass over the 32 layers once (--verify-reps).
 VERIFY_VARIANTS = [
     ("default", recurrent.DEFAULT_VERIFY),
     ("kernel unroll", RC(BV=16, num_warps=2, unroll=True)),
     ("hoist BV16 w2", RC(BV=16, num_warps=2, prologue="hoist")),
     ("hoist BV8 w1", RC(BV=8, num_warps=1, prologue="hoist")),
-    ("xla BV16 w2", RC(BV=16, num_warps=2, prologue="xla")),
+    ("vec BV16 w2", RC(BV=16, num_warps=2, prologue="vec")),
+    ("vec BV8 w1", RC(BV=8, num_warps=1, prologue="vec")),
     ("xla BV16 w2 unroll", RC(BV=16, num_warps=2, prologue="xla", unroll=True)),
     ("xla BV8 w1 unroll", RC(BV=8, num_warps=1, prologue="xla", unroll=True)),
 ]
@@ -485,12 +493,13 @@ def verify_row(T, store, label, cfg, L, reps, n_rep, decode_best, with_commit=Tr
 
 
 VERIFY_SHAPE = [32, 128]
+EXTRA_DEFAULT_TS = (2, 9)  # the other T at which the default also runs, as the baseline
 
 
 def bench_verify(H, K, L, reps, n_rep, smoke, decode_best):
     VERIFY_SHAPE[:] = [H, K]
     Ts = (2, 6) if smoke else VERIFY_TS[0]
-    variants = VERIFY_VARIANTS[:3] if smoke else VERIFY_VARIANTS
+    variants = VERIFY_VARIANTS[:1] + VERIFY_VARIANTS[4:6] if smoke else VERIFY_VARIANTS
     best = {}
     T0 = 6 if 6 in Ts else Ts[0]
     for store in ("states", "inputs"):
@@ -508,9 +517,9 @@ def bench_verify(H, K, L, reps, n_rep, smoke, decode_best):
         if T == T0:
             continue
         for store in ("states", "inputs"):
-            runs = [VERIFY_VARIANTS[0]]
-            if store in best and best[store][1] != "default":
-                runs.append(best[store][1:])
+            runs = [best[store][1:]] if store in best else [VERIFY_VARIANTS[0]]
+            if T in EXTRA_DEFAULT_TS and runs[0][0] != "default":
+                runs.append(VERIFY_VARIANTS[0])
             for label, cfg in runs:
                 if over_budget(f"verify T{T} {store} {label}"):
                     continue
@@ -591,7 +600,7 @@ def main():
     p.add_argument("--prefill-dtypes", default="bfloat16,float32")
     p.add_argument("--prefill-configs", type=int, default=3)
     p.add_argument("--no-profile", action="store_true", help="skip the profiler's device times")
-    p.add_argument("--verify-reps", type=int, default=2, help="passes over the L layers per verify executable")
+    p.add_argument("--verify-reps", type=int, default=1, help="passes over the L layers per verify executable")
     p.add_argument("--budget", type=float, default=1e9, help="seconds after which remaining configs are skipped")
     a = p.parse_args()
     BUDGET_S[0] = a.budget
