@@ -3,12 +3,20 @@
 Question: how close do the Pallas-Triton KDA kernels get to the HBM floor (decode, verify) and to fla's Triton
 kernels (decode: fused_recurrent_kda; prefill: chunk_kda) at the Ling-3.0-flash shape (H = 32, K = V = 128)?
 
-Method: jitted loops with static trip counts and donated states; decode/verify rotate over L_COLD layers' worth
-of states (> 60 MB, so the 2 MiB-per-layer state is read cold from HBM); median of N_REP timed calls after
-warm-up, block_until_ready around each. fla's kernels are timed through a CUDA graph over the same number of
-layers (no Python launch overhead), with CUDA events.
+Method (decode/verify: see the comment above bench_decode for exactly what each row includes): one jitted
+executable per config = a Python-unrolled chain over 32 layers (x reps), every layer with its own separate state,
+window and input buffers (64 MiB of state > 60 MB L2, so states are read cold), states and windows donated and
+threaded; `us_per_layer` = median wall time / layer-calls (headline), `kern_us` / `kern_sum_us` = device µs
+per layer-call by kernel / summed, from the JAX profiler. fla's fused_recurrent_kda runs as a CUDA graph over the same 32 distinct layers, timed with CUDA events.
+Verify sweeps the RecurrentConfig variants (in-kernel vs XLA prologue, unrolled token loop, BV) at T = 6 for
+both commit designs, then runs the default and the best variant per design at the other T.
+Prefill: median of N_REP timed calls after warm-up, block_until_ready around each.
 
-Usage: python experiments/bench_kda.py [--smoke] [--sections check,decode,verify,prefill]
+Lead's decode/verify command (H200, ~150 s):
+  timeout 170 python3 experiments/bench_kda.py --sections check_default,check_quick,decode,verify --budget 140
+
+Usage: python experiments/bench_kda.py [--smoke] [--sections check,check_default,check_quick,decode,verify,prefill]
+       [--verify-ts 2,...,9] [--verify-reps 1] [--no-profile] [--budget S]
 Writes experiments/results/kda_bench.json (and $OUT/kda_bench.json when OUT is set).
 """
 
@@ -29,6 +37,7 @@ import jax.numpy as jnp  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests", "ops"))
+sys.path.insert(0, os.path.join(ROOT, "experiments"))
 
 from pallas_kernels import kda  # noqa: E402
 from pallas_kernels.kda import chunk, recurrent  # noqa: E402
@@ -193,7 +202,43 @@ def check_default(H, K):
     ya = kda.kda_decode(*nxt, wa, Sa, *args[6:], backend="pallas")[0]
     yb = kda.kda_decode(*nxt, wb, Sb, *args[6:], backend="pallas")[0]
     verdict("verify T6 next-step y A==B (bitwise)", float(np.abs(np.asarray(ya) - np.asarray(yb)).max()), 0.0)
+    check_variants(H, K, verdict)
     return ok
+
+
+def check_variants(H, K, verdict):
+    """Compiled decode (every swept config) and verify (every swept variant, T = 7) vs the reference;
+    commit A == B bitwise with the variant's own replay tiling."""
+    args = inputs(13, 1, 1, H, K)
+    yr, _, Sr = kda.kda_decode(*args)
+    for BV, nw, ns in DECODE_CONFIGS:
+        try:
+            y, _, S = recurrent.decode(*args, cfg=recurrent.RecurrentConfig(BV=BV, num_warps=nw, num_stages=ns))
+        except Exception as e:  # one config failing to compile must not lose the others
+            record("check", f"decode BV{BV} w{nw} s{ns}", error=repr(e)[:300])
+            verdict(f"decode BV{BV} w{nw} s{ns} compiles", float("inf"), 0.0)
+            continue
+        verdict(f"decode f32 BV{BV} w{nw} s{ns} y", rel_err(y, yr), 1e-5)
+        verdict(f"decode f32 BV{BV} w{nw} s{ns} state", rel_err(S, Sr), 1e-5)
+    for T in (7,):
+        args = inputs(14 + T, 2, T, H, K)
+        y_r, st_r = kda.kda_verify(*args)
+        n = jnp.array([2, T], jnp.int32)
+        for label, cfg in VERIFY_VARIANTS[1:]:
+            try:
+                y_a, st_a = recurrent.verify(*args, store="states", cfg=cfg)
+                y_b, st_b = recurrent.verify(*args, store="inputs", cfg=cfg)
+                Sa, Sb = _commit(st_a, n, cfg)[1], _commit(st_b, n, cfg)[1]
+            except Exception as e:
+                record("check", f"verify {label}", error=repr(e)[:300])
+                verdict(f"verify {label} compiles", float("inf"), 0.0)
+                continue
+            verdict(f"verify T{T} {label} y vs ref", rel_err(y_a, y_r), 1e-5)
+            verdict(f"verify T{T} {label} states vs ref", rel_err(st_a.states, st_r.states), 1e-5)
+            verdict(f"verify T{T} {label} y A==B (bitwise)", float(jnp.abs(y_a - y_b).max()), 0.0)
+            verdict(f"verify T{T} {label} commit A==B (bitwise)", float(jnp.abs(Sa - Sb).max()), 0.0)
+            verdict(f"verify T{T} {label} conv_rows", float(jnp.abs(st_a.conv_rows.astype(jnp.float32)
+                                                                    - st_r.conv_rows.astype(jnp.float32)).max()), 0.0)
 
 
 def check_quick(H, K):
@@ -217,15 +262,36 @@ def check_quick(H, K):
     return ok
 
 
-# --- decode -----------------------------------------------------------------------------------------------
+# --- decode ---------------------------------------------------------------------------------------------
+#
+# What a decode/verify row includes (µs per layer-call):
+#   * pallas rows: one jitted executable = `reps` passes over L = 32 layers, Python-unrolled, each layer with its
+#     own inputs, conv window and 2 MiB state as SEPARATE buffers (64 MiB of state > 60 MB L2: read cold), the
+#     states and windows donated and threaded layer-call to layer-call (no stacked array, no dynamic slicing).
+#     Each layer-call is the whole op between the projections and o_proj: the recurrent kernel plus (BV < V) the
+#     gated-RMSNorm XLA fusion; verify rows also the conv_rows concatenate (and the XLA prologue fusion for
+#     prologue="xla"), "+commit" rows also the commit (A: dynamic-index copy of the selected 2 MiB state and
+#     window slice; B: the kda_replay launch and window slice).
+#     `us_per_layer` (the headline, and what "best" picks by) = median wall time of the executable (after
+#     warm-up, block_until_ready) / layer-calls: it includes the executable's launch overhead amortised over the
+#     calls and any gaps between kernels. From a JAX profiler trace of 5 more runs: `kern_us` = device µs per
+#     layer-call of each kernel (median, by kernel name; a MemcpyD2D there is a harness or aliasing copy),
+#     `kern_sum_us` = their sum (device-busy time, a lower bound), `prof_span_us` = first kernel start to last
+#     kernel end / layer-calls under the profiler (XLA turns command buffers off while profiling unless
+#     --xla_enable_command_buffers_during_profiling, so this span includes host launch gaps).
+#   * fla rows: fused_recurrent_kda_fwd (L2 norm, gate and beta in kernel; no conv, no gated norm) captured in a
+#     CUDA graph over the same 32 distinct layers x reps (separate q/k/v/g/beta/state tensors per layer),
+#     states updated in place, timed with CUDA events; once through the default API (which memsets a fresh
+#     output with zeros_like every call) and once with `out=` preallocated per layer (kernel only).
 
 def layer_stack(L, B, T, H, K, dtype):
-    """L independent layers of inputs, plus their states (2 MiB each at H=32, K=V=128)."""
+    """L independent layers of inputs, plus their states (2 MiB each at H=32, K=V=128), as separate buffers."""
     per = [inputs(100 + l, B, T, H, K, dtype) for l in range(L)]
-    xs = tuple(p[:5] for p in per)                      # qkv, f, b, z, window
+    xs = tuple(p[:4] for p in per)                      # qkv, f, b, z
+    windows = tuple(p[4] for p in per)
     states = tuple(p[5] for p in per)
     params = per[0][6:]                                 # conv_w, A_log, dt_bias, o_norm_w (shared)
-    return xs, states, params
+    return xs, windows, states, params
 
 
 def decode_bytes(B, H, K, dtype):
@@ -238,55 +304,101 @@ def decode_bytes(B, H, K, dtype):
     return state + ins + window + out + params
 
 
+PROFILE = [True]
+
+
+def device_profile(fn, carry, calls, n=5):
+    """(median device span / calls, {kernel: median device µs per call}, carry) from a JAX profiler trace of n
+    runs of fn(carry) -> (carry, out). None on failure (no CUPTI)."""
+    if not PROFILE[0]:
+        return None, None, carry
+    import collections
+    import tempfile
+    from profile_ops import gpu_events
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            with jax.profiler.trace(d, create_perfetto_trace=True):
+                for _ in range(n):
+                    carry, out = fn(carry)
+                    jax.block_until_ready((carry, out))
+                    time.sleep(0.002)  # a clear gap between executables
+            ev = gpu_events(d)
+    except Exception as e:
+        log(f"profiler failed: {e!r:.200}")
+        return None, None, carry
+    runs, cur = [], [ev[0]] if ev else []
+    for prev, e in zip(ev, ev[1:]):
+        if e[1] - (prev[1] + prev[2]) > 1000:
+            runs.append(cur)
+            cur = [e]
+        else:
+            cur.append(e)
+    if cur:
+        runs.append(cur)
+    runs = runs[-n:]
+    if not runs:
+        return None, None, carry
+    span = statistics.median(r[-1][1] + r[-1][2] - r[0][1] for r in runs) / calls
+    per = collections.defaultdict(list)
+    for r in runs:
+        tot = collections.Counter()
+        for name, _, dur in r:
+            tot[name[:40]] += dur
+        for k_, v in tot.items():
+            per[k_].append(v / calls)
+    kern = {k_: round(statistics.median(v), 3) for k_, v in per.items()}
+    return span, kern, carry
+
+
+def time_chain(fn, carry, calls, n_rep):
+    """Wall and device µs per layer-call of fn(carry) -> (carry, out), carry donated."""
+    t, carry = median_time_donated(fn, carry, n_rep=n_rep)
+    span, kern, carry = device_profile(fn, carry, calls)
+    res = dict(us_per_layer=t / calls * 1e6)
+    if span is not None:
+        res.update(kern_sum_us=round(sum(kern.values()), 3), prof_span_us=round(span, 3), kern_us=kern)
+    return res, carry
+
+
+DECODE_CONFIGS = [(16, 2, 1), (8, 1, 1), (8, 2, 1), (16, 1, 1), (32, 4, 1), (8, 1, 2), (128, 8, 1)]
+
+
 def bench_decode(H, K, L, reps, n_rep, smoke):
     B, dtype = 1, jnp.bfloat16
-    xs, states, params = layer_stack(L, B, 1, H, K, dtype)
+    xs, windows, states, params = layer_stack(L, B, 1, H, K, dtype)
     floor_us = decode_bytes(B, H, K, dtype) / HBM_BPS * 1e6
     record("decode", "byte floor per layer", bytes=decode_bytes(B, H, K, dtype), us=floor_us)
-    configs = [(32, 4), (16, 2), (64, 4), (128, 8)]
-    if smoke:
-        configs = configs[:2]
+    configs = DECODE_CONFIGS[:2] if smoke else DECODE_CONFIGS
     best = None
-    for backend, (BV, nw) in [("pallas", c) for c in configs]:
-        if over_budget(f"decode {backend} BV{BV} w{nw}"):
+    for BV, nw, ns in configs:
+        if over_budget(f"decode BV{BV} w{nw} s{ns}"):
             continue
-        cfg = recurrent.RecurrentConfig(BV=BV, num_warps=nw) if backend == "pallas" else None
+        cfg = recurrent.RecurrentConfig(BV=BV, num_warps=nw, num_stages=ns)
 
-        def step(states, xs):
-            acc = jnp.zeros((), jnp.float32)
-
-            def one(_, carry):
-                states, acc = carry
-                new = []
+        def step(carry, xs):
+            windows, states = list(carry[0]), list(carry[1])
+            ys = []
+            for _ in range(reps):
                 for l in range(L):
-                    qkv, f, b, z, win = xs[l]
-                    if backend == "pallas":
-                        y, _, s = recurrent.decode(qkv, f, b, z, win, states[l], *params, cfg=cfg)
-                    else:
-                        y, _, s = kda.kda_decode(qkv, f, b, z, win, states[l], *params)
-                    acc = acc + y[0, 0, 0, 0].astype(jnp.float32)
-                    new.append(s)
-                return tuple(new), acc
-
-            return jax.lax.fori_loop(0, reps, one, (states, acc))
+                    y, windows[l], states[l] = recurrent.decode(*xs[l], windows[l], states[l], *params, cfg=cfg)
+                    ys.append(y)
+            return (tuple(windows), tuple(states)), ys
 
         fn = jax.jit(step, donate_argnums=0)
         try:
-            t, states = median_time_donated(lambda s: fn(s, xs), states, n_rep=n_rep)
+            res, (windows, states) = time_chain(lambda c: fn(c, xs), (windows, states), L * reps, n_rep)
         except Exception as e:  # a config Triton cannot compile: report and go on
-            record("decode", f"{backend} BV{BV} w{nw}", error=repr(e)[:300])
-            states = layer_stack(L, B, 1, H, K, dtype)[1]
+            record("decode", f"pallas BV{BV} w{nw} s{ns}", error=repr(e)[:300])
+            _, windows, states, _ = layer_stack(L, B, 1, H, K, dtype)
             continue
-        us = t / (L * reps) * 1e6
-        name = "xla reference" if backend == "reference" else f"pallas BV{BV} warps{nw}"
-        record("decode", name, us_per_layer=us, pct_of_floor=100 * floor_us / us)
-        if backend == "pallas" and (best is None or us < best[0]):
-            best = (us, BV, nw)
+        us = res["us_per_layer"]
+        record("decode", f"pallas BV{BV} warps{nw} stages{ns}", **res, pct_of_floor=100 * floor_us / us)
+        if best is None or us < best[0]:
+            best = (us, BV, nw, ns)
     if best:
-        record("decode", "best pallas", us_per_layer=best[0], BV=best[1], warps=best[2])
+        record("decode", "best pallas", us_per_layer=best[0], BV=best[1], warps=best[2],
+               stages=best[3])
 
-    # fla fused_recurrent_kda (core recurrence only: L2 norm, gate, beta in kernel; no conv, no norm) via a
-    # CUDA graph over the same L layers, states in place.
     try:
         import torch
         from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
@@ -299,31 +411,40 @@ def bench_decode(H, K, L, reps, n_rep, smoke):
         A_log = torch.rand(H, device=dev) + 1.5
         dt_bias = torch.rand(H * K, device=dev) + 2.0
 
-        def run():
-            for d in lay:
-                fused_recurrent_kda_fwd(d["q"], d["k"], d["v"], d["g"], d["beta"], A_log=A_log, dt_bias=dt_bias,
-                                        initial_state=d["h"], output_final_state=True, inplace_final_state=True,
-                                        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                                        use_beta_sigmoid_in_kernel=True, lower_bound=-5.0)
-        run()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(reps):
-                run()
-        graph.replay()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(n_rep):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            graph.replay()
-            e1.record()
+        for d in lay:
+            d["o"] = torch.zeros_like(d["v"])
+        for prealloc in (False, True):
+            def run():
+                for d in lay:
+                    # prealloc: the output buffer is passed in (`out=`), skipping fla's zeros_like memset.
+                    fused_recurrent_kda_fwd(d["q"], d["k"], d["v"], d["g"], d["beta"], A_log=A_log,
+                                            dt_bias=dt_bias, initial_state=d["h"], output_final_state=True,
+                                            inplace_final_state=True, use_qk_l2norm_in_kernel=True,
+                                            use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                                            lower_bound=-5.0, **(dict(out=d["o"]) if prealloc else {}))
+            run()
             torch.cuda.synchronize()
-            ts.append(e0.elapsed_time(e1) * 1e-3)
-        us = statistics.median(ts) / (L * reps) * 1e6
-        record("decode", "fla fused_recurrent_kda (core only, CUDA graph)", us_per_layer=us,
-               pct_of_floor=100 * floor_us / us)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(reps):
+                    run()
+            graph.replay()
+            torch.cuda.synchronize()
+            ts = []
+            for _ in range(n_rep):
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                graph.replay()
+                e1.record()
+                torch.cuda.synchronize()
+                ts.append(e0.elapsed_time(e1) * 1e-3)
+            us = statistics.median(ts) / (L * reps) * 1e6
+            what = "out= preallocated, no memset" if prealloc else "default API: zeros_like(out) memset"
+            record("decode", f"fla fused_recurrent_kda (core only, CUDA graph, events; {what})", us_per_layer=us,
+                   pct_of_floor=100 * floor_us / us)
+            del graph
+        lay = None
+        torch.cuda.empty_cache()
     except Exception as e:
         record("decode", "fla fused_recurrent_kda", error=repr(e)[:300])
     return best
@@ -331,46 +452,95 @@ def bench_decode(H, K, L, reps, n_rep, smoke):
 
 # --- verify -----------------------------------------------------------------------------------------------
 
-def bench_verify(H, K, L, n_rep, smoke, decode_best):
-    B, dtype = 1, jnp.bfloat16
+RC = recurrent.RecurrentConfig
+# (label, cfg): the default first; the variants are swept at T = 6, then the best per store runs at every other
+# T (and the default too at T = 2 and 9). Verify executables pass over the 32 layers once (--verify-reps).
+VERIFY_VARIANTS = [
+    ("default", recurrent.DEFAULT_VERIFY),
+    ("kernel unroll", RC(BV=16, num_warps=2, unroll=True)),
+    ("hoist BV16 w2", RC(BV=16, num_warps=2, prologue="hoist")),
+    ("hoist BV8 w1", RC(BV=8, num_warps=1, prologue="hoist")),
+    ("vec BV16 w2", RC(BV=16, num_warps=2, prologue="vec")),
+    ("vec BV8 w1", RC(BV=8, num_warps=1, prologue="vec")),
+    ("xla BV16 w2 unroll", RC(BV=16, num_warps=2, prologue="xla", unroll=True)),
+    ("xla BV8 w1 unroll", RC(BV=8, num_warps=1, prologue="xla", unroll=True)),
+]
+
+
+def _commit(staged, n, cfg):
+    """kda_commit, with design B's replay at the verify's own tiling (the sweep's configs, not the default)."""
+    if staged.states is not None:
+        return kda.kda_commit(staged, n)
+    B, R = staged.conv_rows.shape[:2]
+    nb = jnp.broadcast_to(n, (B,))
+    Wm1 = R - staged.k.shape[1]
+    window = jax.vmap(lambda rows, i: jax.lax.dynamic_slice_in_dim(rows, i, Wm1, axis=0))(staged.conv_rows, nb)
+    return window, recurrent.replay(staged.state0, staged.k, staged.v, staged.g, staged.beta, n, cfg=cfg)
+
+
+def verify_row(T, store, label, cfg, L, reps, n_rep, decode_best, with_commit=True):
+    B, H, K, dtype = 1, VERIFY_SHAPE[0], VERIFY_SHAPE[1], jnp.bfloat16
+    xs, windows, states, params = layer_stack(L, B, T, H, K, dtype)
+    n = jnp.int32(max(1, T // 2))
+
+    def step(carry, xs):
+        windows, states = list(carry[0]), list(carry[1])
+        outs = []
+        for _ in range(reps):
+            for l in range(L):
+                y, st = recurrent.verify(*xs[l], windows[l], states[l], *params, store=store, cfg=cfg)
+                if with_commit:
+                    windows[l], states[l] = _commit(st, n, cfg)
+                    outs.append(y)
+                else:
+                    outs.append((y, st))
+        return (tuple(windows), tuple(states)), outs
+
+    fn = jax.jit(step, donate_argnums=0 if with_commit else ())
+    design = "A" if store == "states" else "B"
+    name = f"T{T} {design} {label} " + ("verify+commit" if with_commit else "verify only")
+    try:
+        res, _ = time_chain(lambda c: fn(c, xs), (windows, states), L * reps, n_rep)
+    except Exception as e:
+        record("verify", name, error=repr(e)[:300])
+        return None
+    us = res["us_per_layer"]
+    record("verify", name, **res, x_decode=us / decode_best if decode_best else float("nan"))
+    return us
+
+
+VERIFY_SHAPE = [32, 128]
+EXTRA_DEFAULT_TS = (2, 9)  # the other T at which the default also runs, as the baseline
+
+
+def bench_verify(H, K, L, reps, n_rep, smoke, decode_best):
+    VERIFY_SHAPE[:] = [H, K]
     Ts = (2, 6) if smoke else VERIFY_TS[0]
-    for T in Ts:
-        xs, states, params = layer_stack(L, B, T, H, K, dtype)
-        n = jnp.int32(max(1, T // 2))
-        for store in ("states", "inputs"):
-            if over_budget(f"verify T{T} {store}"):
+    variants = VERIFY_VARIANTS[:1] + VERIFY_VARIANTS[4:6] if smoke else VERIFY_VARIANTS
+    best = {}
+    T0 = 6 if 6 in Ts else Ts[0]
+    for store in ("states", "inputs"):
+        for label, cfg in variants:
+            if over_budget(f"verify T{T0} {store} {label}"):
                 continue
-            if T == 6:
-                def verify_only(xs, states):
-                    acc = jnp.zeros((), jnp.float32)
-                    for l in range(L):
-                        qkv, f, b, z, win = xs[l]
-                        y, st = kda.kda_verify(qkv, f, b, z, win, states[l], *params, backend="pallas",
-                                               store=store)
-                        leaf = st.states if store == "states" else st.k
-                        acc = acc + y[0, 0, 0, 0].astype(jnp.float32) + leaf[0, -1, 0, 0].sum()
-                    return acc
-                t, _ = median_time(jax.jit(verify_only), xs, states, n_rep=n_rep)
-                record("verify", f"T{T} store={store} verify only", us_per_layer=t / L * 1e6,
-                       x_decode=t / L * 1e6 / decode_best if decode_best else float("nan"))
-
-            def step(states, xs):
-                acc = jnp.zeros((), jnp.float32)
-                new = []
-                for l in range(L):
-                    qkv, f, b, z, win = xs[l]
-                    y, st = kda.kda_verify(qkv, f, b, z, win, states[l], *params, backend="pallas", store=store)
-                    _, s = kda.kda_commit(st, n)
-                    acc = acc + y[0, 0, 0, 0].astype(jnp.float32)
-                    new.append(s)
-                return tuple(new), acc
-
-            fn = jax.jit(step, donate_argnums=0)
-            t, states = median_time_donated(lambda s: fn(s, xs), states, n_rep=n_rep)
-            us = t / L * 1e6
-            design = "A (states)" if store == "states" else "B (inputs + replay)"
-            record("verify", f"T{T} design {design} verify+commit", us_per_layer=us,
-                   x_decode=us / decode_best if decode_best else float("nan"))
+            us = verify_row(T0, store, label, cfg, L, reps, n_rep, decode_best)
+            if us is not None and (store not in best or us < best[store][0]):
+                best[store] = (us, label, cfg)
+        if store in best and not over_budget(f"verify T{T0} {store} verify only"):
+            verify_row(T0, store, best[store][1], best[store][2], L, reps, n_rep, decode_best, with_commit=False)
+    for store, (us, label, _) in best.items():
+        record("verify", f"best at T{T0} store={store}", us_per_layer=us, variant=label)
+    for T in Ts:
+        if T == T0:
+            continue
+        for store in ("states", "inputs"):
+            runs = [best[store][1:]] if store in best else [VERIFY_VARIANTS[0]]
+            if T in EXTRA_DEFAULT_TS and runs[0][0] != "default":
+                runs.append(VERIFY_VARIANTS[0])
+            for label, cfg in runs:
+                if over_budget(f"verify T{T} {store} {label}"):
+                    continue
+                verify_row(T, store, label, cfg, L, reps, n_rep, decode_best)
 
 
 # --- prefill ----------------------------------------------------------------------------------------------
@@ -483,9 +653,12 @@ def main():
     p.add_argument("--prefill-dtypes", default="bfloat16,float32")
     p.add_argument("--prefill-configs", type=int, default=3)
     p.add_argument("--no-fla", action="store_true", help="skip fla's chunk_kda (its autotuning takes ~100 s)")
+    p.add_argument("--no-profile", action="store_true", help="skip the profiler's device times")
+    p.add_argument("--verify-reps", type=int, default=1, help="passes over the L layers per verify executable")
     p.add_argument("--budget", type=float, default=1e9, help="seconds after which remaining configs are skipped")
     a = p.parse_args()
     BUDGET_S[0] = a.budget
+    PROFILE[0] = not a.no_profile
     VERIFY_TS[0] = tuple(int(t) for t in a.verify_ts.split(","))
     PREFILL.update(dtypes=tuple(a.prefill_dtypes.split(",")), n_configs=a.prefill_configs, fla=not a.no_fla)
     sections = a.sections.split(",")
@@ -516,7 +689,7 @@ def main():
         dump(meta, ok)
         log(f"decode done ({time.time() - t0:.0f}s)")
     if "verify" in sections:
-        bench_verify(H, K, 32 if not a.smoke else 2, max(5, n_rep // 2), a.smoke,
+        bench_verify(H, K, L, 1 if a.smoke else a.verify_reps, max(5, n_rep // 2), a.smoke,
                      best[0] if best else a.decode_us)
         dump(meta, ok)
         log(f"verify done ({time.time() - t0:.0f}s)")

@@ -27,16 +27,29 @@ from pallas_kernels.kda import reference
 
 @dataclasses.dataclass(frozen=True)
 class RecurrentConfig:
-    """Tiling of the recurrent kernels. BV == V fuses the gated RMSNorm."""
+    """Tiling of the recurrent kernels. BV == V fuses the gated RMSNorm.
+
+    Verify only: ``prologue="xla"`` computes the state-independent front half (conv + SiLU, L2 norms, gate,
+    beta) for all T tokens as one vectorised XLA fusion before the kernel, so the kernel's sequential chain is
+    only the delta step and the output; ``"kernel"`` does it per token inside the loop; ``"hoist"`` does it in
+    the kernel for all T tokens (unrolled, straight-line) before the T dependent steps; ``"vec"`` is "hoist"
+    with the 2T L2-norm reductions batched into two [TP, K] row reductions. ``unroll`` unrolls
+    the token loop (T is static) so that the next token's loads can issue before the current step ends.
+    """
     BV: int = 32
     num_warps: int = 4
     num_stages: int = 1
+    prologue: str = "kernel"
+    unroll: bool = False
 
     def __post_init__(self):
-        if not is_pow2(self.BV) or self.BV < 16:
-            raise ValueError(f"{self.BV=} must be a power of two >= 16")
+        # No tl.dot in these kernels, so Triton takes [K, 8] tiles (fla's fused_recurrent uses BV = 8).
+        if not is_pow2(self.BV) or self.BV < 8:
+            raise ValueError(f"{self.BV=} must be a power of two >= 8")
         if not is_pow2(self.num_warps):
             raise ValueError(f"{self.num_warps=} must be a power of two")
+        if self.prologue not in ("kernel", "hoist", "vec", "xla"):
+            raise ValueError(f"{self.prologue=} must be 'kernel', 'hoist', 'vec' or 'xla'")
 
 
 # H200, H=32, K=V=128, batch 1 (experiments/RESULTS.md, KDA): BV=16 with 2 warps (256 programs) measured
@@ -77,10 +90,10 @@ def recurrent_kda_fwd_kernel(
     dtb_ref,    # [H, K] fp32
     normw_ref,  # [K]
     *out_refs,
-    T, W, K, BV, lower_bound, eps, scale, FUSE_NORM, MODE,
+    T, W, K, BV, lower_bound, eps, scale, FUSE_NORM, MODE, UNROLL=False, HOIST=False, VEC=False,
 ):
-    """MODE: "decode" (outs: y|o, new window, ht), "states" (outs: y|o, per-token states) or "inputs"
-    (outs: y|o, k̂, v, g, beta per token)."""
+    """MODE: "decode" (outs: y|o, new window, ht), "states" (outs: y|o, per-token states, conv_rows) or
+    "inputs" (outs: y|o, k̂, v, g, beta per token, conv_rows)."""
     i_b, i_h, i_v = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     o_v = pl.ds(i_v * BV, BV)
     dtype = qkv_ref.dtype
@@ -105,18 +118,76 @@ def recurrent_kda_fwd_kernel(
     def l2(x):
         return x * lax.rsqrt(jnp.sum(x * x) + 1e-6)
 
-    def body(t, carry):
-        b_h, rq, rk, rv = carry
+    def store_row(r, x_q, x_k, x_v):
+        """Verify: row r of conv_rows (old window ++ qkv), written here so that no XLA concatenate runs."""
+        rows_ref = out_refs[-1]
+        m_first = jnp.broadcast_to(i_v == 0, (K,))
+        # Masked-store indices must be traced values for the interpret-mode discharge rule.
+        r_, c0, c1 = jnp.int32(r), jnp.int32(0), jnp.int32(1)
+        pltriton.store(rows_ref.at[i_b, r_, c0, i_h, :], x_q, mask=m_first)
+        pltriton.store(rows_ref.at[i_b, r_, c1, i_h, :], x_k, mask=m_first)
+        rows_ref[i_b, r, 2, i_h, o_v] = x_v
+
+    def conv_t(t, rq, rk, rv):
+        """Token t's conv + SiLU outputs (fp32, rounded to the compute dtype) and the shifted windows."""
         x_q = qkv_ref[i_b, t, 0, i_h, :]
         x_k = qkv_ref[i_b, t, 1, i_h, :]
         x_v = qkv_ref[i_b, t, 2, i_h, o_v]
-        b_q = l2(conv(rq, b_wq, x_q)) * scale
-        b_k = l2(conv(rk, b_wk, x_k))
-        b_v = conv(rv, b_wv, x_v)
+        if MODE != "decode":
+            store_row(W - 1 + t, x_q, x_k, x_v)
+        cs = (conv(rq, b_wq, x_q), conv(rk, b_wk, x_k), conv(rv, b_wv, x_v))
+        return cs, (*rq[1:], x_q), (*rk[1:], x_k), (*rv[1:], x_v)
+
+    def finish(t, b_q, b_k, b_v):
+        """Gate and beta of token t (and design B's stores)."""
         b_f = f_ref[i_b, t, i_h, :].astype(f32)
         # Safe gate in fp32, then rounded to the compute dtype as the HF reference does.
         b_g = (lower_bound * jax.nn.sigmoid(b_a * (b_f + b_dtb))).astype(dtype).astype(f32)
         b_beta = jax.nn.sigmoid(b_ref[i_b, t, i_h].astype(f32)).astype(dtype).astype(f32)
+        if MODE == "inputs":
+            kk_ref, vv_ref, gg_ref, bb_ref = out_refs[1:5]
+            m_first = i_v == 0
+            t_ = jnp.int32(t)
+            pltriton.store(kk_ref.at[i_b, t_, i_h, :], b_k, mask=jnp.broadcast_to(m_first, (K,)))
+            pltriton.store(gg_ref.at[i_b, t_, i_h, :], b_g, mask=jnp.broadcast_to(m_first, (K,)))
+            pltriton.store(bb_ref.at[i_b, t_, i_h, pl.ds(0, 1)], jnp.broadcast_to(b_beta, (1,)),
+                           mask=jnp.broadcast_to(m_first, (1,)))
+            vv_ref[i_b, t_, i_h, o_v] = b_v
+        return b_q, b_k, b_v, b_g, b_beta
+
+    def front(t, rq, rk, rv):
+        """The state-independent half of token t: conv + SiLU, L2 norms, gate, beta."""
+        (c_q, c_k, c_v), rq, rk, rv = conv_t(t, rq, rk, rv)
+        return finish(t, l2(c_q) * scale, l2(c_k), c_v), rq, rk, rv
+
+    def vec_fronts(rq, rk, rv):
+        """All T front halves with the 2T L2-norm reductions done as two [TP, K] reductions (TP = T rounded
+        up to a power of two): each token's conv row is placed in row t of a tile, the row sums give every
+        norm at once, and token t's norm is read back by a one-hot sum over TP (exact)."""
+        TP = 1 << (T - 1).bit_length()
+        cs = []
+        for t in range(T):
+            c_t, rq, rk, rv = conv_t(t, rq, rk, rv)
+            cs.append(c_t)
+        rows = lax.broadcasted_iota(jnp.int32, (TP, 1), 0)
+        idx = lax.broadcasted_iota(jnp.int32, (TP,), 0)
+
+        def inv_norms(xs):
+            tile = jnp.zeros((TP, K), f32)
+            for t, x in enumerate(xs):
+                tile = jnp.where(rows == t, x[None, :], tile)
+            return lax.rsqrt(jnp.sum(tile * tile, axis=1) + 1e-6)  # [TP]
+
+        n_q = inv_norms([c[0] for c in cs])
+        n_k = inv_norms([c[1] for c in cs])
+        pick = lambda n, t: jnp.sum(jnp.where(idx == t, n, 0.0))
+        vals = [finish(t, c_q * pick(n_q, t) * scale, c_k * pick(n_k, t), c_v)
+                for t, (c_q, c_k, c_v) in enumerate(cs)]
+        return vals, rq, rk, rv
+
+    def back(t, b_h, vals):
+        """The dependent half: delta step, output (and gated norm), design A's state store."""
+        b_q, b_k, b_v, b_g, b_beta = vals
         b_h = delta_step(b_h, b_k, b_v, b_g, b_beta)
         b_o = jnp.sum(b_q[:, None] * b_h, axis=0).astype(dtype)  # [BV]
         if FUSE_NORM:
@@ -128,27 +199,36 @@ def recurrent_kda_fwd_kernel(
             y_ref[i_b, t, i_h, o_v] = b_o.astype(y_ref.dtype)
         if MODE == "states":
             out_refs[1][i_b, t, i_h, :, o_v] = b_h
-        elif MODE == "inputs":
-            kk_ref, vv_ref, gg_ref, bb_ref = out_refs[1:5]
-            m_first = i_v == 0
-            t = jnp.int32(t)
-            pltriton.store(kk_ref.at[i_b, t, i_h, :], b_k, mask=jnp.broadcast_to(m_first, (K,)))
-            pltriton.store(gg_ref.at[i_b, t, i_h, :], b_g, mask=jnp.broadcast_to(m_first, (K,)))
-            pltriton.store(bb_ref.at[i_b, t, i_h, pl.ds(0, 1)], jnp.broadcast_to(b_beta, (1,)),
-                           mask=jnp.broadcast_to(m_first, (1,)))
-            vv_ref[i_b, t, i_h, o_v] = b_v
-        rq = (*rq[1:], x_q)
-        rk = (*rk[1:], x_k)
-        rv = (*rv[1:], x_v)
-        return b_h, rq, rk, rv
+        return b_h
+
+    def body(t, carry):
+        b_h, rq, rk, rv = carry
+        vals, rq, rk, rv = front(t, rq, rk, rv)
+        return back(t, b_h, vals), rq, rk, rv
 
     rq = tuple(win_ref[i_b, j, 0, i_h, :] for j in range(W - 1))
     rk = tuple(win_ref[i_b, j, 1, i_h, :] for j in range(W - 1))
     rv = tuple(win_ref[i_b, j, 2, i_h, o_v] for j in range(W - 1))
+    if MODE != "decode":
+        for j in range(W - 1):
+            store_row(j, rq[j], rk[j], rv[j])
     b_h = h0_ref[i_b, i_h, :, o_v].astype(f32)
     carry = (b_h, rq, rk, rv)
-    if T == 1:
-        carry = body(0, carry)
+    if (HOIST or VEC) and T > 1:
+        # Every token's front half first (straight-line, no dependence on the state), then the T steps.
+        if VEC:
+            vals, rq, rk, rv = vec_fronts(rq, rk, rv)
+        else:
+            vals = []
+            for t in range(T):
+                v_t, rq, rk, rv = front(t, rq, rk, rv)
+                vals.append(v_t)
+        for t in range(T):
+            b_h = back(t, b_h, vals[t])
+        carry = (b_h, rq, rk, rv)
+    elif T == 1 or UNROLL:
+        for t in range(T):  # static token indices: straight-line code the compiler can schedule across steps
+            carry = body(t, carry)
     else:
         carry = lax.fori_loop(0, T, body, carry)
     b_h, rq, rk, rv = carry
@@ -163,6 +243,55 @@ def recurrent_kda_fwd_kernel(
             pltriton.store(nw_ref.at[i_b, j_, c1, i_h, :], rk[j], mask=m_first)
             nw_ref[i_b, j, 2, i_h, o_v] = rv[j]
         ht_ref[i_b, i_h, :, o_v] = b_h
+
+
+def verify_core_kernel(
+    q_ref,      # [B, T, H, K] fp32 L2-normalised q (unscaled)
+    k_ref,      # [B, T, H, K] fp32 L2-normalised k
+    v_ref,      # [B, T, H, V] fp32 conv output v
+    g_ref,      # [B, T, H, K] fp32 log decay
+    bb_ref,     # [B, T, H, 1] fp32 beta
+    z_ref,      # [B, T, H, K]
+    h0_ref,     # [B, H, K, V] fp32
+    normw_ref,  # [K]
+    *out_refs,
+    T, BV, eps, scale, FUSE_NORM, MODE, UNROLL,
+):
+    """Verify with the front half precomputed (``prologue="xla"``): per token only the delta step and q·S.
+    MODE "states" also writes every post-state; "inputs" writes y only (the staged inputs are the inputs)."""
+    i_b, i_h, i_v = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    o_v = pl.ds(i_v * BV, BV)
+    f32 = jnp.float32
+    y_ref = out_refs[0]
+    dtype = y_ref.dtype
+    if FUSE_NORM:
+        b_nw = normw_ref[...].astype(f32)
+
+    def body(t, b_h):
+        b_q = q_ref[i_b, t, i_h, :] * scale
+        b_k = k_ref[i_b, t, i_h, :]
+        b_v = v_ref[i_b, t, i_h, o_v]
+        b_g = g_ref[i_b, t, i_h, :]
+        b_beta = bb_ref[i_b, t, i_h, 0]
+        b_h = delta_step(b_h, b_k, b_v, b_g, b_beta)
+        b_o = jnp.sum(b_q[:, None] * b_h, axis=0).astype(dtype)  # [BV]
+        if FUSE_NORM:
+            b_of = b_o.astype(f32)
+            b_z = z_ref[i_b, t, i_h, :].astype(f32)
+            b_y = b_of * lax.rsqrt(jnp.mean(b_of * b_of) + eps) * b_nw * jax.nn.sigmoid(b_z)
+            y_ref[i_b, t, i_h, :] = b_y.astype(dtype)
+        else:
+            y_ref[i_b, t, i_h, o_v] = b_o
+        if MODE == "states":
+            out_refs[1][i_b, t, i_h, :, o_v] = b_h
+        return b_h
+
+    b_h = h0_ref[i_b, i_h, :, o_v].astype(f32)
+    if UNROLL:
+        for t in range(T):
+            b_h = body(t, b_h)
+    else:
+        lax.fori_loop(0, T, body, b_h)
 
 
 def replay_kda_fwd_kernel(
@@ -208,15 +337,17 @@ def _recurrent_call(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_
         out_shape = [y_shape, sds(conv_window.shape, dtype), sds(state.shape, jnp.float32)]
         aliases = {5: 2}
     elif mode == "states":
-        out_shape = [y_shape, sds((B, T, H, K, V), jnp.float32)]
+        out_shape = [y_shape, sds((B, T, H, K, V), jnp.float32), sds((B, W - 1 + T, 3, H, K), dtype)]
         aliases = {}
     else:
         out_shape = [y_shape, sds((B, T, H, K), jnp.float32), sds((B, T, H, V), jnp.float32),
-                     sds((B, T, H, K), jnp.float32), sds((B, T, H, 1), jnp.float32)]
+                     sds((B, T, H, K), jnp.float32), sds((B, T, H, 1), jnp.float32),
+                     sds((B, W - 1 + T, 3, H, K), dtype)]
         aliases = {}
     kernel = functools.partial(
         recurrent_kda_fwd_kernel, T=T, W=W, K=K, BV=BV, lower_bound=float(lower_bound), eps=float(eps),
-        scale=K ** -0.5, FUSE_NORM=fuse_norm, MODE=mode)
+        scale=K ** -0.5, FUSE_NORM=fuse_norm, MODE=mode, UNROLL=cfg.unroll, HOIST=cfg.prologue == "hoist",
+        VEC=cfg.prologue == "vec")
     outs = pl.pallas_call(
         kernel,
         out_shape=out_shape,
@@ -232,6 +363,36 @@ def _recurrent_call(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_
     return y, outs[1:]
 
 
+def _verify_xla_prologue(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, *, lower_bound,
+                         eps, mode, cfg):
+    """``prologue="xla"``: the reference front half, vectorised over T and heads, then the core kernel."""
+    B, T, _, H, K = qkv.shape
+    V = K
+    BV = min(cfg.BV, V)
+    fuse_norm = BV == V
+    dtype = qkv.dtype
+    (q, k, v, g, beta), _ = reference.kda_inputs(qkv, f, b, conv_window, conv_w, A_log, dt_bias, lower_bound)
+    sds = jax.ShapeDtypeStruct
+    out_shape = [sds((B, T, H, V), dtype)]
+    if mode == "states":
+        out_shape.append(sds((B, T, H, K, V), jnp.float32))
+    kernel = functools.partial(verify_core_kernel, T=T, BV=BV, eps=float(eps), scale=K ** -0.5,
+                               FUSE_NORM=fuse_norm, MODE=mode, UNROLL=cfg.unroll)
+    outs = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(B, H, V // BV),
+        interpret=interpret_mode(),
+        name=f"kda_verify_core_{mode}",
+        compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+    )(q, k, v, g, beta[..., None], z, state, o_norm_w)
+    y = outs[0]
+    if not fuse_norm:
+        y = reference.gated_rms_norm(y, z, o_norm_w, eps)
+    staged = (outs[1],) if mode == "states" else (k, v, g, beta[..., None])
+    return y, (*staged, jnp.concatenate([conv_window, qkv], axis=1))
+
+
 @functools.partial(jax.jit, static_argnames=("lower_bound", "eps", "cfg"), donate_argnums=())
 def decode(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, *, lower_bound=-5.0, eps=1e-6,
            cfg=DEFAULT_DECODE):
@@ -245,10 +406,12 @@ def decode(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, *
 def verify(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, *, lower_bound=-5.0, eps=1e-6,
            store="states", cfg=DEFAULT_VERIFY):
     from pallas_kernels.kda.dispatch import KDAStaged
-    y, staged = _recurrent_call(
+    call = _verify_xla_prologue if cfg.prologue == "xla" else _recurrent_call
+    y, staged = call(
         qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, lower_bound=lower_bound, eps=eps,
         mode=store, cfg=cfg)
-    conv_rows = jnp.concatenate([conv_window, qkv], axis=1)
+    # The kernel prologues write conv_rows themselves; the XLA prologue concatenates (one fusion with it).
+    *staged, conv_rows = staged
     if store == "states":
         return y, KDAStaged(conv_rows, states=staged[0], backend="pallas")
     kk, vv, gg, bb = staged
