@@ -312,7 +312,7 @@ def lower_for_cuda(monkeypatch, modules, fn, *avals):
 def test_pallas_lowers_for_cuda(monkeypatch, n, k_splits, down_splits):
     from pallas_kernels.moe import experts as experts_mod, router as router_mod
 
-    d, e, i, k = 2560, 512, 768, 8
+    d, e, i = 2560, 512, 768
     bf, f32 = jnp.bfloat16, jnp.float32
     sds = jax.ShapeDtypeStruct
 
