@@ -510,6 +510,7 @@ def verify_row(T, store, label, cfg, L, reps, n_rep, decode_best, with_commit=Tr
 
 
 VERIFY_SHAPE = [32, 128]
+VERIFY_STORES = [["states", "inputs"], ["states", "inputs"]]  # swept at T0; run at the other T
 EXTRA_DEFAULT_TS = (2, 9)  # the other T at which the default also runs, as the baseline
 
 
@@ -519,7 +520,7 @@ def bench_verify(H, K, L, reps, n_rep, smoke, decode_best):
     variants = VERIFY_VARIANTS[:1] + VERIFY_VARIANTS[4:6] if smoke else VERIFY_VARIANTS
     best = {}
     T0 = 6 if 6 in Ts else Ts[0]
-    for store in ("states", "inputs"):
+    for store in VERIFY_STORES[0]:
         for label, cfg in variants:
             if over_budget(f"verify T{T0} {store} {label}"):
                 continue
@@ -533,7 +534,7 @@ def bench_verify(H, K, L, reps, n_rep, smoke, decode_best):
     for T in Ts:
         if T == T0:
             continue
-        for store in ("states", "inputs"):
+        for store in VERIFY_STORES[1]:
             runs = [best[store][1:]] if store in best else [VERIFY_VARIANTS[0]]
             if T in EXTRA_DEFAULT_TS and runs[0][0] != "default":
                 runs.append(VERIFY_VARIANTS[0])
@@ -557,7 +558,7 @@ def bench_prefill(H, K, T, n_rep, smoke):
         # BV < 64 gives the h kernel (grid B × H × V/BV, chunks in sequence) more than 64 programs for the
         # H200's 132 SMs; split_o takes the output dots off that serial chain.
         CC = chunk.ChunkConfig
-        configs = [CC(BV=64), CC(BV=64, conv="xla"), CC(BV=32, split_o=True), CC(BV=64, num_warps_intra=8),
+        configs = [CC(BV=64), CC(BV=64, num_warps_intra=8), CC(BV=64, conv="fused"), CC(BV=32, split_o=True),
                    CC(BV=16, split_o=True), CC(BV=32), CC(BV=64, split_o=True), CC(BV=16),
                    CC(BV=32, split_o=True, num_warps_h=2)]
         configs = configs[:PREFILL["n_configs"]]
@@ -654,12 +655,26 @@ def main():
     p.add_argument("--prefill-configs", type=int, default=3)
     p.add_argument("--no-fla", action="store_true", help="skip fla's chunk_kda (its autotuning takes ~100 s)")
     p.add_argument("--no-profile", action="store_true", help="skip the profiler's device times")
+    p.add_argument("--decode-configs", default=None, help='subset of the decode sweep, "BV,warps,stages;..."')
+    p.add_argument("--verify-variants", default=None, help="subset of VERIFY_VARIANTS labels, comma-separated")
+    p.add_argument("--verify-stores", default="states,inputs", help="designs swept at T=6 (states = A, inputs = B)")
+    p.add_argument("--verify-other-stores", default="states,inputs",
+                   help="designs run (best variant) at the other T")
     p.add_argument("--verify-reps", type=int, default=1, help="passes over the L layers per verify executable")
     p.add_argument("--budget", type=float, default=1e9, help="seconds after which remaining configs are skipped")
     a = p.parse_args()
     BUDGET_S[0] = a.budget
     PROFILE[0] = not a.no_profile
     VERIFY_TS[0] = tuple(int(t) for t in a.verify_ts.split(","))
+    if a.decode_configs:
+        DECODE_CONFIGS[:] = [tuple(int(v) for v in c.split(",")) for c in a.decode_configs.split(";")]
+    if a.verify_variants:
+        wanted = a.verify_variants.split(",")
+        unknown = set(wanted) - {label for label, _ in VERIFY_VARIANTS}
+        if unknown:
+            p.error(f"--verify-variants: unknown {sorted(unknown)}; known: {[lb for lb, _ in VERIFY_VARIANTS]}")
+        VERIFY_VARIANTS[:] = [v for v in VERIFY_VARIANTS if v[0] in wanted]
+    VERIFY_STORES[:] = [a.verify_stores.split(","), a.verify_other_stores.split(",")]
     PREFILL.update(dtypes=tuple(a.prefill_dtypes.split(",")), n_configs=a.prefill_configs, fla=not a.no_fla)
     sections = a.sections.split(",")
     if a.smoke:

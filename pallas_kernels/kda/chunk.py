@@ -2,8 +2,10 @@
 
 Pipeline (kernels.md §1.3, fla's ``chunk_kda_fwd`` with fewer launches):
 
-1. conv + SiLU, fused into the intra kernel's q/k/v loads (``ChunkConfig.conv="fused"``, the default; the
-   new conv window is a slice of the last rows) or a separate XLA pass (``conv="xla"``, ``reference.short_conv``).
+1. conv + SiLU as a separate XLA pass (``ChunkConfig.conv="xla"``, ``reference.short_conv``; the default, measured
+   faster on the H200: 3.27 vs 3.87 ms per layer at T = 8192, RESULTS.md) or fused into the intra kernel's q/k/v
+   loads (``conv="fused"``: the 4 shifted tile loads and the per-sub-block conv lengthen the intra kernel more
+   than the XLA pass costs; the new conv window is then a slice of the last rows).
 2. ``chunk_kda_fwd_kernel_intra``, grid (B, H, NT), every chunk in parallel: L2 norm and scale, safe gate and
    beta from the conv output and raw f/b, chunk-local Γ = cumsum(g),
    A_qk and L in 16-row sub-blocks, M = (I + L)^{-1} diag(beta) by forward substitution on the 16×16 diagonal
@@ -54,7 +56,7 @@ class ChunkConfig:
     num_warps_h: int = 4
     num_stages_h: int = 2
     dot: str = "auto"
-    conv: str = "fused"
+    conv: str = "xla"
     split_o: bool = False
     num_warps_o: int = 4
 

@@ -34,7 +34,7 @@ def test_fused_conv_prefill(T, dtype, gate, split_o):
     """Fused conv (and the h / o split) vs the reference and vs the XLA-conv, unsplit path."""
     seed = fresh_seed()
     args = layer_inputs(seed, 1, T, 2, 32, jnp.dtype(dtype), gate)
-    y, w, S = chunk.prefill(*args, cfg=chunk.ChunkConfig(BV=16 if split_o else 32, split_o=split_o))
+    y, w, S = chunk.prefill(*args, cfg=chunk.ChunkConfig(BV=16 if split_o else 32, conv="fused", split_o=split_o))
     y_x, w_x, S_x = chunk.prefill(*args, cfg=chunk.ChunkConfig(BV=32, conv="xla"))
     y_r, w_r, S_r = kda.kda_prefill(*args)
     np.testing.assert_array_equal(np.asarray(w), np.asarray(w_r))
@@ -60,5 +60,6 @@ def test_triton_lowering_conv_modes():
             mock.patch.object(chunk, "interpret_mode", lambda: False):
         for T in (5, 70):
             a = layer_inputs(0, 1, T, 4, 128, jnp.bfloat16)
-            for cfg in (chunk.ChunkConfig(), chunk.ChunkConfig(conv="xla"), chunk.ChunkConfig(BV=32, split_o=True)):
+            for cfg in (chunk.ChunkConfig(conv="fused"), chunk.ChunkConfig(conv="xla"),
+                        chunk.ChunkConfig(BV=32, conv="fused", split_o=True)):
                 lower(lambda *x: chunk.prefill(*x, cfg=cfg), *a)
