@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import glob
 import gzip
 import json
@@ -79,15 +80,19 @@ def moe_op(backend, T):
 MLA_TUNING = None  # --mla-tuning: an MLADecodeTuning for the Pallas MLA ops
 
 
+MLA_CACHES = 8  # distinct full caches per call: 8 × 37.7 MB at L = 32k > the 60 MB L2, so reads are cold
+
+
 def mla_op(backend, T, L):
+    """MLA_CACHES attention calls per executable, each over its own full cache (start = L - T)."""
     rng = np.random.default_rng(0)
     ql = jnp.asarray(rng.standard_normal((1, T, H, R)) * 0.05, jnp.float32)
     qr = jnp.asarray(rng.standard_normal((1, T, H, P)), jnp.bfloat16)
-    cache = jnp.asarray(rng.standard_normal((1, L, R + P)), jnp.bfloat16)
+    caches = [jnp.asarray(rng.standard_normal((1, L, R + P)), jnp.bfloat16) for _ in range(MLA_CACHES)]
     kw = dict(tuning=MLA_TUNING) if backend == "pallas" and MLA_TUNING is not None else {}
-    fn = jax.jit(lambda ql, qr, c: mla.mla_decode_attention(ql, qr, c, jnp.int32(L - T), scale=192 ** -0.5,
-                                                            backend=backend, **kw))
-    return fn, (ql, qr, cache)
+    fn = jax.jit(lambda ql, qr, cs: [mla.mla_decode_attention(ql, qr, c, jnp.int32(L - T), scale=192 ** -0.5,
+                                                              backend=backend, **kw) for c in cs])
+    return fn, (ql, qr, caches)
 
 
 OPS = {
@@ -97,10 +102,10 @@ OPS = {
     "kda_prefill8k_split": lambda b: kda_op(b, 8192, split_o=True),  # split_o, BV 32
     "moe": lambda b: moe_op(b, 1),
     "moe6": lambda b: moe_op(b, 6),
-    "mla_1k": lambda b: mla_op(b, 1, 1024),
-    "mla_32k": lambda b: mla_op(b, 1, 32768),
-    "mla_8k_t6": lambda b: mla_op(b, 6, 8192),
+    **{f"mla_{L // 1024}k_t{T}": functools.partial(lambda b, T, L: mla_op(b, T, L), T=T, L=L)
+       for L in (1024, 8192, 32768) for T in (1, 6)},
 }
+OPS_PER_CALL = {name: MLA_CACHES for name in OPS if name.startswith("mla_")}  # op instances per profiled call
 
 
 def gpu_events(trace_dir):
@@ -145,13 +150,15 @@ def profile(name, backend, n):
         kernels.append(dict(kernel=calls[0][j][0][:90], dur_us=round(statistics.median(durs), 2),
                             gap_before_us=round(statistics.median(gaps), 2)))
     span = statistics.median(c[-1][1] + c[-1][2] - c[0][1] for c in calls)
-    return dict(op=name, backend=backend, calls=len(calls), span_us=round(span, 2),
-                kernel_sum_us=round(sum(k["dur_us"] for k in kernels), 2), kernels=kernels)
+    per = OPS_PER_CALL.get(name, 1)
+    return dict(op=name, backend=backend, calls=len(calls), ops_per_call=per, span_us=round(span, 2),
+                kernel_sum_us=round(sum(k["dur_us"] for k in kernels), 2), span_us_per_op=round(span / per, 2),
+                kernel_sum_us_per_op=round(sum(k["dur_us"] for k in kernels) / per, 2), kernels=kernels)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ops", default="kda_decode,kda_verify6,moe,moe6,mla_1k,mla_32k")
+    ap.add_argument("--ops", default="kda_decode,kda_verify6,moe,moe6,mla_1k_t1,mla_32k_t1")
     ap.add_argument("--backends", default="pallas,reference")
     ap.add_argument("--n", type=int, default=20)
     ap.add_argument("--mla-tuning", default=None, help="e.g. block_k=128,num_warps=8 (bench_mla.py --tunings syntax)")
@@ -174,7 +181,8 @@ def main(argv=None):
                 continue
             results["ops"].append(r)
             print(f"\n{name} [{backend}] span {r['span_us']} µs, kernels {r['kernel_sum_us']} µs over "
-                  f"{len(r['kernels'])} kernels ({r['calls']} calls)", flush=True)
+                  f"{len(r['kernels'])} kernels ({r['calls']} calls); per op ({r['ops_per_call']} per call): span "
+                  f"{r['span_us_per_op']} µs, kernels {r['kernel_sum_us_per_op']} µs", flush=True)
             for k in r["kernels"]:
                 print(f"  {k['dur_us']:8.2f} µs  (gap {k['gap_before_us']:5.2f})  {k['kernel']}", flush=True)
     write_results("profile_ops.json", results)
