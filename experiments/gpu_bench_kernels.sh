@@ -26,7 +26,7 @@ throughput_and_checks() {
   mv "$OUT/kda_bench.json" "$OUT/json/kda_prefill.json"
   timeout 150 python3 experiments/bench_mla.py --budget 110 > "$OUT/mla.log" 2>&1
   mv "$OUT/bench_mla.json" "$OUT/json/" 2>/dev/null
-  timeout "${TEST_S:-150}" python3 -m pytest -q -rf --tb=line -p no:cacheprovider tests/ops > "$OUT/pytest.log" 2>&1
+  XLA_FLAGS="--xla_allow_excess_precision=false" timeout "${TEST_S:-150}" python3 -m pytest -q -rf --tb=line -p no:cacheprovider tests/ops > "$OUT/pytest.log" 2>&1
 }
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   (export CUDA_VISIBLE_DEVICES=0; latency_bound) & (export CUDA_VISIBLE_DEVICES=1; throughput_and_checks) & wait
