@@ -2,7 +2,7 @@
 
     python experiments/plot_results.py
 
-Writes experiments/results/{moe_vs_T,kda_decode_verify,decode_slice}.png. Every number plotted is a row of
+Writes experiments/results/{moe_vs_T,kda_decode_verify,mla_decode,decode_slice}.png. Every number plotted is a row of
 experiments/RESULTS.md; this script only draws them.
 """
 
@@ -25,45 +25,73 @@ def _load(name: str):
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def plot_moe(data) -> Path:
-    layer = [r for r in data["rows"] if r["kind"] == "moe_layer"]
-    pallas = sorted((r["T"], r["us"], r["floor_us"]) for r in layer if r["backend"] == "pallas")
-    xla = sorted((r["T"], r["us"]) for r in layer if r["backend"] == "reference")
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([t for t, _, _ in pallas], [u for _, u, _ in pallas], "o-", label="Pallas (router + experts + shared)")
-    ax.plot([t for t, _ in xla], [u for _, u in xla], "s", label="XLA reference")
-    ax.plot([t for t, _, _ in pallas], [f for _, _, f in pallas], "k--", label="byte floor at 4.3 TB/s")
-    ax.set(xlabel="tokens per call T (distinct experts grow with T)", ylabel="µs per MoE layer", yscale="log",
-           title=f"MoE layer, Ling-3.0-flash shape, {data['device']}")
-    ax.legend()
+def plot_moe(data, v1) -> Path:
+    """Left: the MoE layer's device time per kernel at T = 1 (profiler, cold chain) against the floor. Right: the
+    v1 harness's T sweep (wall per call, ~8 µs host cost included) against the floor of the experts read."""
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    prof = [k for k in data["profile"]["T1"] if k["us_per_layer"] >= 0.5]
+    floor = next(r["floor_us"] for r in data["rows"] if r["T"] == 1)
+    a.barh([k["kernel"] for k in prof], [k["us_per_layer"] for k in prof])
+    total = sum(k["us_per_layer"] for k in data["profile"]["T1"])
+    a.set(xlabel="device µs per layer (profiler)",
+          title=f"T = 1: {total:.1f} µs per layer vs floor {floor:.1f} µs\n{data['best_experts_tuning']}")
+    a.invert_yaxis()
+    if v1:
+        layer = [r for r in v1["rows"] if r["kind"] == "moe_layer"]
+        pallas = sorted((r["T"], r["us"], r["floor_us"]) for r in layer if r["backend"] == "pallas")
+        xla = sorted((r["T"], r["us"]) for r in layer if r["backend"] == "reference")
+        b.plot([t for t, _, _ in pallas], [u for _, u, _ in pallas], "o-", label="Pallas (v1 harness, wall)")
+        b.plot([t for t, _ in xla], [u for _, u in xla], "s", label="XLA reference (v1 harness, wall)")
+        b.plot([t for t, _, _ in pallas], [f for _, _, f in pallas], "k--", label="byte floor of experts read")
+        b.set(xlabel="tokens per call T", ylabel="µs per MoE layer", yscale="log", title="MoE layer vs T")
+        b.legend(fontsize=8)
+    fig.suptitle(f"MoE, Ling-3.0-flash shape, {data['device']}")
     return _save(fig, "moe_vs_T.png")
 
 
 def plot_kda(data) -> Path:
-    rows = [r for run in data["runs"] for r in run["rows"] if r["section"] in ("decode", "verify")]
+    """Device time per layer (profiler: kernel + gated norm, commit copies for verify) against the floor and fla."""
+    rows = data["rows"]
     floor = next(r["us"] for r in rows if r["name"] == "byte floor per layer")
-    decode = {r["name"]: r["us_per_layer"] for r in rows if r["section"] == "decode" and "us_per_layer" in r
-              and r["name"] != "best pallas"}
-    verify = {}
-    for r in rows:
-        m = re.match(r"T(\d+) design A \(states\) verify\+commit", r["name"])
-        if r["section"] == "verify" and m:
-            verify[int(m.group(1))] = r["us_per_layer"]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    names = list(decode)
-    a.barh(names, [decode[n] for n in names])
+    decode = {r["name"].replace("pallas ", "ours "): r["kern_sum_us"] for r in rows
+              if r["section"] == "decode" and "kern_sum_us" in r}
+    fla = {r["name"].split(";")[1].strip(" )") if ";" in r["name"] else r["name"]: r["us_per_layer"]
+           for r in rows if r["section"] == "decode" and r["name"].startswith("fla")}
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
+    names = list(decode) + [f"fla ({k})" for k in fla]
+    a.barh(names, list(decode.values()) + list(fla.values()), color=["C0"] * len(decode) + ["C1"] * len(fla))
     a.axvline(floor, color="k", ls="--", label=f"byte floor {floor:.2f} µs")
-    a.set(xlabel="µs per layer (decode, T = 1)", title="KDA decode configurations")
-    a.legend()
-    ts = sorted(verify)
-    b.plot(ts, [verify[t] for t in ts], "o-", label="verify + commit (design A)")
-    b.axhline(2 * min(v for k, v in decode.items() if k.startswith("pallas")), color="r", ls=":",
-              label="2 × best decode (target at T = 6)")
-    b.set(xlabel="verify tokens T", ylabel="µs per layer", ylim=(0, max(verify.values()) * 1.2),
-          title="KDA verify (T 2-5: BV 32, 4 warps; T 6: BV 16, 2 warps)")
-    b.legend()
-    fig.suptitle(f"KDA at H = 32, K = V = 128, batch 1 ({data['runs'][0]['meta']['device']})")
+    a.set(xlabel="µs per layer (ours: profiler device time, conv + norm incl.; fla: CUDA graph)",
+          title="KDA decode (T = 1)")
+    a.legend(fontsize=8)
+    for label, pat in (("A, vec prologue", r"T(\d+) A vec BV16 w2 verify\+commit"),
+                       ("A, default prologue", r"T(\d+) A default verify\+commit")):
+        pts = sorted((int(m.group(1)), r["kern_sum_us"]) for r in rows
+                     if r["section"] == "verify" and (m := re.match(pat, r["name"])))
+        b.plot([t for t, _ in pts], [u for _, u in pts], "o-", label=f"verify + commit, design {label}")
+    best = min(decode.values())
+    b.axhline(2 * best, color="r", ls=":", label=f"2 × decode ({2 * best:.1f} µs): the T = 6 target")
+    b.set(xlabel="verify tokens T", ylabel="device µs per layer", ylim=(0, None), title="KDA verify")
+    b.legend(fontsize=8)
+    fig.suptitle(f"KDA at H = 32, K = V = 128, batch 1 ({data['meta']['device']})")
     return _save(fig, "kda_decode_verify.png")
+
+
+def plot_mla(data) -> Path:
+    """Device µs per attention call vs L (8 distinct caches per profiled call: cold at 32k) against the floor."""
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    ops = {(o["op"], o["backend"]): o["span_us_per_op"] for o in data["ops"]}
+    lengths = (1024, 8192, 32768)
+    for t, marker in ((1, "o"), (6, "s")):
+        for backend, style in (("pallas", "-"), ("reference", ":")):
+            ys = [ops.get((f"mla_{L // 1024}k_t{t}", backend)) for L in lengths]
+            ax.plot(lengths, ys, marker + style, label=f"{backend}, T = {t}")
+        floor = [(L * 576 * 2 + t * 32 * (576 + 512) * 4) / 4.3e12 * 1e6 for L in lengths]
+        ax.plot(lengths, floor, "k" + ("--" if t == 1 else "-."), lw=0.8, label=f"byte floor, T = {t}")
+    ax.set(xscale="log", yscale="log", xlabel="cache length L", ylabel="device µs per call",
+           title=f"MLA absorbed decode, H = 32, R = 512, P = 64 ({data['device']})")
+    ax.legend(fontsize=7, ncol=2)
+    return _save(fig, "mla_decode.png")
 
 
 def plot_slice(data) -> Path:
@@ -89,8 +117,9 @@ def _save(fig, name: str) -> Path:
 
 
 def main():
-    for name, plot in (("bench_moe.json", plot_moe), ("kda_bench.json", plot_kda),
-                       ("bench_decode.json", plot_slice)):
+    jobs = (("bench_moe.json", lambda d: plot_moe(d, _load("bench_moe_v1.json"))),
+            ("kda_decode_verify.json", plot_kda), ("mla_profile.json", plot_mla), ("bench_decode.json", plot_slice))
+    for name, plot in jobs:
         data = _load(name)
         print(f"{name}: " + (str(plot(data)) if data else "missing, skipped"))
 
