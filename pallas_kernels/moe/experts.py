@@ -204,7 +204,8 @@ def experts_fwd_kernel_down(h_ref, ids_ref, ids2_ref, w_ref, wd_ref, sd_ref, o_r
 
 def experts_fwd_kernel_down_t1(h_ref, ids_ref, wd_ref, sd_ref, o_ref, *, BKI, n_chunks, n_routed, tp, limit,
                                shared_limit):
-    # T = 1: slot g < K is expert ids[g] (top-k ids of one token are distinct), slot K the shared expert.
+    # T = 1: slot g < K is expert ids[g], slot K the shared expert. gate/up wrote h only for the first slot of
+    # each expert (its owner), so a slot whose expert repeats an earlier slot's reads the owner's h.
     # h_ref as in experts_fwd_kernel_down; ids_ref [K]; wd_ref [E, I, D]; sd_ref [I, D];
     # o_ref [1, BD] fp32: unweighted partial h_g[I split k] · W_down[I split k, D block j]
     g, i_d, k = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -214,31 +215,33 @@ def experts_fwd_kernel_down_t1(h_ref, ids_ref, wd_ref, sd_ref, o_ref, *, BKI, n_
     cols = pl.ds(pl.multiple_of(i_d * bd, bd), bd)
     o_i = k * (n_chunks * BKI)
 
-    def load_h(ks, lim):
+    def load_h(src, ks, lim):
         if not split:
-            return h_ref[g, :, ks]
-        acc_g, acc_u = h_ref[0, g, 0, :, ks], h_ref[0, g, 1, :, ks]
+            return h_ref[src, :, ks]
+        acc_g, acc_u = h_ref[0, src, 0, :, ks], h_ref[0, src, 1, :, ks]
         for j in range(1, h_ref.shape[0]):
-            acc_g, acc_u = acc_g + h_ref[j, g, 0, :, ks], acc_u + h_ref[j, g, 1, :, ks]
+            acc_g, acc_u = acc_g + h_ref[j, src, 0, :, ks], acc_u + h_ref[j, src, 1, :, ks]
         return jnp.broadcast_to(_swiglu(acc_g.astype(dt), acc_u.astype(dt), lim), (tp, BKI))
 
-    def run(load_d, lim):
+    def run(src, load_d, lim):
         def body(c, acc):
             ks = pl.ds(pl.multiple_of(o_i + c * BKI, BKI), BKI)
-            return acc + _dot(load_h(ks, lim), load_d(ks))
+            return acc + _dot(load_h(src, ks, lim), load_d(ks))
 
         o_ref[...] = _row0(lax.fori_loop(0, n_chunks, body, jnp.zeros((tp, bd), jnp.float32)))
 
     @pl.when(g < n_routed)
     def _():
         i_p = lax.iota(jnp.int32, ids_ref.shape[0])
-        e = jnp.sum(jnp.where(i_p == g, ids_ref[...], 0))
-        run(lambda ks: wd_ref[e, ks, cols], limit)
+        ids = ids_ref[...]
+        e = jnp.sum(jnp.where(i_p == g, ids, 0))
+        owner = jnp.min(jnp.where(ids == e, i_p, ids_ref.shape[0]))
+        run(owner, lambda ks: wd_ref[e, ks, cols], limit)
 
     if sd_ref is not None:
         @pl.when(g == n_routed)
         def _():
-            run(lambda ks: sd_ref[ks, cols], shared_limit)
+            run(g, lambda ks: sd_ref[ks, cols], shared_limit)
 
 
 @functools.partial(jax.jit, static_argnames=("limit", "shared_limit", "tuning"))

@@ -278,6 +278,20 @@ def test_experts_pallas_split_k(n, k_splits, down_splits, dtype):
     assert rel_err(y, y_ref) <= (1e-5 if dtype == jnp.float32 else 2e-2)
 
 
+@pytest.mark.parametrize("k_splits,down_splits", [(1, 1), (1, 2), (2, 2)])
+def test_experts_pallas_repeated_ids_in_a_token(k_splits, down_splits):
+    """The router never repeats an expert within a token, but moe_experts accepts any ids in [0, E): a repeat must
+    count twice (gate/up writes h once, for the expert's first slot; every path reads it from there)."""
+    from pallas_kernels.moe.experts import ExpertsTuning, moe_experts_fused
+
+    args, ws, _, _ = _expert_inputs(40 + down_splits, 1, k=8, e=32, big=True)
+    ids = args[2].at[0, 5].set(args[2][0, 1]).at[0, 7].set(args[2][0, 1])  # slot 1's expert three times
+    args = (*args[:2], ids, *args[3:])
+    tu = ExpertsTuning(k_splits=k_splits, down_splits=down_splits, block_k=32, block_i=64, block_d=64, block_ki=16)
+    y = moe_experts_fused(*args, *ws, limit=4.0, shared_limit=5.0, tuning=tu)
+    assert rel_err(y, moe.moe_experts(*args, *ws, limit=4.0, shared_limit=5.0)) <= 1e-5
+
+
 def test_experts_pallas_no_shared_and_distinct():
     args, _, _, _ = _expert_inputs(4, 5, k=8, e=64, repeat=False)
     assert rel_err(moe.moe_experts(*args, backend="pallas"), moe.moe_experts(*args)) <= 1e-5
