@@ -52,8 +52,11 @@ class RecurrentConfig:
             raise ValueError(f"{self.prologue=} must be 'kernel', 'hoist', 'vec' or 'xla'")
 
 
-# H200, H=32, K=V=128, batch 1 (experiments/RESULTS.md, KDA): BV=16 with 2 warps (256 programs) measured
-# 10.8 µs per layer against 14.9 (BV=32, 4 warps), 15.2 (BV=64, 4) and 20.6 (BV=128 with the norm fused, 8).
+# H200, H=32, K=V=128, batch 1 (experiments/RESULTS.md, KDA; device time per layer, kernel + gated norm):
+# decode BV=16/2 warps 5.31 µs (timeline span 4.95), BV=32/4 5.05 (5.36), BV=16/1 5.62, BV=8/1 5.92; the spread
+# is within run-to-run noise, BV=16/2 had the shortest timeline and stays. Verify + commit at T=6: the per-token
+# prologue ("kernel") 17.5 µs, "vec" 16.2 but slower from T=8 on (29.7 vs 22.7 at T=9: its [T, K] tiles pad to
+# 16 rows), "hoist" 16.3, "xla" 22.5; design A (store="states") beat B by 4-6 µs at every variant.
 DEFAULT_DECODE = RecurrentConfig(BV=16, num_warps=2)
 DEFAULT_VERIFY = RecurrentConfig(BV=16, num_warps=2)
 
@@ -396,6 +399,9 @@ def _verify_xla_prologue(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bia
 @functools.partial(jax.jit, static_argnames=("lower_bound", "eps", "cfg"), donate_argnums=())
 def decode(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, *, lower_bound=-5.0, eps=1e-6,
            cfg=DEFAULT_DECODE):
+    if cfg.prologue != "kernel" or cfg.unroll:
+        raise ValueError(f"RecurrentConfig(prologue={cfg.prologue!r}, unroll={cfg.unroll}) applies to verify only; "
+                         "decode (one token) always runs the prologue in the kernel: leave both at their defaults")
     y, (new_window, new_state) = _recurrent_call(
         qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, lower_bound=lower_bound, eps=eps,
         mode="decode", cfg=cfg)

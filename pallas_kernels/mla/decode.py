@@ -99,7 +99,6 @@ def _split(a, n=3):
     return hi.astype(jnp.bfloat16), lo.astype(jnp.bfloat16), lo2.astype(jnp.bfloat16)
 
 
-_split3 = _split
 
 
 def _dot(a, b, trans_b):
@@ -194,16 +193,22 @@ def _combine(o, m, l):
     return num / jnp.sum(w * l, axis=1)[..., None]
 
 
-_N_SMS = 132  # H100/H200
+def _n_sms() -> int:
+    """Streaming multiprocessors of the device the kernel compiles for (132 on an H100/H200 SXM); interpret mode
+    and CPU lowering tests have no GPU, so they plan for an H200."""
+    dev = jax.devices()[0]
+    return (getattr(dev, "core_count", 0) or 132) if dev.platform == "gpu" else 132
 
 
-def _num_splits(length, bl, th, r, n_other, itemsize):
-    """Splits of the cache length: enough programs for ~2 waves of SMs (>= 1 block each), and beyond one wave the
+def _num_splits(length, bl, th, r, p, n_other, itemsize):
+    """Splits of the cache length: enough programs for ~2 waves of SMs (>= 1 block each when the cache is full:
+    the split is planned on the capacity L, not on start + T, which is a traced value), and beyond one wave the
     partials' round trip (write + read of NS·TH·R fp32) kept under half of the cache bytes. At short L the
     partials stay in L2, and filling the SMs is what counts (the old traffic-only cap gave 4 programs at L=1k)."""
-    by_sms = -(-2 * _N_SMS // n_other)
-    one_wave = -(-_N_SMS // n_other)
-    traffic_cap = (length * itemsize * (r + 64)) // (4 * th * r * 4)
+    n_sms = _n_sms()
+    by_sms = -(-2 * n_sms // n_other)
+    one_wave = -(-n_sms // n_other)
+    traffic_cap = (length * itemsize * (r + p)) // (4 * th * r * 4)
     return max(1, min(length // bl, by_sms, max(one_wave, traffic_cap)))
 
 
@@ -239,7 +244,7 @@ def mla_decode_attention(q_latent, q_rope, kv_cache, start, *, scale, tuning: ML
     nq, nqr = ql.shape[1], qr.shape[1]
     ns = tuning.num_splits
     if ns is None:
-        ns = _num_splits(length, bl, th, r, b * n_hb * n_r, kv_cache.dtype.itemsize)
+        ns = _num_splits(length, bl, th, r, p, b * n_hb * n_r, kv_cache.dtype.itemsize)
     start_arr = jnp.reshape(start, (1,)).astype(jnp.int32)
     kernel = functools.partial(mla_decode_fwd_kernel, scale=float(scale), T=t, H=h, R=r, P=p, BL=bl, BK=bk, NS=ns,
                                NP_P=tuning.p_pieces)

@@ -70,9 +70,13 @@ def mla_decode_attention(q_latent, q_rope, kv_cache, start, *, scale, backend="r
     start = start.astype(jnp.int32)
     if backend == "reference":
         if tuning is not None:
-            raise ValueError("tuning applies only to backend='pallas'")
+            raise ValueError("tuning= tunes the Pallas kernel: pass backend='pallas', or drop tuning= for the "
+                             "reference")
         return reference.mla_decode_attention(q_latent, q_rope, kv_cache, start, scale=scale)
     from pallas_kernels.mla import decode
+
+    if tuning is not None and not isinstance(tuning, decode.MLADecodeTuning):
+        raise TypeError(f"tuning must be a pallas_kernels.mla.decode.MLADecodeTuning, got {type(tuning).__name__}")
 
     tuning = decode.MLADecodeTuning() if tuning is None else tuning
     return decode.mla_decode_attention(q_latent, q_rope, kv_cache, start, scale=scale, tuning=tuning)

@@ -22,8 +22,12 @@ jax.config.update("jax_default_matmul_precision", "highest")
 CASES = [
     # (T, dtype, gate, split_o): T = 2 < W − 1 (inside sub-block 0, the window rows survive into the new
     # window), 67 and 70 cross a chunk boundary (the taps of chunk 1's first rows reach back into chunk 0).
-    # T = 1, 7, 100, 300 with a carried window (split_o off) run in tests/ops/test_kda.py::test_prefill.
+    # T = 1 (a single row), 17 (one row past sub-block 0) and 100 (a partial second chunk) with split_o off.
+    # tests/ops/test_kda.py::test_prefill covers the default (XLA conv) path at T = 1, 7, 64, 100, 300.
+    (1, "float32", "strong", False),
     (2, "float32", "mixed", False),
+    (17, "bfloat16", "strong", False),
+    (100, "float32", "mixed", False),
     (67, "float32", "strong", True),
     (70, "bfloat16", "mixed", True),
 ]

@@ -3,8 +3,7 @@ vectorised or XLA prologue.
 
 Each variant against the pure-jnp reference (fp32, 1e-5) and, for verify, commit design A against design B
 bit for bit, at awkward sizes (T = 7, small H and K). Interpret mode on CPU; the last test lowers every
-variant for sm_90. ("hoist" runs the default kernel's per-token front half, reordered; it is covered by the
-lowering test here and by the compiled checks in experiments/bench_kda.py, check_default.)
+variant for sm_90 (and experiments/bench_kda.py's check_default runs them all compiled on a GPU).
 """
 
 import numpy as np
@@ -24,6 +23,7 @@ VERIFY_VARIANTS = [
     (2, 7, 2, 16, RC(BV=8, num_warps=1, prologue="xla")),
     (1, 5, 2, 32, RC(BV=32, num_warps=4, prologue="xla", unroll=True)),   # BV == V: norm fused
     (1, 7, 2, 16, RC(BV=8, num_warps=1, prologue="vec")),                 # T = 7 padded to 8, two V tiles
+    (1, 3, 2, 16, RC(BV=8, num_warps=1, prologue="hoist", unroll=True)),  # front half for all T, then the steps
 ]
 
 
@@ -40,6 +40,7 @@ def test_verify_variant(B, T, H, K, cfg):
     assert rel_err(st_a.states, st_r.states) < 1e-5, seed
     np.testing.assert_array_equal(np.asarray(y_a), np.asarray(y_b))
     np.testing.assert_array_equal(np.asarray(st_a.conv_rows), np.asarray(st_r.conv_rows))
+    np.testing.assert_array_equal(np.asarray(st_b.conv_rows), np.asarray(st_r.conv_rows))
     n = jnp.asarray(np.random.default_rng(seed).integers(1, T + 1, B), jnp.int32)
     # Commit B replays with the same tiling as the verify that staged it: bit-identical to A's stored state.
     Sb = recurrent.replay(st_b.state0, st_b.k, st_b.v, st_b.g, st_b.beta, n, cfg=cfg)
@@ -64,6 +65,9 @@ def test_config_validation():
         RC(BV=4)
     with pytest.raises(ValueError, match="prologue=.triton. must be .kernel., .hoist., .vec. or .xla."):
         RC(prologue="triton")
+    args = layer_inputs(0, 1, 1, 2, 16)
+    with pytest.raises(ValueError, match="applies to verify only"):
+        recurrent.decode(*args, cfg=RC(prologue="vec"))
 
 
 def test_variants_lower_for_sm90():
