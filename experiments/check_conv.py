@@ -36,9 +36,10 @@ from bench_common import HBM_BYTES_PER_S, run_header, write_results  # noqa: E40
 from pallas_kernels.kda import conv, reference  # noqa: E402
 
 H, K, W = 32, 128, 4
-VARIANTS = [  # (BT, BC, num_warps); the first is ConvConfig()'s default
-    (32, 256, 4), (16, 256, 4), (16, 512, 4), (8, 1024, 4), (64, 128, 4), (32, 512, 8), (64, 256, 8),
-    (16, 1024, 8),
+VARIANTS = [  # (BT, BC, num_warps, c_fastest); the first is ConvConfig()'s default
+    (32, 256, 4, False), (16, 256, 4, False), (16, 512, 4, False), (8, 1024, 4, False), (64, 128, 4, False),
+    (32, 512, 8, False), (64, 256, 8, False), (16, 1024, 8, False),
+    (32, 256, 4, True), (16, 512, 4, True), (8, 1024, 4, True), (32, 512, 8, True),
 ]
 
 
@@ -76,19 +77,21 @@ def check(results, label, args, cfg):
 
 def main():
     results = {**run_header(), "checks": [], "conv": [], "ops": []}
-    cfgs = [conv.ConvConfig(BT=bt, BC=bc, num_warps=nw) for bt, bc, nw in VARIANTS]
+    cfgs = [conv.ConvConfig(BT=bt, BC=bc, num_warps=nw, c_fastest=cf) for bt, bc, nw, cf in VARIANTS]
+    tag = lambda c: f"BT{c.BT}_BC{c.BC}_w{c.num_warps}" + ("_cfast" if c.c_fastest else "")  # noqa: E731
     big = inputs(1, 8192, jnp.bfloat16)
     all_ok = True
     for cfg in cfgs:
-        all_ok &= check(results, f"T8192 bf16 BT{cfg.BT} BC{cfg.BC} w{cfg.num_warps}", big, cfg)
+        all_ok &= check(results, f"T8192 bf16 {tag(cfg)}", big, cfg)
     all_ok &= check(results, "T7 f32 B2 default", inputs(2, 7, jnp.float32, 1), conv.ConvConfig())
     all_ok &= check(results, "T100 bf16 B2 default", inputs(2, 100, jnp.bfloat16, 2), conv.ConvConfig())
+    all_ok &= check(results, "T100 bf16 B2 cfast", inputs(2, 100, jnp.bfloat16, 2), conv.ConvConfig(c_fastest=True))
     print(f"checks: {'ALL BITWISE' if all_ok else 'NOT ALL BITWISE (see max_ulp)'}", flush=True)
 
     floor_us = 2 * big[0].nbytes / HBM_BYTES_PER_S * 1e6
     ops = {"conv_xla": lambda b: (jax.jit(reference.short_conv), big)}
     for cfg in cfgs:
-        ops[f"conv_BT{cfg.BT}_BC{cfg.BC}_w{cfg.num_warps}"] = (
+        ops[f"conv_{tag(cfg)}"] = (
             lambda b, cfg=cfg: (jax.jit(lambda *a: conv.short_conv(*a, cfg=cfg)), big))
     profile_ops.OPS.update(ops)
     print(f"\nconv alone, B=1 T=8192 bf16 (floor {floor_us:.0f} µs at {HBM_BYTES_PER_S / 1e12} TB/s):", flush=True)
@@ -99,7 +102,7 @@ def main():
             continue
         results["conv"].append(r)
         main_k = max(r["kernels"], key=lambda k: k["dur_us"])
-        print(f"  {name:24s} kernels {r['kernel_sum_us']:8.1f} µs (largest {main_k['dur_us']:.1f} µs "
+        print(f"  {name:30s} kernels {r['kernel_sum_us']:8.1f} µs (largest {main_k['dur_us']:.1f} µs "
               f"{main_k['kernel'][:40]}; {len(r['kernels'])} kernels) = {floor_us / r['kernel_sum_us']:.2f} × floor",
               flush=True)
     del big

@@ -26,10 +26,14 @@ from pallas_kernels.common.sizes import is_pow2, next_pow2
 
 @dataclasses.dataclass(frozen=True)
 class ConvConfig:
-    """BT rows × BC channels per program (BC is capped to the largest power of two dividing C)."""
+    """BT rows × BC channels per program (BC is capped to the largest power of two dividing C).
+    c_fastest: launch order with the channel blocks of one row block consecutive (whole rows stream in order;
+    the halo rows were read 1 row block = C / BC programs earlier) instead of the row blocks of one channel block
+    (the halo was read by the program just before)."""
     BT: int = 32
     BC: int = 256
     num_warps: int = 4
+    c_fastest: bool = False
 
     def __post_init__(self):
         if not (is_pow2(self.BT) and is_pow2(self.BC)) or self.BT < 4:
@@ -44,9 +48,11 @@ def new_window(x, conv_window):
     return jnp.concatenate([conv_window[:, T:].astype(x.dtype), x], axis=1)
 
 
-def short_conv_kernel(x_ref, head_ref, w_ref, y_ref, *, T, BT, BC, W):
-    """x_ref [B, T, C], head_ref [B, W−1+BT, C] (window ++ x[:BT], zero-padded), w_ref [W, C] fp32, y_ref [B, T, C]."""
-    i_b, i_t, i_c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+def short_conv_kernel(x_ref, head_ref, w_ref, y_ref, *, T, BT, BC, W, c_fastest):
+    """x_ref [B, T, C], head_ref [B, W−1+BT, C] (window ++ x[:BT], zero-padded), w_ref [W, C] fp32,
+    y_ref [B, T, C]. Grid (B, T / BT, C / BC), or (C / BC, T / BT, B) with c_fastest (axis 0 launches fastest)."""
+    i_t = pl.program_id(1)
+    i_b, i_c = (pl.program_id(2), pl.program_id(0)) if c_fastest else (pl.program_id(0), pl.program_id(2))
     f32 = jnp.float32
     t0 = i_t * BT
     cols = pl.ds(i_c * BC, BC)
@@ -90,9 +96,9 @@ def short_conv(x, conv_window, conv_w, *, cfg=ConvConfig()):
     win = conv_window.astype(x.dtype).reshape(B, W - 1, C)
     head = jnp.concatenate([win, jnp.pad(xf[:, :BT], [(0, 0), (0, BT - min(BT, T)), (0, 0)])], axis=1)
     y = pl.pallas_call(
-        functools.partial(short_conv_kernel, T=T, BT=BT, BC=BC, W=W),
+        functools.partial(short_conv_kernel, T=T, BT=BT, BC=BC, W=W, c_fastest=cfg.c_fastest),
         out_shape=jax.ShapeDtypeStruct((B, T, C), x.dtype),
-        grid=(B, pl.cdiv(T, BT), C // BC),
+        grid=(C // BC, pl.cdiv(T, BT), B) if cfg.c_fastest else (B, pl.cdiv(T, BT), C // BC),
         interpret=interpret_mode(),
         name="kda_short_conv",
         compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=1),

@@ -62,8 +62,9 @@ def test_triton_lowering_conv_modes():
             mock.patch.object(conv, "interpret_mode", lambda: False):
         for T in (5, 70):
             a = layer_inputs(0, 1, T, 4, 128, jnp.bfloat16)
-            for cfg in (chunk.ChunkConfig(conv="fused"), chunk.ChunkConfig(conv="xla"), chunk.ChunkConfig(conv="pallas"),
-                        chunk.ChunkConfig(BV=32, conv="fused", split_o=True)):
+            for cfg in (chunk.ChunkConfig(conv="fused"), chunk.ChunkConfig(conv="xla"),
+                        chunk.ChunkConfig(conv="pallas", conv_cfg=conv.ConvConfig(c_fastest=True)),
+                        chunk.ChunkConfig(conv="pallas"), chunk.ChunkConfig(BV=32, conv="fused", split_o=True)):
                 lower(lambda *x: chunk.prefill(*x, cfg=cfg), *a)
 
 
@@ -77,7 +78,8 @@ def test_short_conv_kernel(dtype):
     H, K, W = 2, 32, 4
     ref = jax.jit(reference.short_conv)
     for T, cfg in [(1, conv.ConvConfig()), (2, conv.ConvConfig()), (5, conv.ConvConfig()),
-                   (64, conv.ConvConfig()), (100, conv.ConvConfig()), (100, conv.ConvConfig(BT=8, BC=32))]:
+                   (64, conv.ConvConfig()), (100, conv.ConvConfig()), (100, conv.ConvConfig(BT=8, BC=32)),
+                   (100, conv.ConvConfig(BT=16, c_fastest=True))]:
         x = jnp.asarray(rng.standard_normal((2, T, 3, H, K)), dtype)
         window = jnp.asarray(rng.standard_normal((2, W - 1, 3, H, K)), dtype)
         conv_w = jnp.asarray(rng.standard_normal((W, 3, H, K)) * 0.5, jnp.float32)
