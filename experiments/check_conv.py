@@ -18,6 +18,7 @@ Lead's command (H200, ~60-90 s):
 Writes experiments/results/check_conv.json (and $OUT/check_conv.json).
 """
 
+import argparse
 import os
 import sys
 from pathlib import Path
@@ -61,9 +62,12 @@ def compare(y, y_r):
     return jnp.sum(y != y_r), jnp.max(ulp), jnp.linalg.norm(yf - rf) / jnp.linalg.norm(rf)
 
 
-def check(results, label, args, cfg):
+REF = jax.jit(reference.short_conv)
+
+
+def check(results, label, args, cfg, ref=None):
     y, w = conv.short_conv(*args, cfg=cfg)
-    y_r, w_r = jax.jit(reference.short_conv)(*args)
+    y_r, w_r = REF(*args) if ref is None else ref
     n_bad, max_ulp, rel = (float(v) for v in compare(y, y_r))
     w_ok = bool(jnp.all(w == w_r))
     ok = n_bad == 0 and w_ok
@@ -75,30 +79,39 @@ def check(results, label, args, cfg):
     return ok
 
 
-def main():
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--smoke", action="store_true", help="T = 64, two variants, no prefill (CPU interpret mode)")
+    ap.add_argument("--n", type=int, default=10, help="profiled calls per op")
+    args = ap.parse_args(argv)
+    T = 64 if args.smoke else 8192
     results = {**run_header(), "checks": [], "conv": [], "ops": []}
     cfgs = [conv.ConvConfig(BT=bt, BC=bc, num_warps=nw, c_fastest=cf) for bt, bc, nw, cf in VARIANTS]
     tag = lambda c: f"BT{c.BT}_BC{c.BC}_w{c.num_warps}" + ("_cfast" if c.c_fastest else "")  # noqa: E731
-    big = inputs(1, 8192, jnp.bfloat16)
+    if args.smoke:
+        cfgs = cfgs[:1] + cfgs[-1:]
+    big = inputs(1, T, jnp.bfloat16)
     all_ok = True
+    big_ref = REF(*big)
     for cfg in cfgs:
-        all_ok &= check(results, f"T8192 bf16 {tag(cfg)}", big, cfg)
+        all_ok &= check(results, f"T{T} bf16 {tag(cfg)}", big, cfg, big_ref)
+    del big_ref
     all_ok &= check(results, "T7 f32 B2 default", inputs(2, 7, jnp.float32, 1), conv.ConvConfig())
     all_ok &= check(results, "T100 bf16 B2 default", inputs(2, 100, jnp.bfloat16, 2), conv.ConvConfig())
     all_ok &= check(results, "T100 bf16 B2 cfast", inputs(2, 100, jnp.bfloat16, 2), conv.ConvConfig(c_fastest=True))
     print(f"checks: {'ALL BITWISE' if all_ok else 'NOT ALL BITWISE (see max_ulp)'}", flush=True)
 
     floor_us = 2 * big[0].nbytes / HBM_BYTES_PER_S * 1e6
-    ops = {"conv_xla": lambda b: (jax.jit(reference.short_conv), big)}
+    ops = {"conv_xla": lambda b: (REF, big)}
     for cfg in cfgs:
         ops[f"conv_{tag(cfg)}"] = (
             lambda b, cfg=cfg: (jax.jit(lambda *a: conv.short_conv(*a, cfg=cfg)), big))
     profile_ops.OPS.update(ops)
-    print(f"\nconv alone, B=1 T=8192 bf16 (floor {floor_us:.0f} µs at {HBM_BYTES_PER_S / 1e12} TB/s):", flush=True)
+    print(f"\nconv alone, B=1 T={T} bf16 (floor {floor_us:.0f} µs at {HBM_BYTES_PER_S / 1e12} TB/s):", flush=True)
     for name in ops:
-        r = profile_ops.profile(name, "pallas", 10)
+        r = profile_ops.profile(name, "pallas", args.n)
         if r is None:
-            print(f"{name}: no GPU events", flush=True)
+            print(f"  {name}: no GPU events", flush=True)
             continue
         results["conv"].append(r)
         main_k = max(r["kernels"], key=lambda k: k["dur_us"])
@@ -106,8 +119,8 @@ def main():
               f"{main_k['kernel'][:40]}; {len(r['kernels'])} kernels) = {floor_us / r['kernel_sum_us']:.2f} × floor",
               flush=True)
     del big
-    for name in ("kda_prefill8k", "kda_prefill8k_pconv"):
-        r = profile_ops.profile(name, "pallas", 10)
+    for name in () if args.smoke else ("kda_prefill8k", "kda_prefill8k_pconv"):
+        r = profile_ops.profile(name, "pallas", args.n)
         if r is None:
             continue
         results["ops"].append(r)
