@@ -92,6 +92,8 @@ def short_conv(x, conv_window, conv_w, *, cfg=ConvConfig()):
     C = x[0, 0].size
     BT = min(cfg.BT, max(4, next_pow2(T)))  # short prompts: one small block
     BC = _largest_pow2_divisor(C, cfg.BC)
+    if BT < W - 1:
+        raise ValueError(f"{BT=} < W - 1 = {W - 1}: the first block's halo would reach past the head rows")
     xf = x.reshape(B, T, C)
     win = conv_window.astype(x.dtype).reshape(B, W - 1, C)
     head = jnp.concatenate([win, jnp.pad(xf[:, :BT], [(0, 0), (0, BT - min(BT, T)), (0, 0)])], axis=1)
