@@ -7,14 +7,15 @@ headline. Inputs are hot here (the same weights every call), so kernel durations
 memory-bound ops; latency-bound ones (KDA decode, router, MLA at short L) are what this is for.
 
 Run on the GPU: `PYTHONPATH=. python3 experiments/profile_ops.py [--ops kda_decode,moe,mla] [--n 20]`.
-KDA chunked prefill at T = 8192 (not in the default list): `--ops kda_prefill8k,kda_prefill8k_split
---backends pallas --n 10`.
+KDA chunked prefill at T = 8192 (not in the default list): `--ops kda_prefill8k,kda_prefill8k_split,
+kda_prefill8k_pconv --backends pallas --n 10` (pconv: the default config with conv="pallas").
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import functools
 import glob
 import gzip
@@ -39,7 +40,7 @@ D, E, I = 2560, 512, 768
 R, P = 512, 64
 
 
-def kda_op(backend, T, split_o=None):
+def kda_op(backend, T, split_o=None, conv="xla"):
     rng = np.random.default_rng(0)
     bf = jnp.bfloat16
     a = lambda shape, s=1.0, dt=bf: jnp.asarray(rng.standard_normal(shape) * s, dt)  # noqa: E731
@@ -49,6 +50,7 @@ def kda_op(backend, T, split_o=None):
     if split_o is not None:  # prefill; the chunk config is only chosen for the pallas backend
         from pallas_kernels.kda import chunk
         cfg = chunk.ChunkConfig(BV=32, split_o=True) if split_o else chunk.DEFAULT
+        cfg = dataclasses.replace(cfg, conv=conv)
         fn = jax.jit(lambda *x: chunk.prefill(*x, cfg=cfg) if backend == "pallas"
                      else kda.kda_prefill(*x, backend=backend))
     elif T == 1:
@@ -100,6 +102,7 @@ OPS = {
     "kda_verify6": lambda b: kda_op(b, 6),
     "kda_prefill8k": lambda b: kda_op(b, 8192, split_o=False),  # default ChunkConfig
     "kda_prefill8k_split": lambda b: kda_op(b, 8192, split_o=True),  # split_o, BV 32
+    "kda_prefill8k_pconv": lambda b: kda_op(b, 8192, split_o=False, conv="pallas"),  # default but the Pallas conv
     "moe": lambda b: moe_op(b, 1),
     "moe6": lambda b: moe_op(b, 6),
     **{f"mla_{L // 1024}k_t{T}": functools.partial(lambda b, T, L: mla_op(b, T, L), T=T, L=L)

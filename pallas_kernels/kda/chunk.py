@@ -5,7 +5,9 @@ Pipeline (kernels.md §1.3, fla's ``chunk_kda_fwd`` with fewer launches):
 1. conv + SiLU as a separate XLA pass (``ChunkConfig.conv="xla"``, ``reference.short_conv``; the default, measured
    faster on the H200: 3.27 vs 3.87 ms per layer at T = 8192, RESULTS.md) or fused into the intra kernel's q/k/v
    loads (``conv="fused"``: the 4 shifted tile loads and the per-sub-block conv lengthen the intra kernel more
-   than the XLA pass costs; the new conv window is then a slice of the last rows).
+   than the XLA pass costs; the new conv window is then a slice of the last rows), or a standalone Pallas pass
+   (``conv="pallas"``, ``conv.short_conv``: reads x once and writes y once, where XLA copies all of x into a
+   window ++ x concatenation first).
 2. ``chunk_kda_fwd_kernel_intra``, grid (B, H, NT), every chunk in parallel: L2 norm and scale, safe gate and
    beta from the conv output and raw f/b, chunk-local Γ = cumsum(g),
    A_qk and L in 16-row sub-blocks, M = (I + L)^{-1} diag(beta) by forward substitution on the 16×16 diagonal
@@ -34,6 +36,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.common.interpret import interpret_mode
 from pallas_kernels.common.sizes import is_pow2
+from pallas_kernels.kda import conv as conv_lib
 from pallas_kernels.kda import reference
 
 BC = 16  # sub-block rows; also Triton's minimum dot dimension
@@ -45,8 +48,9 @@ class ChunkConfig:
 
     dot: "auto" (fp32 inputs → 3-pass TF32, bf16 inputs → bf16 operands with fp32 accumulation), "tf32x3",
     "ieee", "tf32" or "bf16". Interpret mode always computes fp32 dots.
-    conv: "fused" (the intra kernel convolves the raw rows as it loads them) or "xla" (``reference.short_conv``
-    as a separate XLA pass, then the kernels read its output).
+    conv: "fused" (the intra kernel convolves the raw rows as it loads them), "xla" (``reference.short_conv``
+    as a separate XLA pass, then the kernels read its output) or "pallas" (``conv.short_conv``, the same
+    arithmetic as one Pallas pass, tiled by conv_cfg).
     split_o: the sequential h kernel only carries the state (stores each chunk's entry state and Ũ) and a
     third kernel, parallel over chunks, forms O = (Q ⊙ e^Γ) S + A_qk Ũ with the gated norm fused (fla's
     h / o split): fewer dots on the serial chain, more HBM traffic. BV then tiles only the h kernel.
@@ -59,14 +63,15 @@ class ChunkConfig:
     conv: str = "xla"
     split_o: bool = False
     num_warps_o: int = 4
+    conv_cfg: conv_lib.ConvConfig = conv_lib.ConvConfig()
 
     def __post_init__(self):
         if not is_pow2(self.BV) or self.BV < 16:
             raise ValueError(f"{self.BV=} must be a power of two >= 16")
         if self.dot not in ("auto", "tf32x3", "ieee", "tf32", "bf16"):
             raise ValueError(f"{self.dot=} must be auto, tf32x3, ieee, tf32 or bf16")
-        if self.conv not in ("fused", "xla"):
-            raise ValueError(f"{self.conv=} must be fused or xla")
+        if self.conv not in ("fused", "xla", "pallas"):
+            raise ValueError(f"{self.conv=} must be fused, xla or pallas")
 
 
 DEFAULT = ChunkConfig()
@@ -347,14 +352,6 @@ def chunk_kda_fwd_kernel_o(
     pltriton.store(y_ref.at[i_b, t, i_h, :], b_y.astype(y_ref.dtype), mask=m_t)
 
 
-def _new_window(qkv, conv_window):
-    """Last W−1 pre-conv rows of window ++ qkv, without concatenating all T rows."""
-    T, Wm1 = qkv.shape[1], conv_window.shape[1]
-    if T >= Wm1:
-        return qkv[:, T - Wm1:]
-    return jnp.concatenate([conv_window[:, T:], qkv], axis=1)
-
-
 def _conv_head(qkv, conv_window):
     """[B, W−1+BC, 3, H, K]: the window then the first BC rows of qkv (zero-padded): chunk 0's first conv taps."""
     x = qkv[:, :BC]
@@ -368,8 +365,11 @@ def prefill(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, 
     if cfg.conv == "xla":
         y_conv, new_window = reference.short_conv(qkv, conv_window, conv_w)
         conv = None
+    elif cfg.conv == "pallas":
+        y_conv, new_window = conv_lib.short_conv(qkv, conv_window, conv_w, cfg=cfg.conv_cfg)
+        conv = None
     else:
-        y_conv, new_window = qkv, _new_window(qkv, conv_window)
+        y_conv, new_window = qkv, conv_lib.new_window(qkv, conv_window)
         conv = (_conv_head(qkv, conv_window), conv_w)
     y, ht = core(y_conv, f, b, z, state, A_log, dt_bias, o_norm_w, conv=conv, lower_bound=lower_bound, eps=eps,
                  chunk_size=chunk_size, cfg=cfg)
