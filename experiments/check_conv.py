@@ -82,12 +82,13 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="T = 64, two variants, no prefill (CPU interpret mode)")
     ap.add_argument("--n", type=int, default=10, help="profiled calls per op")
+    ap.add_argument("--quick", action="store_true", help="the default tiling and the last of the sweep only")
     args = ap.parse_args(argv)
     T = 64 if args.smoke else 8192
     results = {**run_header(), "checks": [], "conv": [], "ops": []}
     cfgs = [conv.ConvConfig(BT=bt, BC=bc, num_warps=nw, c_fastest=cf) for bt, bc, nw, cf in VARIANTS]
     tag = lambda c: f"BT{c.BT}_BC{c.BC}_w{c.num_warps}" + ("_cfast" if c.c_fastest else "")  # noqa: E731
-    if args.smoke:
+    if args.smoke or args.quick:
         cfgs = cfgs[:1] + cfgs[-1:]
     big = inputs(1, T, jnp.bfloat16)
     all_ok = True
@@ -117,7 +118,6 @@ def main(argv=None):
         print(f"  {name:30s} kernels {r['kernel_sum_us']:8.1f} µs (largest {main_k['dur_us']:.1f} µs "
               f"{main_k['kernel'][:40]}; {len(r['kernels'])} kernels) = {floor_us / r['kernel_sum_us']:.2f} × floor",
               flush=True)
-    del big
     for name in () if args.smoke else ("kda_prefill8k", "kda_prefill8k_pconv"):
         r = profile_ops.profile(name, "pallas", args.n)
         if r is None:
