@@ -2,12 +2,13 @@
 
 Pipeline (kernels.md §1.3, fla's ``chunk_kda_fwd`` with fewer launches):
 
-1. conv + SiLU as a separate XLA pass (``ChunkConfig.conv="xla"``, ``reference.short_conv``; the default, measured
-   faster on the H200: 3.27 vs 3.87 ms per layer at T = 8192, RESULTS.md) or fused into the intra kernel's q/k/v
-   loads (``conv="fused"``: the 4 shifted tile loads and the per-sub-block conv lengthen the intra kernel more
-   than the XLA pass costs; the new conv window is then a slice of the last rows), or a standalone Pallas pass
-   (``conv="pallas"``, ``conv.short_conv``: reads x once and writes y once, where XLA copies all of x into a
-   window ++ x concatenation first).
+1. conv + SiLU, one of three ways (H200, T = 8192, bf16; experiments/RESULTS.md):
+   ``ChunkConfig.conv="pallas"`` (the default): ``conv.short_conv``, a standalone Pallas pass that reads x once
+   and writes y once, 194–238 µs, bit-identical to the reference compiled; ``conv="xla"``:
+   ``reference.short_conv``, 679 µs, since XLA first copies all of x into a window ++ x concatenation (475 µs);
+   ``conv="fused"``: inside the intra kernel's q/k/v loads (4 shifted tile loads per sub-block), which lengthens
+   the intra kernel by more than either pass costs (3.87 vs 3.27 ms per layer against "xla"). The new conv
+   window is a slice of the last W − 1 rows in every mode.
 2. ``chunk_kda_fwd_kernel_intra``, grid (B, H, NT), every chunk in parallel: L2 norm and scale, safe gate and
    beta from the conv output and raw f/b, chunk-local Γ = cumsum(g),
    A_qk and L in 16-row sub-blocks, M = (I + L)^{-1} diag(beta) by forward substitution on the 16×16 diagonal
@@ -48,19 +49,20 @@ class ChunkConfig:
 
     dot: "auto" (fp32 inputs → 3-pass TF32, bf16 inputs → bf16 operands with fp32 accumulation), "tf32x3",
     "ieee", "tf32" or "bf16". Interpret mode always computes fp32 dots.
-    conv: "fused" (the intra kernel convolves the raw rows as it loads them), "xla" (``reference.short_conv``
-    as a separate XLA pass, then the kernels read its output) or "pallas" (``conv.short_conv``, the same
-    arithmetic as one Pallas pass, tiled by conv_cfg).
+    conv: "pallas" (default: ``conv.short_conv``, the reference's arithmetic as one Pallas pass, tiled by
+    conv_cfg), "xla" (``reference.short_conv`` as a separate XLA pass) or "fused" (the intra kernel convolves
+    the raw rows as it loads them); the kernels after it are the same. Timings in the module docstring.
     split_o: the sequential h kernel only carries the state (stores each chunk's entry state and Ũ) and a
     third kernel, parallel over chunks, forms O = (Q ⊙ e^Γ) S + A_qk Ũ with the gated norm fused (fla's
-    h / o split): fewer dots on the serial chain, more HBM traffic. BV then tiles only the h kernel.
+    h / o split): fewer dots on the serial chain, more HBM traffic. BV then tiles only the h kernel, and
+    num_warps_o sets the o kernel's warps.
     """
     BV: int = 64
     num_warps_intra: int = 4
     num_warps_h: int = 4
     num_stages_h: int = 2
     dot: str = "auto"
-    conv: str = "xla"
+    conv: str = "pallas"
     split_o: bool = False
     num_warps_o: int = 4
     conv_cfg: conv_lib.ConvConfig = conv_lib.ConvConfig()
@@ -72,6 +74,9 @@ class ChunkConfig:
             raise ValueError(f"{self.dot=} must be auto, tf32x3, ieee, tf32 or bf16")
         if self.conv not in ("fused", "xla", "pallas"):
             raise ValueError(f"{self.conv=} must be fused, xla or pallas")
+        for name in ("num_warps_intra", "num_warps_h", "num_warps_o"):
+            if not is_pow2(getattr(self, name)):
+                raise ValueError(f"ChunkConfig.{name}={getattr(self, name)} must be a power of two")
 
 
 DEFAULT = ChunkConfig()
@@ -379,8 +384,8 @@ def prefill(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, 
 @functools.partial(jax.jit, static_argnames=("lower_bound", "eps", "chunk_size", "cfg"))
 def core(qkv, f, b, z, state, A_log, dt_bias, o_norm_w, conv=None, *, lower_bound=-5.0, eps=1e-6,
          chunk_size=64, cfg=DEFAULT):
-    """The two kernels (and the norm). conv = (head, conv_w) convolves qkv inside the intra kernel; conv = None
-    takes qkv as the conv + SiLU output already (also the conv-free core timing in experiments/bench_kda.py)."""
+    """The intra and h kernels (with split_o: intra, hs and o) and the norm. conv = (head, conv_w) convolves qkv
+    inside the intra kernel; conv = None takes qkv as the conv + SiLU output already (also the conv-free core timing in experiments/bench_kda.py)."""
     B, T, _, H, K = qkv.shape
     V = K
     C = chunk_size

@@ -30,7 +30,9 @@ class ConvConfig:
     c_fastest: launch order with the channel blocks of one row block consecutive (whole rows stream in order;
     the halo rows were read 1 row block = C / BC programs earlier) instead of the row blocks of one channel block
     (the halo was read by the program just before)."""
-    BT: int = 32
+    # H200, T = 8192, bf16, C = 12288 (RESULTS.md): BT 16 / BC 256 / 4 warps 194 µs; BT 8 / BC 1024 210; BT 32 /
+    # BC 256 238; BT 16 / BC 512 241; BT 32 / BC 512 / 8 warps 283; c_fastest no better. Floor 94 µs.
+    BT: int = 16
     BC: int = 256
     num_warps: int = 4
     c_fastest: bool = False

@@ -15,7 +15,7 @@ output. XLA sums the NG partials (fp32), rounds once and adds the shared output 
 fusion that can join the caller's residual add. Splitting the down projection over slot groups gives
 (K + 1)·D/BD programs, enough loads in flight to stream at HBM rate (one program per D block was latency-bound).
 
-Tunings for T = 1 (ExpertsTuning; defaults keep the path above): `k_splits` KS > 1 splits gate/up over D too
+Tunings (ExpertsTuning; the defaults keep the path above; measured no faster on the H200): `k_splits` KS > 1 splits gate/up over D too
 (grid (S, I / BI, KS), fp32 partial gate and up written per split; the down kernel sums them, rounds and applies
 SwiGLU on load), so wide BI blocks (long contiguous row segments) still give enough programs; only for T <=
 `split_max_tokens`. `down_splits` KSD > 1 (T = 1 only) splits the down projection over I: grid (K + 1, D / BD,
@@ -52,6 +52,7 @@ class ExpertsTuning:
     block_ki: int = 128  # BKI: intermediate chunk per down step (capped at the largest power of two dividing I)
     # KS > 1: gate/up split over D into KS programs per (slot, I block) writing fp32 partials; the down kernel
     # sums them, rounds and applies SwiGLU on load (more, shorter programs: a fuller machine at T = 1).
+    # k_splits and down_splits are upper bounds: each is halved until D / KS (I / KSD) is a multiple of 16.
     k_splits: int = 1
     split_max_tokens: int = 4  # T above this: no split (the fp32 partials grow with T·KS)
     # T = 1 only: down projection split over I into KSD programs per (slot, D block), unweighted fp32 partials;
@@ -71,6 +72,8 @@ class ExpertsTuning:
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"ExpertsTuning.{name}={v} must be a power of two")
+        if self.split_max_tokens < 1:
+            raise ValueError(f"ExpertsTuning.split_max_tokens={self.split_max_tokens} must be >= 1")
 
 
 def _dot(a, b):
