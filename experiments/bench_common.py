@@ -5,9 +5,12 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import statistics
+import time
 from pathlib import Path
 
 import jax
+import numpy as np
 
 # Measured H200 device-to-device copy rate, bytes read + written (device tool KINDS.md): the floors' denominator.
 HBM_BYTES_PER_S = 4.3e12
@@ -34,3 +37,24 @@ def print_table(rows: list[dict], columns: list[str]) -> None:
     print("|" + "---|" * len(columns))
     for r in rows:
         print("| " + " | ".join(str(r.get(c, "")) for c in columns) + " |")
+
+
+def slope_per_call(make_run, n_per_rep: int, reps=(1, 3), iters: int = 10) -> tuple[float, float]:
+    """µs per call from the slope between executables of n_per_rep·r calls (r in reps), which cancels what an
+    executable costs once; and the interquartile spread per call of the larger one.
+
+    make_run(r) returns a zero-argument callable that runs the r-rep executable (compiled on its first call).
+    """
+    totals = {}
+    for r in reps:
+        run = make_run(r)
+        jax.block_until_ready(run())
+        jax.block_until_ready(run())
+        ts = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            jax.block_until_ready(run())
+            ts.append(time.perf_counter() - t0)
+        totals[r] = (statistics.median(ts), np.percentile(ts, 75) - np.percentile(ts, 25))
+    (r0, (t0, _)), (r1, (t1, s1)) = sorted(totals.items())
+    return (t1 - t0) / ((r1 - r0) * n_per_rep) * 1e6, s1 / (r1 * n_per_rep) * 1e6

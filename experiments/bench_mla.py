@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_common import print_table, run_header, write_results  # noqa: E402
+from bench_common import print_table, run_header, slope_per_call, write_results  # noqa: E402
 from bench_moe import HBM, rel_err  # noqa: E402
 
 from pallas_kernels import mla  # noqa: E402
@@ -56,31 +55,16 @@ DEFAULT_TUNINGS = ";".join([
 
 
 def time_per_call(fn, shared, make_call, n_per_rep, reps=(1, 3), iters=10):
-    """µs per call of fn(shared, i, *make_call(i)), from the slope between executables of n·r calls.
+    """µs per call of fn(shared, i, *make_call(i)) (bench_common.slope_per_call), and its spread.
 
-    `shared` (the layers or caches) is passed once per executable; each call adds only its own small inputs, so
-    the host's per-argument cost stays a small part of the slope (see the `null` row, which times it alone).
-    Returns (µs per call, interquartile spread of the larger run per call).
+    `shared` (the caches) is passed once per executable; each call adds only its own small inputs.
     """
-    totals = {}
-    for r in reps:
+    def make_run(r):
         calls = [make_call(i) for i in range(r * n_per_rep)]
+        run = jax.jit(lambda shared, calls: [fn(shared, i, *c) for i, c in enumerate(calls)])
+        return lambda: run(shared, calls)
 
-        @jax.jit
-        def run(shared, calls):
-            return [fn(shared, i, *c) for i, c in enumerate(calls)]
-
-        jax.block_until_ready(run(shared, calls))
-        jax.block_until_ready(run(shared, calls))
-        ts = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            jax.block_until_ready(run(shared, calls))
-            ts.append(time.perf_counter() - t0)
-        totals[r] = (statistics.median(ts), np.percentile(ts, 75) - np.percentile(ts, 25))
-    (r0, (t0, _)), (r1, (t1, s1)) = sorted(totals.items())
-    per_call = (t1 - t0) / ((r1 - r0) * n_per_rep)
-    return per_call * 1e6, s1 / (r1 * n_per_rep) * 1e6
+    return slope_per_call(make_run, n_per_rep, reps, iters)
 
 
 def parse_tunings(spec):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import statistics
 import sys
 import tempfile
@@ -32,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench_common import HBM_BYTES_PER_S, print_table, run_header, write_results
+from bench_common import HBM_BYTES_PER_S, print_table, run_header, slope_per_call, write_results
 from pallas_kernels import moe
 from pallas_kernels.moe import router as router_mod
 from pallas_kernels.moe.experts import ExpertsTuning, moe_experts_fused
@@ -136,21 +137,9 @@ def make_chain(layer_fn, nl, reps):
 
 
 def time_chain(layer_fn, layers, xs, reps=(1, 3), iters=10):
-    """µs per layer (slope over reps) and the interquartile spread per layer of the larger run."""
-    nl = len(layers)
-    totals = {}
-    for r in reps:
-        run = make_chain(layer_fn, nl, r)
-        jax.block_until_ready(run(layers, xs))
-        jax.block_until_ready(run(layers, xs))
-        ts = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            jax.block_until_ready(run(layers, xs))
-            ts.append(time.perf_counter() - t0)
-        totals[r] = (statistics.median(ts), np.percentile(ts, 75) - np.percentile(ts, 25))
-    (r0, (t0, _)), (r1, (t1, s1)) = sorted(totals.items())
-    return (t1 - t0) / ((r1 - r0) * nl) * 1e6, s1 / (r1 * nl) * 1e6
+    """µs per layer (slope over reps, bench_common.slope_per_call) and the spread per layer of the larger run."""
+    return slope_per_call(lambda r: functools.partial(make_chain(layer_fn, len(layers), r), layers, xs),
+                          len(layers), reps, iters)
 
 
 def profile_chain(layer_fn, layers, xs, n=5):

@@ -81,6 +81,25 @@ def delta_step(b_h, b_k, b_v, b_g, b_beta):
     return fence(b_h + b_k[:, None] * b_u[None, :])
 
 
+def step_and_store(t, b_h, b_q, b_k, b_v, b_g, b_beta, *, refs, o_v, b_nw, eps):
+    """One token's dependent half, shared by the recurrent and the verify-core kernels: the delta step, the output
+    q·S (with the gated RMSNorm when b_nw is given: the program holds the whole head) and, when ``refs`` has a
+    states ref, the post-state. refs = (y_ref, z_ref, states_ref or None, i_b, i_h). Returns the new state tile."""
+    y_ref, z_ref, states_ref, i_b, i_h = refs
+    b_h = delta_step(b_h, b_k, b_v, b_g, b_beta)
+    b_o = jnp.sum(b_q[:, None] * b_h, axis=0).astype(y_ref.dtype)  # [BV]
+    if b_nw is not None:
+        b_of = b_o.astype(jnp.float32)
+        b_z = z_ref[i_b, t, i_h, :].astype(jnp.float32)
+        b_y = b_of * lax.rsqrt(jnp.mean(b_of * b_of) + eps) * b_nw * jax.nn.sigmoid(b_z)
+        y_ref[i_b, t, i_h, :] = b_y.astype(y_ref.dtype)
+    else:
+        y_ref[i_b, t, i_h, o_v] = b_o
+    if states_ref is not None:
+        states_ref[i_b, t, i_h, :, o_v] = b_h
+    return b_h
+
+
 def recurrent_kda_fwd_kernel(
     qkv_ref,    # [B, T, 3, H, K] pre-conv rows
     f_ref,      # [B, T, H, K]
@@ -109,8 +128,7 @@ def recurrent_kda_fwd_kernel(
     b_wv = [convw_ref[j, 2, i_h, o_v] for j in range(W)]
     b_a = jnp.exp(alog_ref[i_h])
     b_dtb = dtb_ref[i_h, :]
-    if FUSE_NORM:
-        b_nw = normw_ref[...].astype(f32)
+    b_nw = normw_ref[...].astype(f32) if FUSE_NORM else None
 
     def conv(rows, taps, x):
         acc = taps[W - 1] * x.astype(f32)
@@ -188,21 +206,11 @@ def recurrent_kda_fwd_kernel(
                 for t, (c_q, c_k, c_v) in enumerate(cs)]
         return vals, rq, rk, rv
 
+    step_refs = (y_ref, z_ref, out_refs[1] if MODE == "states" else None, i_b, i_h)
+
     def back(t, b_h, vals):
         """The dependent half: delta step, output (and gated norm), design A's state store."""
-        b_q, b_k, b_v, b_g, b_beta = vals
-        b_h = delta_step(b_h, b_k, b_v, b_g, b_beta)
-        b_o = jnp.sum(b_q[:, None] * b_h, axis=0).astype(dtype)  # [BV]
-        if FUSE_NORM:
-            b_of = b_o.astype(f32)
-            b_z = z_ref[i_b, t, i_h, :].astype(f32)
-            b_y = b_of * lax.rsqrt(jnp.mean(b_of * b_of) + eps) * b_nw * jax.nn.sigmoid(b_z)
-            y_ref[i_b, t, i_h, :] = b_y.astype(y_ref.dtype)
-        else:
-            y_ref[i_b, t, i_h, o_v] = b_o.astype(y_ref.dtype)
-        if MODE == "states":
-            out_refs[1][i_b, t, i_h, :, o_v] = b_h
-        return b_h
+        return step_and_store(t, b_h, *vals, refs=step_refs, o_v=o_v, b_nw=b_nw, eps=eps)
 
     def body(t, carry):
         b_h, rq, rk, rv = carry
@@ -266,28 +274,13 @@ def verify_core_kernel(
     o_v = pl.ds(i_v * BV, BV)
     f32 = jnp.float32
     y_ref = out_refs[0]
-    dtype = y_ref.dtype
-    if FUSE_NORM:
-        b_nw = normw_ref[...].astype(f32)
+    b_nw = normw_ref[...].astype(f32) if FUSE_NORM else None
+    step_refs = (y_ref, z_ref, out_refs[1] if MODE == "states" else None, i_b, i_h)
 
     def body(t, b_h):
-        b_q = q_ref[i_b, t, i_h, :] * scale
-        b_k = k_ref[i_b, t, i_h, :]
-        b_v = v_ref[i_b, t, i_h, o_v]
-        b_g = g_ref[i_b, t, i_h, :]
-        b_beta = bb_ref[i_b, t, i_h, 0]
-        b_h = delta_step(b_h, b_k, b_v, b_g, b_beta)
-        b_o = jnp.sum(b_q[:, None] * b_h, axis=0).astype(dtype)  # [BV]
-        if FUSE_NORM:
-            b_of = b_o.astype(f32)
-            b_z = z_ref[i_b, t, i_h, :].astype(f32)
-            b_y = b_of * lax.rsqrt(jnp.mean(b_of * b_of) + eps) * b_nw * jax.nn.sigmoid(b_z)
-            y_ref[i_b, t, i_h, :] = b_y.astype(dtype)
-        else:
-            y_ref[i_b, t, i_h, o_v] = b_o
-        if MODE == "states":
-            out_refs[1][i_b, t, i_h, :, o_v] = b_h
-        return b_h
+        return step_and_store(t, b_h, q_ref[i_b, t, i_h, :] * scale, k_ref[i_b, t, i_h, :], v_ref[i_b, t, i_h, o_v],
+                              g_ref[i_b, t, i_h, :], bb_ref[i_b, t, i_h, 0], refs=step_refs, o_v=o_v,
+                              b_nw=b_nw, eps=eps)
 
     b_h = h0_ref[i_b, i_h, :, o_v].astype(f32)
     if UNROLL:

@@ -32,6 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.common import interpret_mode
+from pallas_kernels.common.sizes import check_pow2_fields
 
 _M_INIT = -1e30  # finite start for the running max: exp(m_old - m_new) stays 1, never NaN, on empty blocks
 
@@ -63,10 +64,7 @@ class MLADecodeTuning:
     p_pieces: int = 3
 
     def __post_init__(self):
-        for name in ("block_h", "block_l", "block_r", "block_k"):
-            v = getattr(self, name)
-            if v is not None and (v < 16 or v & (v - 1)):
-                raise ValueError(f"MLADecodeTuning.{name}={v} must be a power of two >= 16")
+        check_pow2_fields(self, ("block_h", "block_l", "block_r", "block_k"), 16)
         for name in ("q_pieces", "p_pieces"):
             if getattr(self, name) not in (1, 2, 3):
                 raise ValueError(f"MLADecodeTuning.{name}={getattr(self, name)} must be 1, 2 or 3")

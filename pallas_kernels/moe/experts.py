@@ -38,7 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.common import interpret_mode
-from pallas_kernels.common.sizes import next_pow2
+from pallas_kernels.common.sizes import check_pow2_fields, next_pow2
 
 MAX_TOKENS = 64  # beyond this, ownership checks over T·K ids in every program stop paying: use the reference
 
@@ -64,14 +64,8 @@ class ExpertsTuning:
     stages_down: int = 3
 
     def __post_init__(self):
-        for name in ("block_i", "block_k", "block_d", "block_ki"):
-            v = getattr(self, name)
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"ExpertsTuning.{name}={v} must be a power of two >= 16")
-        for name in ("k_splits", "down_splits"):
-            v = getattr(self, name)
-            if v < 1 or v & (v - 1):
-                raise ValueError(f"ExpertsTuning.{name}={v} must be a power of two")
+        check_pow2_fields(self, ("block_i", "block_k", "block_d", "block_ki"), 16)
+        check_pow2_fields(self, ("k_splits", "down_splits"))
         if self.split_max_tokens < 1:
             raise ValueError(f"ExpertsTuning.split_max_tokens={self.split_max_tokens} must be >= 1")
 

@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.common import interpret_mode
-from pallas_kernels.common.sizes import next_pow2
+from pallas_kernels.common.sizes import check_pow2_fields, next_pow2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,10 +47,7 @@ class RouterTuning:
     topk_warps: int = 1  # warps of the top-k program (one token per program)
 
     def __post_init__(self):
-        for name in ("block_e", "block_k", "k_splits", "block_n", "topk_warps"):
-            v = getattr(self, name)
-            if v < 1 or v & (v - 1):
-                raise ValueError(f"RouterTuning.{name}={v} must be a power of two")
+        check_pow2_fields(self, ("block_e", "block_k", "k_splits", "block_n", "topk_warps"))
 
 
 def router_fwd_kernel_gemv(x_ref, w_ref, p_ref, *, BK, n_chunks, use_dot):
