@@ -45,9 +45,13 @@ MAX_TOKENS = 64  # beyond this, ownership checks over T·K ids in every program 
 class ExpertsTuning:
     block_i: int = 16  # BI: intermediate rows per gate/up program
     block_k: int = 256  # BK: hidden-dim chunk per gate/up step
-    block_d: int = 32  # BD: output rows per down program
-    block_ki: int = 256  # BKI: intermediate chunk per down step (capped at the largest power of two dividing I)
-    t1_dot: bool = False  # T = 1: 16-row broadcast tensor-core dot instead of FMAs + one reduction
+    block_d: int = 64  # BD: output columns per down program
+    block_ki: int = 128  # BKI: intermediate rows per down step (capped at the largest power of two dividing I)
+    t1_dot: bool = False  # T = 1, gate/up: 16-row broadcast tensor-core dot instead of FMAs + one reduction
+    down_fma: bool = False  # T = 1, down: FMAs + one reduction instead of the 16-row broadcast dot
+    unroll_gate_up: int = 1  # chunks per gate/up loop step (reduced to a divisor of D / BK)
+    unroll_down: int = 1  # chunks per down loop step (reduced to a divisor of I / BKI)
+    reduce_each: bool = False  # T = 1 gate/up FMA path: reduce each tile at once (fewer registers, wider BK)
     warps_gate_up: int = 4
     stages_gate_up: int = 3
     warps_down: int = 4
@@ -61,6 +65,11 @@ def _dot_wt(xs, w):
     """xs [TP, C] · w[R, C]ᵀ -> [TP, R] fp32 (the weight tile is the transposed operand)."""
     prec = lax.Precision.HIGHEST if w.dtype == jnp.float32 else None
     return lax.dot_general(xs, w, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
+
+
+def _dot(a, b):
+    prec = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return jnp.dot(a, b, precision=prec, preferred_element_type=jnp.float32)
 
 
 def _mv_init(rows, cols, tp, fma):
@@ -94,6 +103,11 @@ def _swiglu(g, u, limit):
     return sg * u
 
 
+def _divisor(u, n):
+    """The largest divisor of n that is <= u (an unroll factor that tiles the loop exactly)."""
+    return max(v for v in range(1, max(1, u) + 1) if n % v == 0)
+
+
 def _ownership(ids_flat, s, n_routed):
     """Expert of slot s and whether s is the first slot that chose it. ids_flat [P] int32, padding = -1."""
     i_p = lax.iota(jnp.int32, ids_flat.shape[0])
@@ -102,26 +116,64 @@ def _ownership(ids_flat, s, n_routed):
     return e, (s < n_routed) & (e >= 0) & (earlier == 0)
 
 
+def gate_up_rows(x_ref, load_g, load_u, *, BK, n_chunks, bi, to, fma, limit, dt, unroll=1, reduce_each=False):
+    """SwiGLU(x·W_gateᵀ, x·W_upᵀ) for BI intermediate rows: x_ref [TO, D]; load_g/load_u(ks) -> [BI, BK] weight
+    tiles of one expert; -> [TO, BI] in dt (each product rounded to dt before SwiGLU, as the reference).
+
+    `unroll` chunks per loop step put that many tiles' loads in one basic block (in flight together);
+    `reduce_each` (FMA path) reduces every tile to [BI] at once instead of accumulating a [BI, BK] fp32 tile."""
+    def step(acc, w, xs):
+        if fma and reduce_each:
+            return acc + jnp.sum(w.astype(jnp.float32) * xs.astype(jnp.float32), axis=1)[None, :]
+        return _mv_step(acc, w, xs, fma)
+
+    def body(c, carry):
+        acc_g, acc_u = carry
+        for u in range(unroll):
+            ks = pl.ds(pl.multiple_of((c * unroll + u) * BK, BK), BK)
+            xs = x_ref[:, ks]
+            acc_g, acc_u = step(acc_g, load_g(ks), xs), step(acc_u, load_u(ks), xs)
+        return acc_g, acc_u
+
+    init = jnp.zeros((1, bi), jnp.float32) if fma and reduce_each else _mv_init(bi, BK, max(16, to), fma)
+    acc_g, acc_u = lax.fori_loop(0, n_chunks // unroll, body, (init, init))
+    if not (fma and reduce_each):
+        acc_g, acc_u = _mv_result(acc_g, fma, to), _mv_result(acc_u, fma, to)
+    return _swiglu(acc_g.astype(dt), acc_u.astype(dt), limit)
+
+
+def down_cols(load_h, load_d, *, BKI, n_chunks, bd, to, fma, dt, unroll=1):
+    """h·W_down for BD output columns: load_h(ks) -> [TO, BKI] activations, load_d(ks) -> [BKI, BD] weight tiles;
+    -> [TO, BD] fp32 holding values rounded to dt (the reference rounds each expert's output)."""
+    tp = max(16, to)
+
+    def body(c, acc):
+        for u in range(unroll):
+            ks = pl.ds(pl.multiple_of((c * unroll + u) * BKI, BKI), BKI)
+            h = load_h(ks)
+            if fma:  # T = 1: acc [BKI, BD] of products, h as a column
+                acc = acc + load_d(ks).astype(jnp.float32) * h.astype(jnp.float32).reshape(BKI, 1)
+            else:
+                acc = acc + _dot(jnp.broadcast_to(h, (tp, BKI)), load_d(ks))
+        return acc
+
+    acc = lax.fori_loop(0, n_chunks // unroll, body, jnp.zeros((BKI, bd) if fma else (tp, bd), jnp.float32))
+    out = jnp.sum(acc, axis=0)[None, :] if fma else _mv_result(acc, False, to)
+    return out.astype(dt).astype(jnp.float32)
+
+
 def experts_fwd_kernel_gate_up(x_ref, ids_ref, wg_ref, wu_ref, sg_ref, su_ref, h_ref, *, BK, n_chunks, n_routed,
-                               limit, shared_limit, has_shared, fma):
+                               limit, shared_limit, has_shared, fma, unroll, reduce_each):
     # x_ref [TO, D] (TO = 1 at T = 1, else TP); ids_ref [P] int32; wg_ref/wu_ref [E, I, D]; sg_ref/su_ref [I, D];
     # h_ref [TO, BI]: slot s, intermediate rows block j, after SwiGLU, compute dtype
     s, j = pl.program_id(0), pl.program_id(1)
     to, bi = h_ref.shape
-    tp = max(16, to)
     e, owner = _ownership(ids_ref[...], s, n_routed)
     rows = pl.ds(pl.multiple_of(j * bi, bi), bi)
 
     def compute(load_g, load_u, lim):
-        def body(c, carry):
-            ks = pl.ds(pl.multiple_of(c * BK, BK), BK)
-            xs = x_ref[:, ks]
-            return _mv_step(carry[0], load_g(ks), xs, fma), _mv_step(carry[1], load_u(ks), xs, fma)
-
-        init = _mv_init(bi, BK, tp, fma)
-        acc_g, acc_u = lax.fori_loop(0, n_chunks, body, (init, init))
-        dt = h_ref.dtype
-        h_ref[...] = _swiglu(_mv_result(acc_g, fma, to).astype(dt), _mv_result(acc_u, fma, to).astype(dt), lim)
+        h_ref[...] = gate_up_rows(x_ref, load_g, load_u, BK=BK, n_chunks=n_chunks, bi=bi, to=to, fma=fma, limit=lim,
+                                  dt=h_ref.dtype, unroll=unroll, reduce_each=reduce_each)
 
     # One indexer per load (the Triton lowering takes no `ref.at[e][...]` chains).
     @pl.when(owner)
@@ -135,22 +187,16 @@ def experts_fwd_kernel_gate_up(x_ref, ids_ref, wg_ref, wu_ref, sg_ref, su_ref, h
 
 
 def experts_fwd_kernel_down(h_ref, ids_ref, ids2_ref, w_ref, wd_ref, sd_ref, o_ref, *, BKI, n_chunks, n_routed,
-                            group, n_groups, fma):
-    # h_ref [S, TO, I] (after SwiGLU); ids_ref [P]; ids2_ref [TO, K]; w_ref [TO, K] fp32; wd_ref [E, D, I];
-    # sd_ref [D, I]; o_ref [TO, BD] fp32: partial of group g (g = NG: the shared expert)
+                            group, n_groups, fma, unroll=1):
+    # h_ref [S, TO, I] (after SwiGLU); ids_ref [P]; ids2_ref [TO, K]; w_ref [TO, K] fp32; wd_ref [E, I, D];
+    # sd_ref [I, D]; o_ref [TO, BD] fp32: partial of group g (g = NG: the shared expert)
     g, i_d = pl.program_id(0), pl.program_id(1)
     to, bd = o_ref.shape
-    tp = max(16, to)
-    dt = wd_ref.dtype
-    rows = pl.ds(pl.multiple_of(i_d * bd, bd), bd)
+    cols = pl.ds(pl.multiple_of(i_d * bd, bd), bd)
 
     def expert_out(s, load_d):
-        def body(c, acc):
-            ks = pl.ds(pl.multiple_of(c * BKI, BKI), BKI)
-            return _mv_step(acc, load_d(ks), h_ref[s, :, ks], fma)
-
-        acc = lax.fori_loop(0, n_chunks, body, _mv_init(bd, BKI, tp, fma))
-        return _mv_result(acc, fma, to).astype(dt).astype(jnp.float32)  # rounded as the reference rounds it
+        return down_cols(lambda ks: h_ref[s, :, ks], load_d, BKI=BKI, n_chunks=n_chunks, bd=bd, to=to, fma=fma,
+                         dt=wd_ref.dtype, unroll=unroll)
 
     @pl.when(g < n_groups)
     def _():
@@ -163,7 +209,7 @@ def experts_fwd_kernel_down(h_ref, ids_ref, ids2_ref, w_ref, wd_ref, sd_ref, o_r
                 hit = ids2 == e  # [TO, K]; a token that lists e twice gets both weights
                 w_tok = jnp.sum(jnp.where(hit, wts, 0.0), axis=1)  # [TO]
                 used = jnp.sum(jnp.where(hit, 1, 0), axis=1) > 0
-                out = expert_out(s, lambda ks: wd_ref[e, rows, ks])
+                out = expert_out(s, lambda ks: wd_ref[e, ks, cols])
                 # Rows of tokens that did not choose e are masked, not multiplied by 0 (inf · 0 = NaN).
                 return acc + jnp.where(used[:, None], w_tok[:, None] * out, 0.0)
 
@@ -176,7 +222,7 @@ def experts_fwd_kernel_down(h_ref, ids_ref, ids2_ref, w_ref, wd_ref, sd_ref, o_r
     if sd_ref is not None:
         @pl.when(g == n_groups)
         def _():
-            o_ref[...] = expert_out(n_routed, lambda ks: sd_ref[rows, ks])
+            o_ref[...] = expert_out(n_routed, lambda ks: sd_ref[ks, cols])
 
 
 @functools.partial(jax.jit, static_argnames=("limit", "shared_limit", "tuning"))
@@ -201,9 +247,11 @@ def moe_experts_fused(x, weights, ids, we_gate, we_up, we_down, ws_gate, ws_up, 
     if min(bi, bk, bd, bki) < 8:
         raise ValueError(f"the Pallas experts kernel needs D={d} and I={i} divisible by 8")
     fma = n == 1 and not tuning.t1_dot
-    if not fma and min(bi, bd) < 16:
-        raise ValueError(f"ExpertsTuning block_i={tuning.block_i}, block_d={tuning.block_d}: tensor-core dots "
-                         f"(T > 1 or t1_dot) need >= 16 rows per program (D={d}, I={i})")
+    down_fma = n == 1 and tuning.down_fma
+    for name, size, uses_dot in (("block_i", bi, not fma), ("block_d", bd, not down_fma), ("block_ki", bki, True)):
+        if uses_dot and size < 16:
+            raise ValueError(f"ExpertsTuning.{name}={getattr(tuning, name)} gives {size} (D={d}, I={i}): "
+                             "tensor-core dots need >= 16; only the T = 1 FMA paths take 8")
     tp = max(16, next_pow2(n))
     to = 1 if n == 1 else tp
     if to != n:
@@ -219,7 +267,8 @@ def moe_experts_fused(x, weights, ids, we_gate, we_up, we_down, ws_gate, ws_up, 
     whole = pl.no_block_spec
     h = pl.pallas_call(
         functools.partial(experts_fwd_kernel_gate_up, BK=bk, n_chunks=d // bk, n_routed=n_routed, limit=limit,
-                          shared_limit=shared_limit, has_shared=has_shared, fma=fma),
+                          shared_limit=shared_limit, has_shared=has_shared, fma=fma,
+                          unroll=_divisor(tuning.unroll_gate_up, d // bk), reduce_each=tuning.reduce_each),
         grid=(n_slots, i // bi),
         in_specs=[whole] * 6,
         out_specs=pl.BlockSpec((None, to, bi), lambda s, j: (s, 0, j)),
@@ -230,7 +279,7 @@ def moe_experts_fused(x, weights, ids, we_gate, we_up, we_down, ws_gate, ws_up, 
     )(x, ids_flat, we_gate, we_up, ws_gate, ws_up)
     n_groups = k  # slot groups of T slots each
     kernel = functools.partial(experts_fwd_kernel_down, BKI=bki, n_chunks=i // bki, n_routed=n_routed, group=n,
-                               n_groups=n_groups, fma=fma)
+                               n_groups=n_groups, fma=down_fma, unroll=_divisor(tuning.unroll_down, i // bki))
     down_inputs = [h, ids_flat, ids, weights, we_down]
     if has_shared:
         down_inputs.append(ws_down)

@@ -50,43 +50,46 @@ class RouterTuning:
         check_pow2_fields(self, ("block_e", "block_k", "k_splits", "block_n", "topk_warps"))
 
 
-def router_fwd_kernel_gemv(x_ref, w_ref, p_ref, *, BK, n_chunks, use_dot):
-    # x_ref [BN, D] compute dtype (BN = 1: one token); w_ref [D, BE] fp32; p_ref [BN, BE] fp32 partial logits
-    bn, be = p_ref.shape
-    o_split = pl.program_id(1) * (n_chunks * BK)
+def gemv_block(x_ref, w_ref, cols, o_split, *, BK, n_chunks, bn, use_dot):
+    """Partial logits [bn, BE] of x_ref [bn, D] rows [o_split, o_split + n_chunks·BK) · w_ref[:, cols] (fp32)."""
+    be = cols.size
     if bn == 1 and not use_dot:
         # One token: x[k]·w[k, :] products accumulate in a [BK, BE] fp32 tile (plain FMAs, no 16-row broadcast),
         # reduced over BK once at the end.
         def body_fma(c, acc):
             ks = pl.ds(pl.multiple_of(o_split + c * BK, BK), BK)
-            return acc + x_ref[0, ks].astype(jnp.float32)[:, None] * w_ref[ks, :]
+            return acc + x_ref[0, ks].astype(jnp.float32)[:, None] * w_ref[ks, cols]
 
         acc = lax.fori_loop(0, n_chunks, body_fma, jnp.zeros((BK, be), jnp.float32))
-        p_ref[...] = jnp.sum(acc, axis=0)[None, :]
-        return
+        return jnp.sum(acc, axis=0)[None, :]
     rows = max(16, bn)  # dot tiles need >= 16 rows
 
     def body(c, acc):
         ks = pl.ds(pl.multiple_of(o_split + c * BK, BK), BK)
         b_x = jnp.broadcast_to(x_ref[:, ks].astype(jnp.float32), (rows, BK))  # [rows, BK]
-        return acc + jnp.dot(b_x, w_ref[ks, :], precision=lax.Precision.HIGHEST,
+        return acc + jnp.dot(b_x, w_ref[ks, cols], precision=lax.Precision.HIGHEST,
                              preferred_element_type=jnp.float32)
 
     acc = lax.fori_loop(0, n_chunks, body, jnp.zeros((rows, be), jnp.float32))
     if bn == 1:
         acc = jnp.sum(jnp.where((lax.iota(jnp.int32, rows) == 0)[:, None], acc, 0.0), axis=0)[None, :]
-    p_ref[...] = acc
+    return acc
 
 
-def router_fwd_kernel_topk(p_ref, b_ref, w_ref, i_ref, *, topk_group, top_k, scale, norm):
-    # p_ref [KS, G, E/G] fp32 partial logits; b_ref [G, E/G] fp32; w_ref [1, K] fp32; i_ref [1, K] int32
-    ks, n_group, gsz = p_ref.shape
+def router_fwd_kernel_gemv(x_ref, w_ref, p_ref, *, BK, n_chunks, use_dot):
+    # x_ref [BN, D] compute dtype (BN = 1: one token); w_ref [D, E] fp32; p_ref [BN, BE] fp32 partial logits
+    bn, be = p_ref.shape
+    cols = pl.ds(pl.multiple_of(pl.program_id(0) * be, be), be)
+    p_ref[...] = gemv_block(x_ref, w_ref, cols, pl.program_id(1) * (n_chunks * BK), BK=BK, n_chunks=n_chunks, bn=bn,
+                            use_dot=use_dot)
+
+
+def select_topk(logits, bias, *, topk_group, top_k, scale, norm):
+    """In-kernel grouped top-k of one token: logits, bias [G, E/G] fp32 -> (weights [K] fp32, ids [K] int32)."""
+    n_group, gsz = logits.shape
     e = n_group * gsz
-    logits = p_ref[0]
-    for k in range(1, ks):
-        logits = logits + p_ref[k]
     s = jax.nn.sigmoid(logits)  # [G, E/G]
-    choice = s + b_ref[...]
+    choice = s + bias
     neg = jnp.float32(-jnp.inf)
     # Group scores for all groups at once: top-2 sum = max + max with the first argmax removed (a duplicated
     # maximum counts twice, as in lax.top_k). Three row reductions, no per-group loop.
@@ -115,7 +118,21 @@ def router_fwd_kernel_topk(p_ref, b_ref, w_ref, i_ref, *, topk_group, top_k, sca
     w = jnp.sum(jnp.where(i_e[None, :] == ids[:, None], s.reshape(e)[None, :], 0.0), axis=1)
     if norm:
         w = w / (jnp.sum(w) + 1e-20)
-    w_ref[0, :] = w * scale
+    return w * scale, ids
+
+
+def sum_partials(p_ref):
+    """p_ref [KS, G, E/G] fp32 split-K partial logits -> [G, E/G], summed in split order."""
+    logits = p_ref[0]
+    for k in range(1, p_ref.shape[0]):
+        logits = logits + p_ref[k]
+    return logits
+
+
+def router_fwd_kernel_topk(p_ref, b_ref, w_ref, i_ref, **select_kw):
+    # p_ref [KS, G, E/G] fp32 partial logits; b_ref [G, E/G] fp32; w_ref [1, K] fp32; i_ref [1, K] int32
+    w, ids = select_topk(sum_partials(p_ref), b_ref[...], **select_kw)
+    w_ref[0, :] = w
     i_ref[0, :] = ids
 
 
@@ -143,7 +160,7 @@ def route(x, router, expert_bias, *, n_group, topk_group, top_k, routed_scaling_
     partial = pl.pallas_call(
         functools.partial(router_fwd_kernel_gemv, BK=bk, n_chunks=d // ks // bk, use_dot=tuning.gemv_dot),
         grid=(e // be, ks, n_pad // bn),
-        in_specs=[pl.BlockSpec((bn, d), lambda j, k, i: (i, 0)), pl.BlockSpec((d, be), lambda j, k, i: (0, j))],
+        in_specs=[pl.BlockSpec((bn, d), lambda j, k, i: (i, 0)), pl.no_block_spec],
         out_specs=pl.BlockSpec((None, bn, be), lambda j, k, i: (k, i, j)),
         out_shape=jax.ShapeDtypeStruct((ks, n_pad, e), jnp.float32),
         compiler_params=pltriton.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
