@@ -5,16 +5,18 @@ Device time per kernel (JAX profiler) of the MoE experts and the router GEMV at 
 weights (64 experts per layer here, 9 used, 106 MB per layer: far past the 60 MB L2). Every new variant is
 checked compiled against the reference first.
 
+The old kernels are not in the tree: `git show f144aad:pallas_kernels/moe/experts.py >
+experiments/_old_moe_experts.py` first. The run in RESULTS.md (session 3, call 1) was made at commit 0a437ab, when
+the new down kernel also read [E, D, I] (torch layout); that down measured slower (14.9-20.8 µs against 11.3) and
+the down projection went back to [E, I, D] ([in, out]), which this script now passes.
+
 Run on the GPU: `PYTHONPATH=. python3 experiments/probe_moe_layout.py`.
 """
 
 from __future__ import annotations
 
-import collections
 import functools
-import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import jax
@@ -26,13 +28,13 @@ from jax.experimental.pallas import triton as pltriton
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_common import run_header, write_results  # noqa: E402
-from profile_ops import gpu_events  # noqa: E402
+from probe_moe_t1 import per_kernel_us  # noqa: E402
 
 import _old_moe_experts as old  # noqa: E402
 from pallas_kernels.common import interpret_mode  # noqa: E402
 from pallas_kernels.moe import reference  # noqa: E402
 from pallas_kernels.moe import router as router_mod  # noqa: E402
-from pallas_kernels.moe.experts import ExpertsTuning, moe_experts_fused  # noqa: E402
+from pallas_kernels.moe.experts import DECODE_TUNING, ExpertsTuning, moe_experts_fused  # noqa: E402
 
 D, I, K, NL, EL, E_ROUTER = 2560, 768, 8, 8, 64, 512
 ROUTE_KW = dict(n_group=8, topk_group=4, top_k=K, routed_scaling_factor=2.5)
@@ -50,7 +52,7 @@ def make_layers(T):
                    su=jax.random.normal(k[4], (D, I), bf) * s, sd=jax.random.normal(k[5], (I, D), bf) * I ** -0.5,
                    router=jax.random.normal(k[6], (D, E_ROUTER), jnp.float32) * s,
                    bias=0.01 * jax.random.normal(k[7], (E_ROUTER,), jnp.float32))
-        for name in ("wg", "wu", "wd", "sg", "su", "sd", "router"):
+        for name in ("wg", "wu", "sg", "su", "router"):
             lay[name + "_t"] = jnp.swapaxes(lay[name], -1, -2) + 0  # materialised copy in the [out, in] layout
         ids = np.stack([rng.choice(EL, K, replace=False) for _ in range(T)])
         if T > 1:  # overlap across tokens, as in verify
@@ -71,8 +73,8 @@ def old_experts(tuning):
 
 def new_experts(tuning):
     def f(x, lay):
-        return moe_experts_fused(x, lay["w"], lay["ids"], lay["wg_t"], lay["wu_t"], lay["wd_t"], lay["sg_t"],
-                                 lay["su_t"], lay["sd_t"], limit=4.0, shared_limit=5.0, tuning=tuning)
+        return moe_experts_fused(x, lay["w"], lay["ids"], lay["wg_t"], lay["wu_t"], lay["wd"], lay["sg_t"],
+                                 lay["su_t"], lay["sd"], limit=4.0, shared_limit=5.0, tuning=tuning)
     return f
 
 
@@ -123,21 +125,6 @@ def route_old(x, lay):
     return router_mod.route(x, lay["router"], lay["bias"], **ROUTE_KW)
 
 
-def per_kernel_us(fn, x, layers, n=10):
-    run = jax.jit(lambda x, layers: [fn(x, lay) for lay in layers])
-    jax.block_until_ready(run(x, layers))
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d, create_perfetto_trace=True):
-            for _ in range(n):
-                jax.block_until_ready(run(x, layers))
-        events = gpu_events(d)
-    by_name = collections.defaultdict(list)
-    for name, _, dur in events:
-        by_name[name[:60]].append(dur)
-    calls = n * NL
-    return {k: (round(statistics.median(v), 2), len(v) / calls) for k, v in by_name.items()}
-
-
 def main():
     results = {**run_header(), "rows": []}
 
@@ -173,13 +160,8 @@ def main():
     record("experts old default", old_experts(old.ExpertsTuning()), x, layers, check=ref_experts)
     record("experts old best split", old_experts(old.ExpertsTuning(block_i=128, block_k=64, k_splits=4,
                                                                      warps_gate_up=8)), x, layers, check=ref_experts)
-    new_t1 = [ExpertsTuning(), ExpertsTuning(block_i=8), ExpertsTuning(block_i=32, block_k=128),
-              ExpertsTuning(block_k=512), ExpertsTuning(warps_gate_up=8, warps_down=8),
-              ExpertsTuning(stages_gate_up=2, stages_down=2), ExpertsTuning(stages_gate_up=4, stages_down=4),
-              ExpertsTuning(block_i=8, block_k=512, stages_gate_up=2), ExpertsTuning(block_d=16),
-              ExpertsTuning(block_d=64), ExpertsTuning(block_d=16, block_ki=128), ExpertsTuning(block_ki=128),
-              ExpertsTuning(block_d=8, block_ki=256), ExpertsTuning(t1_dot=True, block_d=16),
-              ExpertsTuning(t1_dot=True, block_d=16, block_k=128, block_ki=128)]
+    # Call 1 swept 15 tunings of the kernels at commit 0a437ab (see its copy of this script); today's choices:
+    new_t1 = [DECODE_TUNING, ExpertsTuning(), ExpertsTuning(t1_gate_up="dot_x")]
     for tu in new_t1:
         record(f"experts new {tu}", new_experts(tu), x, layers, check=ref_experts)
     del layers

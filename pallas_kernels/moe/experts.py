@@ -1,9 +1,10 @@
 """Pallas-Triton routed + shared SwiGLU experts for small T (decode, verify): each selected expert read once.
 
-Weights are stored torch-style, [out, in] (ling_jax/params.py): gate/up [E, I, D], down [E, D, I]. A program
-that owns a block of output rows then streams one contiguous slab of memory (BI rows of 5 KB at Flash size);
-with [in, out] storage each program read a 64-256 byte stripe of every row, which held gate/up to ~50-80 % of
-the HBM rate, or needed a split over D whose fp32 partials the down kernel had to re-read.
+Layout (ling_jax/params.py): every expert matrix is stored with the intermediate dim first, gate/up [E, I, D]
+(torch's [out, in]) and down [E, I, D] ([in, out]), so both kernels stream whole D-rows (5 KB at Flash size).
+Gate/up programs own BI output rows and read them end to end; with gate/up stored [E, D, I] each program read a
+64-256 byte stripe of every row and gate/up took 28 µs instead of 18.5 at T = 1 on the H200 (RESULTS.md). The down
+projection keeps [in, out]: a down kernel over [E, D, I] rows measured slower (its programs walk the slots).
 
 Slots: the T·K (token, k) pairs in row-major order, plus the shared expert. A routed slot *owns* its expert when
 no earlier slot chose the same expert; only owners do work, and an owner computes its expert for every token (its
@@ -14,14 +15,14 @@ Kernel 1 (`experts_fwd_kernel_gate_up`), grid (S, I / BI): owner slot s streams 
 [BI, BK] tiles, accumulates in fp32, rounds to the compute dtype, applies SwiGLU (+ post-SiLU clamp) and writes
 h[s, :, BI-block]. Non-owner programs exit at once; their h rows stay unwritten and unread.
 Kernel 2 (`experts_fwd_kernel_down`), grid (NG + 1, D / BD): group g < NG walks its T slots (NG = K groups), takes
-W_down[BD rows]·h (fp32, rounded to the compute dtype as the reference rounds each expert's output), scales by each
-token's routing weight in fp32 and writes a fp32 partial; program row NG writes the shared expert's output. XLA
-sums the NG partials (fp32), rounds once and adds the shared output in the compute dtype: one small fusion that
-can join the caller's residual add.
+h·W_down[:, BD columns] (fp32, rounded to the compute dtype as the reference rounds each expert's output), scales
+by each token's routing weight in fp32 and writes a fp32 partial; program row NG writes the shared expert's output.
+XLA sums the NG partials (fp32), rounds once and adds the shared output in the compute dtype: one small fusion.
 
-Products: at T = 1 (`t1_dot=False`) a [R, BK] fp32 tile of elementwise products accumulates over the loop and is
-reduced once at the end (no padded rows). Otherwise tokens are padded to TP = max(16, 2^⌈log2 T⌉) rows and every
-step is a tensor-core `dot` with the weight tile as the transposed operand (T = 1 broadcasts its row in-kernel).
+Products (GATE_UP_MODES): at T = 1 the gate/up default is `fma_reduce` with tiny programs (2 rows, 1 warp): the
+shape that streamed fastest in a read-only probe (experiments/probe_stream.py). Otherwise tokens are padded to
+TP = max(16, 2^⌈log2 T⌉) rows and every step is a tensor-core `dot` (T = 1 broadcasts its row in-kernel).
+Tunings by T: `DECODE_TUNING` (T = 1) and `VERIFY_TUNING` (T > 1), the best of the H200 sweeps.
 """
 
 from __future__ import annotations
@@ -41,30 +42,42 @@ from pallas_kernels.common.sizes import check_pow2_fields, next_pow2
 MAX_TOKENS = 64  # beyond this, ownership checks over T·K ids in every program stop paying: use the reference
 
 
+# Gate/up products of a [BI, BK] weight tile with the [TO, BK] inputs, by mode (accumulator shape):
+#   fma [BI, BK] elementwise products, reduced once at the end;  fma_reduce [1, BI] reduced every tile;
+#   dot_x [TP, BI] = x·Wᵀ (weight tile as the transposed operand);  dot_w [BI, TP] = W·xᵀ (weight tile as the
+#   row-major left operand). The dots pad the tokens to TP >= 16 rows (T = 1 broadcasts its row).
+GATE_UP_MODES = ("fma", "fma_reduce", "dot_x", "dot_w")
+
+
 @dataclasses.dataclass(frozen=True)
 class ExpertsTuning:
-    block_i: int = 16  # BI: intermediate rows per gate/up program
+    # Field defaults = VERIFY_TUNING (T > 1); DECODE_TUNING below overrides the T = 1 gate/up shape.
+    block_i: int = 16  # BI: intermediate rows per gate/up program (>= 16 for the dot modes)
     block_k: int = 256  # BK: hidden-dim chunk per gate/up step
     block_d: int = 64  # BD: output columns per down program
     block_ki: int = 128  # BKI: intermediate rows per down step (capped at the largest power of two dividing I)
-    t1_dot: bool = False  # T = 1, gate/up: 16-row broadcast tensor-core dot instead of FMAs + one reduction
-    down_fma: bool = False  # T = 1, down: FMAs + one reduction instead of the 16-row broadcast dot
-    unroll_gate_up: int = 1  # chunks per gate/up loop step (reduced to a divisor of D / BK)
-    unroll_down: int = 1  # chunks per down loop step (reduced to a divisor of I / BKI)
-    reduce_each: bool = False  # T = 1 gate/up FMA path: reduce each tile at once (fewer registers, wider BK)
+    t1_gate_up: str = "fma"  # T = 1 gate/up products: "fma" | "fma_reduce" | "dot_x" | "dot_w" (GATE_UP_MODES)
+    dot_gate_up: str = "dot_x"  # T > 1 gate/up products: "dot_x" | "dot_w"
     warps_gate_up: int = 4
     stages_gate_up: int = 3
     warps_down: int = 4
     stages_down: int = 3
 
     def __post_init__(self):
-        check_pow2_fields(self, ("block_i", "block_k", "block_d", "block_ki"), 8)
+        check_pow2_fields(self, ("block_i", "block_d"))
+        check_pow2_fields(self, ("block_k", "block_ki"), 16)
+        if self.t1_gate_up not in GATE_UP_MODES:
+            raise ValueError(f"ExpertsTuning.t1_gate_up={self.t1_gate_up!r} must be one of {GATE_UP_MODES}")
+        if self.dot_gate_up not in ("dot_x", "dot_w"):
+            raise ValueError(f"ExpertsTuning.dot_gate_up={self.dot_gate_up!r} must be 'dot_x' or 'dot_w'")
 
 
-def _dot_wt(xs, w):
-    """xs [TP, C] · w[R, C]ᵀ -> [TP, R] fp32 (the weight tile is the transposed operand)."""
-    prec = lax.Precision.HIGHEST if w.dtype == jnp.float32 else None
-    return lax.dot_general(xs, w, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
+DECODE_TUNING = ExpertsTuning(t1_gate_up="fma_reduce", block_i=2, block_k=512, warps_gate_up=1)
+VERIFY_TUNING = ExpertsTuning()
+
+
+def default_tuning(n_tokens: int) -> ExpertsTuning:
+    return DECODE_TUNING if n_tokens == 1 else VERIFY_TUNING
 
 
 def _dot(a, b):
@@ -72,25 +85,43 @@ def _dot(a, b):
     return jnp.dot(a, b, precision=prec, preferred_element_type=jnp.float32)
 
 
-def _mv_init(rows, cols, tp, fma):
-    return jnp.zeros((rows, cols) if fma else (tp, rows), jnp.float32)
+def _dot_nt(a, b):
+    """a [M, C] · b [N, C]ᵀ -> [M, N] fp32."""
+    prec = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
 
 
-def _mv_step(acc, w, xs, fma):
-    """acc += products of the weight tile w [R, C] with the inputs xs [TO, C] (TO = 1 at T = 1)."""
-    if fma:
+
+def _gu_init(mode, bi, bk, tp):
+    shape = {"fma": (bi, bk), "fma_reduce": (1, bi), "dot_x": (tp, bi), "dot_w": (bi, tp)}[mode]
+    return jnp.zeros(shape, jnp.float32)
+
+
+def _gu_step(mode, acc, w, xs):
+    if mode == "fma":
         return acc + w.astype(jnp.float32) * xs.astype(jnp.float32)
-    return acc + _dot_wt(jnp.broadcast_to(xs, (acc.shape[0], xs.shape[1])), w)
+    if mode == "fma_reduce":
+        return acc + jnp.sum(w.astype(jnp.float32) * xs.astype(jnp.float32), axis=1)[None, :]
+    tp = acc.shape[0] if mode == "dot_x" else acc.shape[1]
+    xs = jnp.broadcast_to(xs, (tp, xs.shape[1]))
+    return acc + (_dot_nt(xs, w) if mode == "dot_x" else _dot_nt(w, xs))
 
 
-def _mv_result(acc, fma, to):
-    """The accumulated products as [TO, R] fp32."""
-    if fma:
+def _gu_result(mode, acc, to):
+    """The accumulated products as [TO, BI] fp32."""
+    if mode == "fma":
         return jnp.sum(acc, axis=1)[None, :]
+    if mode == "fma_reduce":
+        return acc
+    if mode == "dot_w":
+        if to == acc.shape[1]:
+            return acc.T
+        cols = lax.broadcasted_iota(jnp.int32, acc.shape, 1)  # T = 1 broadcast its row: keep column 0
+        return jnp.sum(jnp.where(cols == 0, acc, 0.0), axis=1)[None, :]
     if to == acc.shape[0]:
         return acc
-    rows = lax.iota(jnp.int32, acc.shape[0])  # T = 1 broadcast its row: keep row 0
-    return jnp.sum(jnp.where((rows == 0)[:, None], acc, 0.0), axis=0)[None, :]
+    rows = lax.broadcasted_iota(jnp.int32, acc.shape, 0)  # T = 1 broadcast its row: keep row 0
+    return jnp.sum(jnp.where(rows == 0, acc, 0.0), axis=0)[None, :]
 
 
 def _swiglu(g, u, limit):
@@ -103,11 +134,6 @@ def _swiglu(g, u, limit):
     return sg * u
 
 
-def _divisor(u, n):
-    """The largest divisor of n that is <= u (an unroll factor that tiles the loop exactly)."""
-    return max(v for v in range(1, max(1, u) + 1) if n % v == 0)
-
-
 def _ownership(ids_flat, s, n_routed):
     """Expert of slot s and whether s is the first slot that chose it. ids_flat [P] int32, padding = -1."""
     i_p = lax.iota(jnp.int32, ids_flat.shape[0])
@@ -116,54 +142,34 @@ def _ownership(ids_flat, s, n_routed):
     return e, (s < n_routed) & (e >= 0) & (earlier == 0)
 
 
-def gate_up_rows(x_ref, load_g, load_u, *, BK, n_chunks, bi, to, fma, limit, dt, unroll=1, reduce_each=False):
+def gate_up_rows(x_ref, load_g, load_u, *, BK, n_chunks, bi, to, mode, limit, dt):
     """SwiGLU(x·W_gateᵀ, x·W_upᵀ) for BI intermediate rows: x_ref [TO, D]; load_g/load_u(ks) -> [BI, BK] weight
-    tiles of one expert; -> [TO, BI] in dt (each product rounded to dt before SwiGLU, as the reference).
-
-    `unroll` chunks per loop step put that many tiles' loads in one basic block (in flight together);
-    `reduce_each` (FMA path) reduces every tile to [BI] at once instead of accumulating a [BI, BK] fp32 tile."""
-    def step(acc, w, xs):
-        if fma and reduce_each:
-            return acc + jnp.sum(w.astype(jnp.float32) * xs.astype(jnp.float32), axis=1)[None, :]
-        return _mv_step(acc, w, xs, fma)
-
+    tiles of one expert; -> [TO, BI] in dt (each product rounded to dt before SwiGLU, as the reference)."""
     def body(c, carry):
-        acc_g, acc_u = carry
-        for u in range(unroll):
-            ks = pl.ds(pl.multiple_of((c * unroll + u) * BK, BK), BK)
-            xs = x_ref[:, ks]
-            acc_g, acc_u = step(acc_g, load_g(ks), xs), step(acc_u, load_u(ks), xs)
-        return acc_g, acc_u
+        ks = pl.ds(pl.multiple_of(c * BK, BK), BK)
+        xs = x_ref[:, ks]
+        return _gu_step(mode, carry[0], load_g(ks), xs), _gu_step(mode, carry[1], load_u(ks), xs)
 
-    init = jnp.zeros((1, bi), jnp.float32) if fma and reduce_each else _mv_init(bi, BK, max(16, to), fma)
-    acc_g, acc_u = lax.fori_loop(0, n_chunks // unroll, body, (init, init))
-    if not (fma and reduce_each):
-        acc_g, acc_u = _mv_result(acc_g, fma, to), _mv_result(acc_u, fma, to)
-    return _swiglu(acc_g.astype(dt), acc_u.astype(dt), limit)
+    init = _gu_init(mode, bi, BK, max(16, to))
+    acc_g, acc_u = lax.fori_loop(0, n_chunks, body, (init, init))
+    return _swiglu(_gu_result(mode, acc_g, to).astype(dt), _gu_result(mode, acc_u, to).astype(dt), limit)
 
 
-def down_cols(load_h, load_d, *, BKI, n_chunks, bd, to, fma, dt, unroll=1):
+def down_cols(load_h, load_d, *, BKI, n_chunks, bd, to, dt):
     """h·W_down for BD output columns: load_h(ks) -> [TO, BKI] activations, load_d(ks) -> [BKI, BD] weight tiles;
     -> [TO, BD] fp32 holding values rounded to dt (the reference rounds each expert's output)."""
     tp = max(16, to)
 
     def body(c, acc):
-        for u in range(unroll):
-            ks = pl.ds(pl.multiple_of((c * unroll + u) * BKI, BKI), BKI)
-            h = load_h(ks)
-            if fma:  # T = 1: acc [BKI, BD] of products, h as a column
-                acc = acc + load_d(ks).astype(jnp.float32) * h.astype(jnp.float32).reshape(BKI, 1)
-            else:
-                acc = acc + _dot(jnp.broadcast_to(h, (tp, BKI)), load_d(ks))
-        return acc
+        ks = pl.ds(pl.multiple_of(c * BKI, BKI), BKI)
+        return acc + _dot(jnp.broadcast_to(load_h(ks), (tp, BKI)), load_d(ks))
 
-    acc = lax.fori_loop(0, n_chunks // unroll, body, jnp.zeros((BKI, bd) if fma else (tp, bd), jnp.float32))
-    out = jnp.sum(acc, axis=0)[None, :] if fma else _mv_result(acc, False, to)
-    return out.astype(dt).astype(jnp.float32)
+    acc = lax.fori_loop(0, n_chunks, body, jnp.zeros((tp, bd), jnp.float32))
+    return _gu_result("dot_x", acc, to).astype(dt).astype(jnp.float32)
 
 
 def experts_fwd_kernel_gate_up(x_ref, ids_ref, wg_ref, wu_ref, sg_ref, su_ref, h_ref, *, BK, n_chunks, n_routed,
-                               limit, shared_limit, has_shared, fma, unroll, reduce_each):
+                               limit, shared_limit, has_shared, mode):
     # x_ref [TO, D] (TO = 1 at T = 1, else TP); ids_ref [P] int32; wg_ref/wu_ref [E, I, D]; sg_ref/su_ref [I, D];
     # h_ref [TO, BI]: slot s, intermediate rows block j, after SwiGLU, compute dtype
     s, j = pl.program_id(0), pl.program_id(1)
@@ -172,8 +178,8 @@ def experts_fwd_kernel_gate_up(x_ref, ids_ref, wg_ref, wu_ref, sg_ref, su_ref, h
     rows = pl.ds(pl.multiple_of(j * bi, bi), bi)
 
     def compute(load_g, load_u, lim):
-        h_ref[...] = gate_up_rows(x_ref, load_g, load_u, BK=BK, n_chunks=n_chunks, bi=bi, to=to, fma=fma, limit=lim,
-                                  dt=h_ref.dtype, unroll=unroll, reduce_each=reduce_each)
+        h_ref[...] = gate_up_rows(x_ref, load_g, load_u, BK=BK, n_chunks=n_chunks, bi=bi, to=to, mode=mode,
+                                  limit=lim, dt=h_ref.dtype)
 
     # One indexer per load (the Triton lowering takes no `ref.at[e][...]` chains).
     @pl.when(owner)
@@ -187,7 +193,7 @@ def experts_fwd_kernel_gate_up(x_ref, ids_ref, wg_ref, wu_ref, sg_ref, su_ref, h
 
 
 def experts_fwd_kernel_down(h_ref, ids_ref, ids2_ref, w_ref, wd_ref, sd_ref, o_ref, *, BKI, n_chunks, n_routed,
-                            group, n_groups, fma, unroll=1):
+                            group, n_groups):
     # h_ref [S, TO, I] (after SwiGLU); ids_ref [P]; ids2_ref [TO, K]; w_ref [TO, K] fp32; wd_ref [E, I, D];
     # sd_ref [I, D]; o_ref [TO, BD] fp32: partial of group g (g = NG: the shared expert)
     g, i_d = pl.program_id(0), pl.program_id(1)
@@ -195,8 +201,8 @@ def experts_fwd_kernel_down(h_ref, ids_ref, ids2_ref, w_ref, wd_ref, sd_ref, o_r
     cols = pl.ds(pl.multiple_of(i_d * bd, bd), bd)
 
     def expert_out(s, load_d):
-        return down_cols(lambda ks: h_ref[s, :, ks], load_d, BKI=BKI, n_chunks=n_chunks, bd=bd, to=to, fma=fma,
-                         dt=wd_ref.dtype, unroll=unroll)
+        return down_cols(lambda ks: h_ref[s, :, ks], load_d, BKI=BKI, n_chunks=n_chunks, bd=bd, to=to,
+                         dt=wd_ref.dtype)
 
     @pl.when(g < n_groups)
     def _():
@@ -227,8 +233,9 @@ def experts_fwd_kernel_down(h_ref, ids_ref, ids2_ref, w_ref, wd_ref, sd_ref, o_r
 
 @functools.partial(jax.jit, static_argnames=("limit", "shared_limit", "tuning"))
 def moe_experts_fused(x, weights, ids, we_gate, we_up, we_down, ws_gate, ws_up, ws_down, *, limit, shared_limit,
-                      tuning: ExpertsTuning = ExpertsTuning()):
+                      tuning: ExpertsTuning | None = None):
     n, d = x.shape
+    tuning = tuning or default_tuning(n)
     e, i, _ = we_gate.shape
     k = ids.shape[1]
     dt = x.dtype
@@ -240,18 +247,17 @@ def moe_experts_fused(x, weights, ids, we_gate, we_up, we_down, ws_gate, ws_up, 
     has_shared = ws_gate is not None
     if has_shared and ws_gate.shape[0] != i:
         raise ValueError(f"the Pallas experts kernel needs Is = I; got Is={ws_gate.shape[0]}, I={i}")
+    if min(d & -d, i & -i) < 16:
+        raise ValueError(f"the Pallas experts kernel needs D={d} and I={i} divisible by 16")
     bi = min(tuning.block_i, i & -i)
     bk = min(tuning.block_k, d & -d)
     bd = min(tuning.block_d, d & -d)
     bki = min(tuning.block_ki, i & -i)
-    if min(bi, bk, bd, bki) < 8:
-        raise ValueError(f"the Pallas experts kernel needs D={d} and I={i} divisible by 8")
-    fma = n == 1 and not tuning.t1_dot
-    down_fma = n == 1 and tuning.down_fma
-    for name, size, uses_dot in (("block_i", bi, not fma), ("block_d", bd, not down_fma), ("block_ki", bki, True)):
+    mode = tuning.t1_gate_up if n == 1 else tuning.dot_gate_up
+    for name, size, uses_dot in (("block_i", bi, mode.startswith("dot")), ("block_d", bd, True)):
         if uses_dot and size < 16:
             raise ValueError(f"ExpertsTuning.{name}={getattr(tuning, name)} gives {size} (D={d}, I={i}): "
-                             "tensor-core dots need >= 16; only the T = 1 FMA paths take 8")
+                             "tensor-core dots need >= 16; only the T = 1 FMA paths take fewer")
     tp = max(16, next_pow2(n))
     to = 1 if n == 1 else tp
     if to != n:
@@ -267,8 +273,7 @@ def moe_experts_fused(x, weights, ids, we_gate, we_up, we_down, ws_gate, ws_up, 
     whole = pl.no_block_spec
     h = pl.pallas_call(
         functools.partial(experts_fwd_kernel_gate_up, BK=bk, n_chunks=d // bk, n_routed=n_routed, limit=limit,
-                          shared_limit=shared_limit, has_shared=has_shared, fma=fma,
-                          unroll=_divisor(tuning.unroll_gate_up, d // bk), reduce_each=tuning.reduce_each),
+                          shared_limit=shared_limit, has_shared=has_shared, mode=mode),
         grid=(n_slots, i // bi),
         in_specs=[whole] * 6,
         out_specs=pl.BlockSpec((None, to, bi), lambda s, j: (s, 0, j)),
@@ -279,7 +284,7 @@ def moe_experts_fused(x, weights, ids, we_gate, we_up, we_down, ws_gate, ws_up, 
     )(x, ids_flat, we_gate, we_up, ws_gate, ws_up)
     n_groups = k  # slot groups of T slots each
     kernel = functools.partial(experts_fwd_kernel_down, BKI=bki, n_chunks=i // bki, n_routed=n_routed, group=n,
-                               n_groups=n_groups, fma=down_fma, unroll=_divisor(tuning.unroll_down, i // bki))
+                               n_groups=n_groups)
     down_inputs = [h, ids_flat, ids, weights, we_down]
     if has_shared:
         down_inputs.append(ws_down)
@@ -302,7 +307,7 @@ def moe_experts_fused(x, weights, ids, we_gate, we_up, we_down, ws_gate, ws_up, 
 
 
 def moe_experts(x, weights, ids, we_gate, we_up, we_down, ws_gate=None, ws_up=None, ws_down=None, *, limit=0.0,
-                shared_limit=0.0, tuning: ExpertsTuning = ExpertsTuning()):
+                shared_limit=0.0, tuning: ExpertsTuning | None = None):
     """Same contract as `reference.moe_experts`; shapes already validated by the dispatcher."""
     return moe_experts_fused(x, weights, ids, we_gate, we_up, we_down, ws_gate, ws_up, ws_down, limit=limit,
                              shared_limit=shared_limit, tuning=tuning)

@@ -2,13 +2,12 @@
 
 Kernel 1 (`router_fwd_kernel_gemv`), grid (E / BE, KS, NP / BN): program (j, k, n) streams rows
 [k·D/KS, (k+1)·D/KS) of the [D, BE] slab j of the fp32 router in [BK, BE] tiles into fp32 `dot`s (pipelined
-loads) and writes partial logits for BN tokens. Split-K gives E/BE·KS programs, enough loads in flight; a single
-token is broadcast to 16 rows in-kernel for the dot. The router stays fp32 (5.2 MB for Flash, +1.2 µs over a bf16
+loads) and writes partial logits for BN tokens. Split-K gives E/BE·KS programs, enough loads in flight. The router stays fp32 (5.2 MB for Flash, +1.2 µs over a bf16
 copy at 4.3 TB/s) so the logits equal the reference's up to fp32 summation order and the selection is the
 reference's (a bf16 copy would move near-ties).
 
-`gemv_dot=False` (T = 1 only) replaces the 16-row broadcast dot by plain FMAs into a [BK, BE] fp32 tile reduced
-once at the end (same bytes, no redundant rows; whether Triton pipelines its loads as well is for the sweep).
+At T = 1 (`gemv_dot=False`, the default) the single token's products are plain FMAs into a [BK, BE] fp32 tile
+reduced once at the end; `gemv_dot=True` broadcasts it to 16 rows for a tensor-core dot instead (1.4 µs slower).
 
 Kernel 2 (`router_fwd_kernel_topk`), grid (N,), one program per token over the scores laid out [G, E/G]: sums the
 KS partials in order, sigmoid, then few serial reductions: per-group top-2 sums for all groups at once (row max,
@@ -36,19 +35,19 @@ from pallas_kernels.common.sizes import check_pow2_fields, next_pow2
 
 @dataclasses.dataclass(frozen=True)
 class RouterTuning:
+    # Defaults: best of the H200 sweeps by device time (experiments/RESULTS.md, "MoE, session 3": GEMV 3.8 µs +
+    # top-k 3.8 µs at T = 1, against 5.3 + 4.4 for dot / KS 8 / BK 64 / one top-k warp).
     block_e: int = 16  # BE: experts per GEMV program
-    # Defaults: best of the H200 sweep in experiments/RESULTS.md (KS 8 / BK 64: 20.1 µs vs 25.0 µs at KS 4 / BK 128).
-    block_k: int = 64  # BK: hidden-dim chunk per GEMV step
-    k_splits: int = 8  # KS: hidden-dim splits (partial logits summed by the top-k kernel)
+    block_k: int = 32  # BK: hidden-dim chunk per GEMV step
+    k_splits: int = 16  # KS: hidden-dim splits (partial logits summed by the top-k kernel)
     block_n: int = 16  # BN: tokens per GEMV program (N = 1 uses a single row)
     num_warps: int = 4
     num_stages: int = 3
-    gemv_dot: bool = True  # T = 1: dot on a 16-row broadcast (pipelined loads) vs elementwise FMA + one reduction
-    topk_warps: int = 1  # warps of the top-k program (one token per program)
+    gemv_dot: bool = False  # T = 1: dot on a 16-row broadcast (pipelined loads) vs elementwise FMA + one reduction
+    topk_warps: int = 4  # warps of the top-k program (one token per program)
 
     def __post_init__(self):
         check_pow2_fields(self, ("block_e", "block_k", "k_splits", "block_n", "topk_warps"))
-
 
 def gemv_block(x_ref, w_ref, cols, o_split, *, BK, n_chunks, bn, use_dot):
     """Partial logits [bn, BE] of x_ref [bn, D] rows [o_split, o_split + n_chunks·BK) · w_ref[:, cols] (fp32)."""
