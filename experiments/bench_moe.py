@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import functools
 import statistics
 import sys
@@ -44,19 +45,21 @@ ROUTE_KW = dict(n_group=8, topk_group=4, top_k=K, routed_scaling_factor=2.5)
 HBM = HBM_BYTES_PER_S
 LIMIT, SHARED_LIMIT = 4.0, 5.0  # layer 35's clamps (both clamps on: the costlier epilogue)
 
-# Gate/up at T = 1 reads [BK, BI] tiles of rows I·2 bytes apart: BI = 32 reads 64-byte segments. Wider BI reads
-# longer contiguous segments; the D split (k_splits) keeps enough programs in flight when BI is wide.
+# Expert weights are [out, in]: a gate/up program streams BI contiguous rows of D (BK-wide tiles), a down program
+# BD rows of I. Sweep the rows per program (BI, BD: fewer rows = more programs in flight), the chunk per step
+# (BK: longer loads vs registers), warps/stages, and the T = 1 product form (FMA + one reduction vs a 16-row
+# broadcast tensor-core dot).
 EXPERTS_SWEEP = [
     ExpertsTuning(),
-    ExpertsTuning(block_i=64),
-    ExpertsTuning(block_i=64, k_splits=4),
-    ExpertsTuning(block_i=128, block_k=64, k_splits=4, warps_gate_up=8),
-    ExpertsTuning(block_i=256, block_k=32, k_splits=8, warps_gate_up=8),
-    ExpertsTuning(block_i=256, block_k=64, k_splits=8, warps_gate_up=8, stages_gate_up=2),
-    # Down at T = 1: wider D blocks (256/512-byte segments), split over I to keep the program count.
-    ExpertsTuning(block_i=64, block_d=128, down_splits=2),
-    ExpertsTuning(block_i=128, block_k=64, k_splits=4, warps_gate_up=8, block_d=128, down_splits=2),
-    ExpertsTuning(block_i=128, block_k=64, k_splits=8, warps_gate_up=8, block_d=256, down_splits=4, warps_down=8),
+    ExpertsTuning(block_i=8),  # FMA path only (T = 1, t1_dot=False): dots need >= 16 rows
+    ExpertsTuning(block_i=32, block_k=128),
+    ExpertsTuning(block_k=512),
+    ExpertsTuning(warps_gate_up=8, warps_down=8),
+    ExpertsTuning(stages_gate_up=2, stages_down=2),
+    ExpertsTuning(stages_gate_up=4, stages_down=4),
+    ExpertsTuning(block_d=16),
+    ExpertsTuning(block_d=64),
+    ExpertsTuning(t1_dot=True, block_d=16),
 ]
 ROUTER_SWEEP = [
     RouterTuning(),
@@ -69,7 +72,7 @@ ROUTER_SWEEP = [
 
 
 def parse_tuning(cls, text):
-    """`block_i=64,k_splits=4` -> cls(block_i=64, k_splits=4) (ints; true/false for bools)."""
+    """`block_i=32,t1_dot=true` -> cls(block_i=32, t1_dot=True) (ints; true/false for bools)."""
     kw = {}
     for item in filter(None, text.split(",")):
         k, v = item.split("=")
@@ -89,13 +92,13 @@ def short(c):
 def make_layers(nl, key):
     k = jax.random.split(key, 8)
     bf = jnp.bfloat16
-    base = dict(
-        we_gate=(jax.random.normal(k[0], (E, D, I), bf) * (D ** -0.5)).astype(bf),
-        we_up=(jax.random.normal(k[1], (E, D, I), bf) * (D ** -0.5)).astype(bf),
-        we_down=(jax.random.normal(k[2], (E, I, D), bf) * (I ** -0.5)).astype(bf),
-        ws_gate=(jax.random.normal(k[3], (D, I), bf) * (D ** -0.5)).astype(bf),
-        ws_up=(jax.random.normal(k[4], (D, I), bf) * (D ** -0.5)).astype(bf),
-        ws_down=(jax.random.normal(k[5], (I, D), bf) * (I ** -0.5)).astype(bf),
+    base = dict(  # expert weights [out, in] (ling_jax/params.py)
+        we_gate=(jax.random.normal(k[0], (E, I, D), bf) * (D ** -0.5)).astype(bf),
+        we_up=(jax.random.normal(k[1], (E, I, D), bf) * (D ** -0.5)).astype(bf),
+        we_down=(jax.random.normal(k[2], (E, D, I), bf) * (I ** -0.5)).astype(bf),
+        ws_gate=(jax.random.normal(k[3], (I, D), bf) * (D ** -0.5)).astype(bf),
+        ws_up=(jax.random.normal(k[4], (I, D), bf) * (D ** -0.5)).astype(bf),
+        ws_down=(jax.random.normal(k[5], (D, I), bf) * (I ** -0.5)).astype(bf),
     )
     layers = []
     for l in range(nl):
@@ -119,9 +122,12 @@ def moe_layer(x, lay, backend, et=None, rt=None):
         return moe.moe_experts(x, w, ids, lay["we_gate"], lay["we_up"], lay["we_down"], lay["ws_gate"],
                                lay["ws_up"], lay["ws_down"], limit=LIMIT, shared_limit=SHARED_LIMIT)
     w, ids = router_mod.route(x, lay["router"], lay["expert_bias"], **ROUTE_KW, tuning=rt or RouterTuning())
+    et = et or ExpertsTuning()
+    if x.shape[0] > 1:  # a T = 1 winner with 8-row blocks (FMA only): the dot path at T > 1 needs >= 16
+        et = dataclasses.replace(et, block_i=max(et.block_i, 16), block_d=max(et.block_d, 16))
     return moe_experts_fused(x, w, ids, lay["we_gate"], lay["we_up"], lay["we_down"], lay["ws_gate"],
                              lay["ws_up"], lay["ws_down"], limit=LIMIT, shared_limit=SHARED_LIMIT,
-                             tuning=et or ExpertsTuning())
+                             tuning=et)
 
 
 def make_chain(layer_fn, nl, reps):
@@ -169,7 +175,7 @@ def profile_chain(layer_fn, layers, xs, n=5):
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="no sweep: the tunings of --experts / --router")
-    ap.add_argument("--experts", default="", help="ExpertsTuning fields for --quick, e.g. block_i=64,k_splits=4")
+    ap.add_argument("--experts", default="", help="ExpertsTuning fields for --quick, e.g. block_i=32,block_k=128")
     ap.add_argument("--router", default="", help="RouterTuning fields for --quick, e.g. gemv_dot=false")
     ap.add_argument("--no-ts", action="store_true", help="stop after the sweep (and the T = 1 profile)")
     ap.add_argument("--layers", type=int, default=8)
@@ -286,7 +292,7 @@ def main(argv=None):
     # 2) Full MoE layer with the best tunings over T, and the XLA reference at T = 1 and 8.
     for t in [] if args.no_ts else [int(v) for v in args.ts.split(",")]:
         nbytes, distinct = floor_bytes(t)
-        if t in (3, 6):  # the best tunings, compiled, at T > 1 (split and unsplit gate/up paths)
+        if t in (3, 6):  # the best tunings, compiled, at T > 1 (tensor-core dot path)
             x = xs_for(t)[0]
             err = rel_err(moe_layer(x, lay, "pallas", et_best, rt_best), moe_layer(x, lay, "reference"))
             results["checks"][f"moe_T{t}_best_tunings_rel_err_bf16"] = err

@@ -3,7 +3,8 @@
 `param_specs(cfg)` returns the params pytree with a `ParamSpec` at every leaf. Random init, shardings, the
 checkpoint converter and the synthetic-checkpoint writer all derive from it, so nothing drifts.
 
-Layout (ling-jax names; weights stored [in, out], unlike torch's [out, in]):
+Layout (ling-jax names; weights stored [in, out], unlike torch's [out, in], except the MoE experts, stored
+[out, in] as in torch: a batch-1 GEMV program then streams contiguous rows (pallas_kernels/moe/experts.py)):
 
     embed [V, D] · final_norm [D] · lm_head [D, V]
     layers[i] = {input_norm, post_norm, mixer, ffn}
@@ -13,8 +14,9 @@ Layout (ling-jax names; weights stored [in, out], unlike torch's [out, in]):
                   w_kv_a [D, R + P] · kv_a_norm [R] · w_k_b [R, H, Dn] · w_v_b [R, H, Dv] · w_gate [D, H]
                   w_o [H, Dv, D]
       ffn, dense: w_gate w_up [D, I] · w_down [I, D]
-      ffn, MoE:   router [D, E] (fp32) · expert_bias [E] (fp32) · we_gate we_up [E, D, Ie] · we_down [E, Ie, D]
-                  ws_gate ws_up [D, Is] · ws_down [Is, D]   (shared expert; absent when num_shared_experts = 0)
+      ffn, MoE:   router [D, E] (fp32) · expert_bias [E] (fp32) · we_gate we_up [E, Ie, D] · we_down [E, D, Ie]
+                  ws_gate ws_up [Is, D] · ws_down [D, Is]   (shared expert; absent when num_shared_experts = 0)
+                  ([out, in]: the exception above)
     mtp (when num_mtp_layers = 1) = {enorm, hnorm [D], eh_proj [2D, D], final_norm [D], layer = MLA + MoE layer}
 
 Letters: D hidden, H heads, K KDA head dim, W conv taps, R kv_lora_rank, P rope dims, Dn/Dv/Dqk MLA head dims,
@@ -24,6 +26,7 @@ I/Ie/Is dense/expert/shared intermediate, E experts, V vocab.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable
 
@@ -44,7 +47,7 @@ class ParamSpec:
     shape: tuple[int, ...]
     axes: tuple[str | None, ...]  # logical axes, mapped to mesh axes by ling_jax.sharding.RULES
     dtype_class: str = COMPUTE
-    init: str = "fan_in"  # fan_in | norm | A_log | dt_bias | small
+    init: str = "fan_in"  # fan_in | fan_in_last ([out, in] weights) | norm | A_log | dt_bias | small | conv | embed
 
     def __post_init__(self):
         assert len(self.shape) == len(self.axes), (self.shape, self.axes)
@@ -103,13 +106,15 @@ def moe_specs(c: LingConfig) -> dict[str, ParamSpec]:
     specs = {
         "router": ParamSpec((D, E), ("embed", None), FP32),
         "expert_bias": ParamSpec((E,), (None,), FP32, init="small"),
-        "we_gate": ParamSpec((E, D, Ie), ("experts", "embed", "ffn")),
-        "we_up": ParamSpec((E, D, Ie), ("experts", "embed", "ffn")),
-        "we_down": ParamSpec((E, Ie, D), ("experts", "ffn", "embed")),
+        # Experts [out, in] (torch's layout; see the module docstring): init's fan-in is the last axis.
+        "we_gate": ParamSpec((E, Ie, D), ("experts", "ffn", "embed"), init="fan_in_last"),
+        "we_up": ParamSpec((E, Ie, D), ("experts", "ffn", "embed"), init="fan_in_last"),
+        "we_down": ParamSpec((E, D, Ie), ("experts", "embed", "ffn"), init="fan_in_last"),
     }
     if c.num_shared_experts:
-        specs.update({"ws_gate": ParamSpec((D, Is), ("embed", "ffn")), "ws_up": ParamSpec((D, Is), ("embed", "ffn")),
-                      "ws_down": ParamSpec((Is, D), ("ffn", "embed"))})
+        out_in = functools.partial(ParamSpec, init="fan_in_last")
+        specs.update({"ws_gate": out_in((Is, D), ("ffn", "embed")), "ws_up": out_in((Is, D), ("ffn", "embed")),
+                      "ws_down": out_in((D, Is), ("embed", "ffn"))})
     return specs
 
 
@@ -176,10 +181,11 @@ def init_value(spec: ParamSpec, key: jax.Array, dtype) -> jax.Array:
 
 
 def _fan_in(spec: ParamSpec) -> int:
-    """Input width of a weight: the dims before the first output-side axis ('heads' on w_o counts as input)."""
+    """Input width of a weight: the dims before the first output-side axis ('heads' on w_o counts as input);
+    the last dim for the [out, in] expert weights (init="fan_in_last")."""
     shape, axes = spec.shape, spec.axes
-    if axes[0] == "experts":
-        return shape[1]
+    if spec.init == "fan_in_last":
+        return shape[-1]
     if axes[0] == "heads":  # w_o [H, K, D]
         return shape[0] * shape[1]
     return shape[0]

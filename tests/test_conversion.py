@@ -106,12 +106,13 @@ def expected_params(hcfg, sd) -> dict[str, np.ndarray]:
         else:
             out[dst + "ffn.router"] = sd[m + "gate.weight"].T
             out[dst + "ffn.expert_bias"] = sd[m + "gate.e_score_correction_bias"]
+            # Experts stay [out, in] (torch's layout) in ling-jax: no transposes.
             gate_up = sd[m + "experts.gate_up_proj"]  # [E, 2I, D], gate rows first
-            out[dst + "ffn.we_gate"] = gate_up[:, :I].transpose(0, 2, 1)
-            out[dst + "ffn.we_up"] = gate_up[:, I:].transpose(0, 2, 1)
-            out[dst + "ffn.we_down"] = sd[m + "experts.down_proj"].transpose(0, 2, 1)  # [E, D, I] -> [E, I, D]
+            out[dst + "ffn.we_gate"] = gate_up[:, :I]
+            out[dst + "ffn.we_up"] = gate_up[:, I:]
+            out[dst + "ffn.we_down"] = sd[m + "experts.down_proj"]  # [E, D, I]
             for p in ("gate", "up", "down"):
-                out[dst + f"ffn.ws_{p}"] = sd[m + f"shared_experts.{p}_proj.weight"].T
+                out[dst + f"ffn.ws_{p}"] = sd[m + f"shared_experts.{p}_proj.weight"]
     return out
 
 
@@ -272,7 +273,7 @@ def test_orbax_round_trip_sharded(toy_synthetic, tmp_path):
     cfg_in, params = load_hf(path, shardings=shardings, progress=False)
     assert params["layers"][1]["ffn"]["we_gate"].sharding == shardings["layers"][1]["ffn"]["we_gate"]
     n = mesh.devices.size  # conftest gives 4 host devices: the experts really are split
-    assert params["layers"][1]["ffn"]["we_gate"].addressable_shards[0].data.shape == (32 // n, 128, 64)
+    assert params["layers"][1]["ffn"]["we_gate"].addressable_shards[0].data.shape == (32 // n, 64, 128)
 
     save_params(tmp_path / "ck", cfg_in, params)
     assert (tmp_path / "ck" / "config.json").is_file()

@@ -63,8 +63,9 @@ def moe_experts(x, weights, ids, we_gate, we_up, we_down, ws_gate=None, ws_up=No
     Args:
       x: [N, D] compute dtype (float32 or bfloat16).
       weights: [N, K] float32 routing weights; ids: [N, K] int32 expert ids in [0, E).
-      we_gate, we_up: [E, D, I]; we_down: [E, I, D]; compute dtype.
-      ws_gate, ws_up: [D, Is]; ws_down: [Is, D]; compute dtype; all three or none.
+      we_gate, we_up: [E, I, D]; we_down: [E, D, I]; compute dtype; stored [out, in] as in torch
+        (ling_jax/params.py: a batch-1 program then streams contiguous rows).
+      ws_gate, ws_up: [Is, D]; ws_down: [D, Is]; compute dtype ([out, in]); all three or none.
       limit, shared_limit: static floats, 0 = no clamp; else act = min(silu(g), L) · clip(u, -L, L).
       backend: "reference" | "pallas".
     Returns:
@@ -81,22 +82,22 @@ def moe_experts(x, weights, ids, we_gate, we_up, we_down, ws_gate=None, ws_up=No
     k = ids.shape[1]
     check_shape("weights", weights, (n, k), "[N, K]")
     check_dtype("weights", weights, (jnp.float32,))
-    check_rank("we_gate", we_gate, 3, "[E, D, I]")
-    e, _, i = we_gate.shape
-    check_shape("we_gate", we_gate, (e, d, i), "[E, D, I]")
-    check_shape("we_up", we_up, (e, d, i), "[E, D, I]")
-    check_shape("we_down", we_down, (e, i, d), "[E, I, D]")
+    check_rank("we_gate", we_gate, 3, "[E, I, D]")
+    e, i, _ = we_gate.shape
+    check_shape("we_gate", we_gate, (e, i, d), "[E, I, D]")
+    check_shape("we_up", we_up, (e, i, d), "[E, I, D]")
+    check_shape("we_down", we_down, (e, d, i), "[E, D, I]")
     for name, w in (("we_gate", we_gate), ("we_up", we_up), ("we_down", we_down)):
         check_dtype(name, w, (x.dtype,))
     shared = (ws_gate, ws_up, ws_down)
     if any(w is None for w in shared) and not all(w is None for w in shared):
         raise ValueError("ws_gate, ws_up and ws_down must be given together (all three or none)")
     if ws_gate is not None:
-        check_rank("ws_gate", ws_gate, 2, "[D, Is]")
-        i_s = ws_gate.shape[1]
-        check_shape("ws_gate", ws_gate, (d, i_s), "[D, Is]")
-        check_shape("ws_up", ws_up, (d, i_s), "[D, Is]")
-        check_shape("ws_down", ws_down, (i_s, d), "[Is, D]")
+        check_rank("ws_gate", ws_gate, 2, "[Is, D]")
+        i_s = ws_gate.shape[0]
+        check_shape("ws_gate", ws_gate, (i_s, d), "[Is, D]")
+        check_shape("ws_up", ws_up, (i_s, d), "[Is, D]")
+        check_shape("ws_down", ws_down, (d, i_s), "[D, Is]")
         for name, w in (("ws_gate", ws_gate), ("ws_up", ws_up), ("ws_down", ws_down)):
             check_dtype(name, w, (x.dtype,))
     for name, lim in (("limit", limit), ("shared_limit", shared_limit)):

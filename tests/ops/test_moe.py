@@ -92,11 +92,12 @@ def test_route_hand_table():
 
 
 def np_mlp(x, wg, wu, wd, limit):
-    g, u = x @ wg, x @ wu
+    """Expert weights [out, in] (torch's layout): wg/wu [I, D], wd [D, I]."""
+    g, u = x @ wg.T, x @ wu.T
     sg = g / (1 + np.exp(-g))
     if limit:
         sg, u = np.minimum(sg, limit), np.clip(u, -limit, limit)
-    return (sg * u) @ wd
+    return (sg * u) @ wd.T
 
 
 def np_moe(x, weights, ids, we_gate, we_up, we_down, ws=None, *, limit=0.0, shared_limit=0.0):
@@ -117,12 +118,13 @@ def _expert_inputs(seed, n, *, d=128, i=64, e=16, k=4, i_s=64, dtype=jnp.float32
     amp = 3.0 if big else 1.0
     x = (amp * rng.standard_normal((n, d))).astype(np.float32)
     wscale = 1.0 / np.sqrt(d)
-    we_gate = (wscale * rng.standard_normal((e, d, i))).astype(np.float32)
-    we_up = (wscale * rng.standard_normal((e, d, i))).astype(np.float32)
-    we_down = (rng.standard_normal((e, i, d)) / np.sqrt(i)).astype(np.float32)
-    ws = tuple(a.astype(np.float32) for a in (wscale * rng.standard_normal((d, i_s)),
-                                               wscale * rng.standard_normal((d, i_s)),
-                                               rng.standard_normal((i_s, d)) / np.sqrt(i_s)))
+    # [out, in]: gate/up [E, I, D], down [E, D, I]; shared [Is, D], [Is, D], [D, Is].
+    we_gate = (wscale * rng.standard_normal((e, i, d))).astype(np.float32)
+    we_up = (wscale * rng.standard_normal((e, i, d))).astype(np.float32)
+    we_down = (rng.standard_normal((e, d, i)) / np.sqrt(i)).astype(np.float32)
+    ws = tuple(a.astype(np.float32) for a in (wscale * rng.standard_normal((i_s, d)),
+                                               wscale * rng.standard_normal((i_s, d)),
+                                               rng.standard_normal((d, i_s)) / np.sqrt(i_s)))
     if repeat:
         # Tokens share experts: draw from a pool smaller than n·k so most experts repeat across tokens.
         pool = rng.choice(e, size=min(e, k + 2), replace=False)
@@ -184,7 +186,7 @@ def test_dispatch_errors():
     x, w, ids, wg, wu, wd = args
     with pytest.raises(ValueError, match=r"x.shape=\(128,\) must be \[N, D\]"):
         moe.moe_experts(x[0], w, ids, wg, wu, wd)
-    with pytest.raises(ValueError, match=r"we_down.shape=.* must be \[E, I, D\]"):
+    with pytest.raises(ValueError, match=r"we_down.shape=\(16, 64, 128\) must be \[E, D, I\] = \(16, 128, 64\)"):
         moe.moe_experts(x, w, ids, wg, wu, wg)
     with pytest.raises(ValueError, match="all three or none"):
         moe.moe_experts(x, w, ids, wg, wu, wd, ws[0])
@@ -264,33 +266,42 @@ def test_experts_pallas(n, limits, dtype):
     assert rel_err(y, y_ref) <= (1e-5 if dtype == jnp.float32 else 2e-2)
 
 
+# Small blocks so every loop runs several chunks at the test sizes (D = 128, I = 64): BK = 32, BKI = 16.
+_SMALL = dict(block_k=32, block_ki=16)
+_TUNINGS = {
+    "fma": dict(_SMALL),  # T = 1: FMA tiles + one reduction
+    "fma_bi8": dict(_SMALL, block_i=8, block_d=8),  # 8-row programs: FMA only
+    "t1_dot": dict(_SMALL, t1_dot=True, block_d=16),  # T = 1 broadcast to 16 rows, tensor-core dots
+    "dot": dict(_SMALL, block_i=32, block_d=16),  # T > 1
+}
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("n,k_splits,down_splits", [(1, 4, 1), (3, 4, 2), (1, 1, 2), (1, 4, 4)])
-def test_experts_pallas_split_k(n, k_splits, down_splits, dtype):
-    """Gate/up split over D (fp32 partials, SwiGLU in the down kernel) and the T = 1 down split over I (XLA
-    combine) vs the reference, clamps on (T = 3 ignores down_splits)."""
+@pytest.mark.parametrize("n,tu", [(1, "fma"), (1, "fma_bi8"), (1, "t1_dot"), (3, "dot"), (16, "dot")])
+def test_experts_pallas_tunings(n, tu, dtype):
+    """ExpertsTuning variants (product form, rows per program, multi-chunk loops) vs the reference, clamps on."""
     from pallas_kernels.moe.experts import ExpertsTuning, moe_experts_fused
 
     dtype = jnp.dtype(dtype)
     args, ws, _, _ = _expert_inputs(30 + n, n, k=8, e=32, dtype=dtype, big=True)
-    tu = ExpertsTuning(k_splits=k_splits, down_splits=down_splits, block_k=32, block_i=64, block_d=64, block_ki=16)
-    y = moe_experts_fused(*args, *ws, limit=4.0, shared_limit=5.0, tuning=tu)
+    y = moe_experts_fused(*args, *ws, limit=4.0, shared_limit=5.0, tuning=ExpertsTuning(**_TUNINGS[tu]))
     y_ref = moe.moe_experts(*args, *ws, limit=4.0, shared_limit=5.0)
     assert y.dtype == dtype
     assert rel_err(y, y_ref) <= (1e-5 if dtype == jnp.float32 else 2e-2)
 
 
-@pytest.mark.parametrize("k_splits,down_splits", [(1, 1), (1, 2), (2, 2)])
-def test_experts_pallas_repeated_ids_in_a_token(k_splits, down_splits):
+@pytest.mark.parametrize("n,tu", [(1, "fma"), (1, "t1_dot"), (3, "dot")])
+def test_experts_pallas_repeated_ids_in_a_token(n, tu):
     """The router never repeats an expert within a token, but moe_experts accepts any ids in [0, E): a repeat must
-    count twice (gate/up writes h once, for the expert's first slot; every path reads it from there)."""
+    count twice (gate/up writes h once, for the expert's first slot; the down kernel reads it from there and gives
+    the token every weight that lists the expert). Tokens that did not pick an expert stay finite (masked rows)."""
     from pallas_kernels.moe.experts import ExpertsTuning, moe_experts_fused
 
-    args, ws, _, _ = _expert_inputs(40 + down_splits, 1, k=8, e=32, big=True)
+    args, ws, _, _ = _expert_inputs(40 + n, n, k=8, e=32, big=True)
     ids = args[2].at[0, 5].set(args[2][0, 1]).at[0, 7].set(args[2][0, 1])  # slot 1's expert three times
     args = (*args[:2], ids, *args[3:])
-    tu = ExpertsTuning(k_splits=k_splits, down_splits=down_splits, block_k=32, block_i=64, block_d=64, block_ki=16)
-    y = moe_experts_fused(*args, *ws, limit=4.0, shared_limit=5.0, tuning=tu)
+    y = moe_experts_fused(*args, *ws, limit=4.0, shared_limit=5.0, tuning=ExpertsTuning(**_TUNINGS[tu]))
+    assert np.isfinite(np.asarray(y)).all()
     assert rel_err(y, moe.moe_experts(*args, *ws, limit=4.0, shared_limit=5.0)) <= 1e-5
 
 
@@ -302,7 +313,7 @@ def test_experts_pallas_no_shared_and_distinct():
     from pallas_kernels.moe.experts import ExpertsTuning, moe_experts_fused
 
     y = moe_experts_fused(*args, None, None, None, limit=0.0, shared_limit=0.0,
-                          tuning=ExpertsTuning(k_splits=2, down_splits=2, block_ki=16))
+                          tuning=ExpertsTuning(**_TUNINGS["t1_dot"]))
     assert rel_err(y, moe.moe_experts(*args)) <= 1e-5
 
 
@@ -324,8 +335,8 @@ def lower_for_cuda(monkeypatch, modules, fn, *avals):
     return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("n,k_splits,down_splits", [(1, 1, 1), (3, 1, 1), (1, 4, 2), (3, 4, 1)])
-def test_pallas_lowers_for_cuda(monkeypatch, n, k_splits, down_splits):
+@pytest.mark.parametrize("n,t1_dot", [(1, False), (1, True), (3, False)], ids=["T1-fma", "T1-dot", "T3"])
+def test_pallas_lowers_for_cuda(monkeypatch, n, t1_dot):
     from pallas_kernels.moe import experts as experts_mod, router as router_mod
 
     d, e, i = 2560, 512, 768
@@ -335,12 +346,12 @@ def test_pallas_lowers_for_cuda(monkeypatch, n, k_splits, down_splits):
     def layer(x, r, b, wg, wu, wd, sg, su, sd):
         w, ids = router_mod.route(x, r, b, **ROUTE_KW)
         return experts_mod.moe_experts_fused(x, w, ids, wg, wu, wd, sg, su, sd, limit=4.0, shared_limit=5.0,
-                                             tuning=experts_mod.ExpertsTuning(k_splits=k_splits,
-                                                                              down_splits=down_splits))
+                                             tuning=experts_mod.ExpertsTuning(t1_dot=t1_dot))
 
+    # Expert weights [out, in]: gate/up [E, I, D], down [E, D, I]; shared [I, D], [I, D], [D, I].
     txt = lower_for_cuda(monkeypatch, [router_mod, experts_mod], layer, sds((n, d), bf), sds((d, e), f32),
-                         sds((e,), f32), sds((e, d, i), bf), sds((e, d, i), bf), sds((e, i, d), bf), sds((d, i), bf),
-                         sds((d, i), bf), sds((i, d), bf))
+                         sds((e,), f32), sds((e, i, d), bf), sds((e, i, d), bf), sds((e, d, i), bf), sds((i, d), bf),
+                         sds((i, d), bf), sds((d, i), bf))
     assert txt.count("stablehlo.custom_call") == 4  # router GEMV, top-k, gate/up, down
 
 
