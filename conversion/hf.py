@@ -14,8 +14,8 @@ entries cover every leaf of `param_specs(cfg)` exactly once with the shapes decl
 `Transform.to_params` (official arrays -> params arrays) and `Transform.to_hf` (the inverse).
 
 Transforms (official torch layout is [out, in]; ling-jax stores [in, out] with heads split out, except the MoE
-experts, kept [out, in]):
-    IDENTITY  norms, A_log, embed [V, D], expert_bias, routed and shared expert weights (already [out, in])
+experts' gate/up, kept [out, in]):
+    IDENTITY  norms, A_log, embed [V, D], expert_bias, routed and shared expert gate/up (already [out, in])
     LINEAR    [prod(out), prod(in)] -> [*in, *out]: the first `n_in` param axes are inputs
               (w_q [D, H, K] <- [H*K, D]; w_o [H, Dv, D] <- [D, H*Dv]; router [D, E] <- [E, D])
     CONV      [H*K, 1, W] -> [W, H, K]
@@ -190,14 +190,14 @@ TABLE: tuple[Rule, ...] = (
 
     _rule("mlp.gate.weight", "ffn.router", LINEAR, MOE),
     _rule(("mlp.gate.expert_bias", "mlp.gate.e_score_correction_bias"), "ffn.expert_bias", IDENTITY, MOE),
-    # Not LINEAR: ling-jax keeps the experts in torch's [out, in] (contiguous rows for the batch-1 GEMV kernel;
-    # ling_jax/params.py), so each expert's [Ie, D] / [D, Ie] tensor is taken as is and stacked on [E].
+    # Gate/up not LINEAR: ling-jax keeps them in torch's [out, in], so every expert matrix is [Ie, D] (whole D-rows
+    # for the batch-1 kernels; ling_jax/params.py); each expert's tensor is taken as is and stacked on [E].
     _rule("mlp.experts.{e}.gate_proj.weight", "ffn.we_gate", IDENTITY, MOE),
     _rule("mlp.experts.{e}.up_proj.weight", "ffn.we_up", IDENTITY, MOE),
-    _rule("mlp.experts.{e}.down_proj.weight", "ffn.we_down", IDENTITY, MOE),
+    _rule("mlp.experts.{e}.down_proj.weight", "ffn.we_down", LINEAR, MOE),  # [D, Ie] -> [Ie, D]
     _rule("mlp.shared_experts.gate_proj.weight", "ffn.ws_gate", IDENTITY, MOE),  # [Is, D]
     _rule("mlp.shared_experts.up_proj.weight", "ffn.ws_up", IDENTITY, MOE),
-    _rule("mlp.shared_experts.down_proj.weight", "ffn.ws_down", IDENTITY, MOE),  # [D, Is]
+    _rule("mlp.shared_experts.down_proj.weight", "ffn.ws_down", LINEAR, MOE),  # [D, Is] -> [Is, D]
 
     _rule("enorm.weight", "enorm", IDENTITY, MTP),
     _rule("hnorm.weight", "hnorm", IDENTITY, MTP),

@@ -5,7 +5,8 @@ Run on the GPU: `PYTHONPATH=. python3 experiments/bench_moe.py` (add `--quick` f
 is checked compiled first (router ids identical on 512 tokens, layer vs reference at T in {1, 3, 16}, every swept
 tuning at T = 1), then:
   - the MoE layer at T = 1 over experts tunings (router default), then over router tunings (best experts tuning),
-  - the MoE layer (best tunings) at T = 1..9 and 16, and the XLA reference at T = 1 and 8,
+  - the MoE layer (best tunings; T > 1 takes experts.VERIFY_TUNING, the T = 1 sweep does not apply to the dot
+    path) at T = 1..9 and 16, and the XLA reference at T = 1 and 8,
   - the profiler's per-kernel device times of the best config at T = 1 (after the sweep) and T = 6 (at the end),
     cold weights, inside the chain.
 Results are saved after each section (a timeout keeps what finished).
@@ -37,7 +38,7 @@ import numpy as np
 from bench_common import HBM_BYTES_PER_S, print_table, run_header, slope_per_call, write_results
 from pallas_kernels import moe
 from pallas_kernels.moe import router as router_mod
-from pallas_kernels.moe.experts import ExpertsTuning, moe_experts_fused
+from pallas_kernels.moe.experts import DECODE_TUNING, ExpertsTuning, moe_experts_fused
 from pallas_kernels.moe.router import RouterTuning
 
 D, E, I, K = 2560, 512, 768, 8
@@ -45,41 +46,37 @@ ROUTE_KW = dict(n_group=8, topk_group=4, top_k=K, routed_scaling_factor=2.5)
 HBM = HBM_BYTES_PER_S
 LIMIT, SHARED_LIMIT = 4.0, 5.0  # layer 35's clamps (both clamps on: the costlier epilogue)
 
-# Expert weights are [out, in]: a gate/up program streams BI contiguous rows of D (BK-wide tiles), a down program
-# BD rows of I. Sweep the rows per program (BI, BD: fewer rows = more programs in flight), the chunk per step
-# (BK: longer loads vs registers), warps/stages, and the T = 1 product form (FMA + one reduction vs a 16-row
-# broadcast tensor-core dot).
+# Every expert matrix is [.., I, D]: a gate/up program streams BI whole rows of D (BK-wide tiles), a down program
+# BD columns of every row of I. T = 1 sweep around the decode default: rows and warps per gate/up program, the
+# product form (GATE_UP_MODES), and the down program's columns, warps and stages.
+_D = DECODE_TUNING
 EXPERTS_SWEEP = [
-    ExpertsTuning(),
-    ExpertsTuning(block_i=8),  # FMA path only (T = 1, t1_dot=False): dots need >= 16 rows
-    ExpertsTuning(block_i=32, block_k=128),
-    ExpertsTuning(block_k=512),
-    ExpertsTuning(warps_gate_up=8, warps_down=8),
-    ExpertsTuning(stages_gate_up=2, stages_down=2),
-    ExpertsTuning(stages_gate_up=4, stages_down=4),
-    ExpertsTuning(block_d=16),
-    ExpertsTuning(block_d=64),
-    ExpertsTuning(t1_dot=True, block_d=16),
+    _D,
+    dataclasses.replace(_D, block_i=4, warps_gate_up=2),
+    dataclasses.replace(_D, block_i=8, warps_gate_up=4),
+    ExpertsTuning(),  # fma, 16 rows, 4 warps, BK 256
+    ExpertsTuning(t1_gate_up="dot_w"),
+    dataclasses.replace(_D, warps_down=2),
+    dataclasses.replace(_D, block_d=32, warps_down=2),
+    dataclasses.replace(_D, block_d=128),
+    dataclasses.replace(_D, block_ki=256),
 ]
 ROUTER_SWEEP = [
     RouterTuning(),
-    RouterTuning(gemv_dot=False),
-    RouterTuning(block_e=32, k_splits=16, block_k=32),
-    RouterTuning(block_e=32),
-    RouterTuning(block_e=64, k_splits=16, block_k=32, gemv_dot=False),
-    RouterTuning(topk_warps=4),
+    RouterTuning(gemv_dot=True, k_splits=8, block_k=64, topk_warps=1),  # the defaults before session 3
+    RouterTuning(k_splits=8, block_k=64),
+    RouterTuning(k_splits=32, block_k=16),
+    RouterTuning(topk_warps=8),
 ]
 
 
-def parse_tuning(cls, text):
-    """`block_i=32,t1_dot=true` -> cls(block_i=32, t1_dot=True) (ints; true/false for bools)."""
+def parse_tuning(base, text):
+    """`block_i=32,gemv_dot=true,t1_gate_up=dot_w` -> base with those fields (ints, true/false, else strings)."""
     kw = {}
     for item in filter(None, text.split(",")):
-        k, v = item.split("=")
-        kw[k.strip()] = {"true": True, "false": False}.get(v.strip().lower(), None)
-        if kw[k.strip()] is None:
-            kw[k.strip()] = int(v)
-    return cls(**kw)
+        k, v = (s.strip() for s in item.split("="))
+        kw[k] = {"true": True, "false": False}.get(v.lower(), int(v) if v.lstrip("-").isdigit() else v)
+    return dataclasses.replace(base, **kw)
 
 
 def short(c):
@@ -92,13 +89,13 @@ def short(c):
 def make_layers(nl, key):
     k = jax.random.split(key, 8)
     bf = jnp.bfloat16
-    base = dict(  # expert weights [out, in] (ling_jax/params.py)
+    base = dict(  # every expert matrix [.., I, D] (ling_jax/params.py)
         we_gate=(jax.random.normal(k[0], (E, I, D), bf) * (D ** -0.5)).astype(bf),
         we_up=(jax.random.normal(k[1], (E, I, D), bf) * (D ** -0.5)).astype(bf),
-        we_down=(jax.random.normal(k[2], (E, D, I), bf) * (I ** -0.5)).astype(bf),
+        we_down=(jax.random.normal(k[2], (E, I, D), bf) * (I ** -0.5)).astype(bf),
         ws_gate=(jax.random.normal(k[3], (I, D), bf) * (D ** -0.5)).astype(bf),
         ws_up=(jax.random.normal(k[4], (I, D), bf) * (D ** -0.5)).astype(bf),
-        ws_down=(jax.random.normal(k[5], (D, I), bf) * (I ** -0.5)).astype(bf),
+        ws_down=(jax.random.normal(k[5], (I, D), bf) * (I ** -0.5)).astype(bf),
     )
     layers = []
     for l in range(nl):
@@ -122,9 +119,7 @@ def moe_layer(x, lay, backend, et=None, rt=None):
         return moe.moe_experts(x, w, ids, lay["we_gate"], lay["we_up"], lay["we_down"], lay["ws_gate"],
                                lay["ws_up"], lay["ws_down"], limit=LIMIT, shared_limit=SHARED_LIMIT)
     w, ids = router_mod.route(x, lay["router"], lay["expert_bias"], **ROUTE_KW, tuning=rt or RouterTuning())
-    et = et or ExpertsTuning()
-    if x.shape[0] > 1:  # a T = 1 winner with 8-row blocks (FMA only): the dot path at T > 1 needs >= 16
-        et = dataclasses.replace(et, block_i=max(et.block_i, 16), block_d=max(et.block_d, 16))
+    et = et if x.shape[0] == 1 else None  # the T = 1 sweep's tuning; T > 1 runs experts.VERIFY_TUNING
     return moe_experts_fused(x, w, ids, lay["we_gate"], lay["we_up"], lay["we_down"], lay["ws_gate"],
                              lay["ws_up"], lay["ws_down"], limit=LIMIT, shared_limit=SHARED_LIMIT,
                              tuning=et)
@@ -175,7 +170,7 @@ def profile_chain(layer_fn, layers, xs, n=5):
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="no sweep: the tunings of --experts / --router")
-    ap.add_argument("--experts", default="", help="ExpertsTuning fields for --quick, e.g. block_i=32,block_k=128")
+    ap.add_argument("--experts", default="", help="--quick: DECODE_TUNING with these fields, e.g. block_i=4,warps_gate_up=2")
     ap.add_argument("--router", default="", help="RouterTuning fields for --quick, e.g. gemv_dot=false")
     ap.add_argument("--no-ts", action="store_true", help="stop after the sweep (and the T = 1 profile)")
     ap.add_argument("--layers", type=int, default=8)
@@ -208,7 +203,7 @@ def main(argv=None):
     lay = layers[0]
     xr = jnp.asarray(rng.standard_normal((512, D)), jnp.bfloat16)
     w_r, i_r = moe.route(xr, lay["router"], lay["expert_bias"], **ROUTE_KW)
-    for rt in ROUTER_SWEEP if not args.quick else [parse_tuning(RouterTuning, args.router)]:
+    for rt in ROUTER_SWEEP if not args.quick else [parse_tuning(RouterTuning(), args.router)]:
         w_p, i_p = router_mod.route(xr, lay["router"], lay["expert_bias"], **ROUTE_KW, tuning=rt)
         mism = int((np.asarray(i_p) != np.asarray(i_r)).any(axis=1).sum())
         werr = float(np.abs(np.asarray(w_p) - np.asarray(w_r)).max())
@@ -263,7 +258,7 @@ def main(argv=None):
         return best[0]
 
     if args.quick:
-        et_best, rt_best = parse_tuning(ExpertsTuning, args.experts), parse_tuning(RouterTuning, args.router)
+        et_best, rt_best = parse_tuning(DECODE_TUNING, args.experts), parse_tuning(RouterTuning(), args.router)
     else:
         et_best = sweep("sweep_exp", EXPERTS_SWEEP, lambda c: (c, None))
         rt_best = sweep("sweep_rtr", ROUTER_SWEEP, lambda c: (et_best, c))

@@ -75,7 +75,7 @@ def reference_layer(x, lay):
     t = lambda a: jnp.swapaxes(a, -1, -2)  # noqa: E731  gather first, then view the 8 experts as [D, I]
     local = jnp.arange(K, dtype=jnp.int32)[None]  # the K selected experts, gathered, renumbered 0..K-1
     y = reference._routed_gather(x, w, local, t(lay["wg"][ids[0]]), t(lay["wu"][ids[0]]), lay["wd"][ids[0]], 4.0)
-    return (y.astype(x.dtype) + reference.mlp(x, t(lay["sg"]), t(lay["su"]), lay["sd"], 5.0)).astype(x.dtype)
+    return (y.astype(x.dtype) + reference.expert_mlp(x, lay["sg"], lay["su"], lay["sd"], 5.0)).astype(x.dtype)
 
 
 def separate(experts_tuning=None, router_tuning=RouterTuning()):

@@ -3,8 +3,9 @@
 `param_specs(cfg)` returns the params pytree with a `ParamSpec` at every leaf. Random init, shardings, the
 checkpoint converter and the synthetic-checkpoint writer all derive from it, so nothing drifts.
 
-Layout (ling-jax names; weights stored [in, out], unlike torch's [out, in], except the MoE experts, stored
-[out, in] as in torch: a batch-1 GEMV program then streams contiguous rows (pallas_kernels/moe/experts.py)):
+Layout (ling-jax names; weights stored [in, out], unlike torch's [out, in], except the MoE experts' gate and up
+projections, stored [out, in] as in torch, so that every expert matrix is [.., Ie, D]: a batch-1 program then
+streams whole D-rows (pallas_kernels/moe/experts.py)):
 
     embed [V, D] · final_norm [D] · lm_head [D, V]
     layers[i] = {input_norm, post_norm, mixer, ffn}
@@ -14,9 +15,9 @@ Layout (ling-jax names; weights stored [in, out], unlike torch's [out, in], exce
                   w_kv_a [D, R + P] · kv_a_norm [R] · w_k_b [R, H, Dn] · w_v_b [R, H, Dv] · w_gate [D, H]
                   w_o [H, Dv, D]
       ffn, dense: w_gate w_up [D, I] · w_down [I, D]
-      ffn, MoE:   router [D, E] (fp32) · expert_bias [E] (fp32) · we_gate we_up [E, Ie, D] · we_down [E, D, Ie]
-                  ws_gate ws_up [Is, D] · ws_down [D, Is]   (shared expert; absent when num_shared_experts = 0)
-                  ([out, in]: the exception above)
+      ffn, MoE:   router [D, E] (fp32) · expert_bias [E] (fp32) · we_gate we_up [E, Ie, D] · we_down [E, Ie, D]
+                  ws_gate ws_up [Is, D] · ws_down [Is, D]   (shared expert; absent when num_shared_experts = 0)
+                  (gate/up [out, in]: the exception above)
     mtp (when num_mtp_layers = 1) = {enorm, hnorm [D], eh_proj [2D, D], final_norm [D], layer = MLA + MoE layer}
 
 Letters: D hidden, H heads, K KDA head dim, W conv taps, R kv_lora_rank, P rope dims, Dn/Dv/Dqk MLA head dims,
@@ -106,15 +107,15 @@ def moe_specs(c: LingConfig) -> dict[str, ParamSpec]:
     specs = {
         "router": ParamSpec((D, E), ("embed", None), FP32),
         "expert_bias": ParamSpec((E,), (None,), FP32, init="small"),
-        # Experts [out, in] (torch's layout; see the module docstring): init's fan-in is the last axis.
+        # Gate/up [out, in] (torch's layout; see the module docstring): init's fan-in is the last axis.
         "we_gate": ParamSpec((E, Ie, D), ("experts", "ffn", "embed"), init="fan_in_last"),
         "we_up": ParamSpec((E, Ie, D), ("experts", "ffn", "embed"), init="fan_in_last"),
-        "we_down": ParamSpec((E, D, Ie), ("experts", "embed", "ffn"), init="fan_in_last"),
+        "we_down": ParamSpec((E, Ie, D), ("experts", "ffn", "embed")),
     }
     if c.num_shared_experts:
         out_in = functools.partial(ParamSpec, init="fan_in_last")
         specs.update({"ws_gate": out_in((Is, D), ("ffn", "embed")), "ws_up": out_in((Is, D), ("ffn", "embed")),
-                      "ws_down": out_in((D, Is), ("embed", "ffn"))})
+                      "ws_down": ParamSpec((Is, D), ("ffn", "embed"))})
     return specs
 
 
@@ -182,10 +183,12 @@ def init_value(spec: ParamSpec, key: jax.Array, dtype) -> jax.Array:
 
 def _fan_in(spec: ParamSpec) -> int:
     """Input width of a weight: the dims before the first output-side axis ('heads' on w_o counts as input);
-    the last dim for the [out, in] expert weights (init="fan_in_last")."""
+    the last dim for the [out, in] expert gate/up weights (init="fan_in_last")."""
     shape, axes = spec.shape, spec.axes
     if spec.init == "fan_in_last":
         return shape[-1]
+    if axes[0] == "experts":  # we_down [E, Ie, D]
+        return shape[1]
     if axes[0] == "heads":  # w_o [H, K, D]
         return shape[0] * shape[1]
     return shape[0]

@@ -9,11 +9,10 @@ from ling_jax.config import LingConfig
 from ling_jax.sharding import TP, per_shard
 from pallas_kernels import moe as moe_ops
 
-# Per shard: every expert's slice of the intermediate dim; the partial outputs are summed across `tp`. Expert
-# weights are [out, in] (ling_jax/params.py): gate/up [E, I, D] and shared [Is, D] shard their rows, down
-# [E, D, I] and shared [D, Is] their columns.
-_EXPERT_SPECS = (P(), P(), P(), P(None, TP, None), P(None, TP, None), P(None, None, TP), P(TP, None), P(TP, None),
-                 P(None, TP))
+# Per shard: every expert's slice of the intermediate dim; the partial outputs are summed across `tp`. Every
+# expert matrix is [.., Ie, D] (ling_jax/params.py), so all shard their Ie rows.
+_EXPERT_SPECS = (P(), P(), P(), P(None, TP, None), P(None, TP, None), P(None, TP, None), P(TP, None), P(TP, None),
+                 P(TP, None))
 
 
 def moe_block(p: dict, x: jnp.ndarray, cfg: LingConfig, layer: int, *, backend: str) -> jnp.ndarray:

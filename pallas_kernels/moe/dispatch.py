@@ -63,9 +63,9 @@ def moe_experts(x, weights, ids, we_gate, we_up, we_down, ws_gate=None, ws_up=No
     Args:
       x: [N, D] compute dtype (float32 or bfloat16).
       weights: [N, K] float32 routing weights; ids: [N, K] int32 expert ids in [0, E).
-      we_gate, we_up: [E, I, D]; we_down: [E, D, I]; compute dtype; stored [out, in] as in torch
-        (ling_jax/params.py: a batch-1 program then streams contiguous rows).
-      ws_gate, ws_up: [Is, D]; ws_down: [D, Is]; compute dtype ([out, in]); all three or none.
+      we_gate, we_up, we_down: [E, I, D] compute dtype (gate/up [out, in] as in torch, down [in, out]: every
+        expert matrix intermediate-dim first, ling_jax/params.py).
+      ws_gate, ws_up, ws_down: [Is, D] compute dtype (same convention); all three or none.
       limit, shared_limit: static floats, 0 = no clamp; else act = min(silu(g), L) · clip(u, -L, L).
       backend: "reference" | "pallas".
     Returns:
@@ -86,7 +86,7 @@ def moe_experts(x, weights, ids, we_gate, we_up, we_down, ws_gate=None, ws_up=No
     e, i, _ = we_gate.shape
     check_shape("we_gate", we_gate, (e, i, d), "[E, I, D]")
     check_shape("we_up", we_up, (e, i, d), "[E, I, D]")
-    check_shape("we_down", we_down, (e, d, i), "[E, D, I]")
+    check_shape("we_down", we_down, (e, i, d), "[E, I, D]")
     for name, w in (("we_gate", we_gate), ("we_up", we_up), ("we_down", we_down)):
         check_dtype(name, w, (x.dtype,))
     shared = (ws_gate, ws_up, ws_down)
@@ -97,7 +97,7 @@ def moe_experts(x, weights, ids, we_gate, we_up, we_down, ws_gate=None, ws_up=No
         i_s = ws_gate.shape[0]
         check_shape("ws_gate", ws_gate, (i_s, d), "[Is, D]")
         check_shape("ws_up", ws_up, (i_s, d), "[Is, D]")
-        check_shape("ws_down", ws_down, (d, i_s), "[D, Is]")
+        check_shape("ws_down", ws_down, (i_s, d), "[Is, D]")
         for name, w in (("ws_gate", ws_gate), ("ws_up", ws_up), ("ws_down", ws_down)):
             check_dtype(name, w, (x.dtype,))
     for name, lim in (("limit", limit), ("shared_limit", shared_limit)):

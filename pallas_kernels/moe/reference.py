@@ -7,8 +7,9 @@ what `lax.top_k` does), weights from the unbiased scores, renormalised (eps 1e-2
 Experts (`moe_experts`): SwiGLU MLP per selected expert in the compute dtype (fp32-accumulated matmuls rounded to
 the compute dtype), the optional post-SiLU clamp min(silu(g), L) * clip(u, -L, L) (SGLang's `BailingMLP` form),
 fp32 weighted combine rounded once, plus the shared expert (no routing weight) added in the compute dtype.
-Expert weights are [out, in] (torch's layout, ling_jax/params.py): every product below contracts the weight's last
-axis in place (einsum / dot_general / ragged_dot_general), so no transposed copy of the stacked weights is made.
+Every expert matrix is [.., I, D] (ling_jax/params.py: gate/up [out, in] as in torch, down [in, out]): each
+product below contracts the right axis in place (einsum / dot_general / ragged_dot_general), so no transposed copy
+of the stacked weights is made.
 """
 
 from __future__ import annotations
@@ -58,40 +59,31 @@ def _matmul(x, w, contract, prec):
                            precision=prec)
 
 
-def _mlp(x, w_gate, w_up, w_down, limit, contract):
+def expert_mlp(x, w_gate, w_up, w_down, limit):
+    """One SwiGLU expert (the shared one), every matrix [I, D]: x [N, D] -> [N, D] compute dtype."""
     dt = x.dtype
     prec = _HI if dt == jnp.float32 else None
-    g = _matmul(x, w_gate, contract, prec).astype(dt)
-    u = _matmul(x, w_up, contract, prec).astype(dt)
-    return _matmul(swiglu(g, u, limit), w_down, contract, prec).astype(dt)
-
-
-def mlp(x, w_gate, w_up, w_down, limit):
-    """One SwiGLU MLP, [in, out] weights: x [N, D] · w_gate/w_up [D, I] · w_down [I, D] -> [N, D]."""
-    return _mlp(x, w_gate, w_up, w_down, limit, 0)
-
-
-def mlp_out_in(x, w_gate, w_up, w_down, limit):
-    """`mlp` with [out, in] weights (the shared expert): w_gate/w_up [I, D] · w_down [D, I] -> [N, D]."""
-    return _mlp(x, w_gate, w_up, w_down, limit, 1)
+    g = _matmul(x, w_gate, 1, prec).astype(dt)
+    u = _matmul(x, w_up, 1, prec).astype(dt)
+    return _matmul(swiglu(g, u, limit), w_down, 0, prec).astype(dt)
 
 
 def _routed_gather(x, weights, ids, we_gate, we_up, we_down, limit):
     """Per (token, k): gather the expert's weights. [N, D] -> [N, D] fp32 (unrounded combine)."""
     dt = x.dtype
     prec = _HI if dt == jnp.float32 else None
-    wg, wu, wd = we_gate[ids], we_up[ids], we_down[ids]  # [N, K, I, D], [N, K, I, D], [N, K, D, I]
+    wg, wu, wd = we_gate[ids], we_up[ids], we_down[ids]  # [N, K, I, D] each
     g = jnp.einsum("nd,nkid->nki", x, wg, preferred_element_type=jnp.float32, precision=prec).astype(dt)
     u = jnp.einsum("nd,nkid->nki", x, wu, preferred_element_type=jnp.float32, precision=prec).astype(dt)
     h = swiglu(g, u, limit)
-    out = jnp.einsum("nki,nkdi->nkd", h, wd, preferred_element_type=jnp.float32, precision=prec).astype(dt)
+    out = jnp.einsum("nki,nkid->nkd", h, wd, preferred_element_type=jnp.float32, precision=prec).astype(dt)
     return jnp.einsum("nk,nkd->nd", weights, out.astype(jnp.float32), precision=_HI)
 
 
-# ragged_dot with rhs [G, out, in]: lhs rows grouped along dim 0, rhs grouped along dim 0 and contracted on its
-# last dim (plain `lax.ragged_dot` wants [G, in, out], which would need a transposed copy of the stacked weights,
-# 6 GB per layer at Flash size). On GPU this lowers to one chlo.ragged_dot with these dimension numbers (XLA picks
-# the operand layouts); on CPU to a masked dense dot, as `lax.ragged_dot` does.
+# ragged_dot with rhs [G, out, in] (gate/up): lhs rows grouped along dim 0, rhs grouped along dim 0 and contracted
+# on its last dim (plain `lax.ragged_dot` wants [G, in, out], which would need a transposed copy of the stacked
+# weights, 4 GB per layer at Flash size). On GPU this lowers to one chlo.ragged_dot with these dimension numbers
+# (XLA picks the operand layouts); on CPU to a masked dense dot, as `lax.ragged_dot` does.
 _RAGGED_OUT_IN = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((1,), (2,)), ((), ())),
                                                lhs_ragged_dimensions=(0,), rhs_group_dimensions=(0,))
 
@@ -115,7 +107,7 @@ def _routed_sorted(x, weights, ids, we_gate, we_up, we_down, limit):
     g = _ragged_out_in(xs, we_gate, sizes, prec).astype(dt)
     u = _ragged_out_in(xs, we_up, sizes, prec).astype(dt)
     h = swiglu(g, u, limit)
-    out = _ragged_out_in(h, we_down, sizes, prec).astype(dt)
+    out = lax.ragged_dot(h, we_down, sizes, preferred_element_type=jnp.float32, precision=prec).astype(dt)
     contrib = out.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
     # Sum the K contributions per token in k order (scatter back to [N, K, D] first) so the fp32 sum matches
     # the gather path's order exactly.
@@ -125,12 +117,12 @@ def _routed_sorted(x, weights, ids, we_gate, we_up, we_down, limit):
 
 def moe_experts(x, weights, ids, we_gate, we_up, we_down, ws_gate=None, ws_up=None, ws_down=None, *,
                 limit=0.0, shared_limit=0.0, path="auto"):
-    """x [N, D] -> y [N, D] compute dtype; we_gate/we_up [E, I, D], we_down [E, D, I], ws_gate/ws_up [Is, D],
-    ws_down [D, Is] ([out, in]). `path`: "gather", "sorted" or "auto" (gather for small N·top_k)."""
+    """x [N, D] -> y [N, D] compute dtype; we_* [E, I, D], ws_* [Is, D] (gate/up [out, in], down [in, out]).
+    `path`: "gather", "sorted" or "auto" (gather for small N·top_k)."""
     if path == "auto":
         path = "gather" if ids.size <= GATHER_MAX_PAIRS else "sorted"
     fn = {"gather": _routed_gather, "sorted": _routed_sorted}[path]
     routed = fn(x, weights.astype(jnp.float32), ids, we_gate, we_up, we_down, limit).astype(x.dtype)
     if ws_gate is None:
         return routed
-    return routed + mlp_out_in(x, ws_gate, ws_up, ws_down, shared_limit)
+    return routed + expert_mlp(x, ws_gate, ws_up, ws_down, shared_limit)

@@ -92,12 +92,12 @@ def test_route_hand_table():
 
 
 def np_mlp(x, wg, wu, wd, limit):
-    """Expert weights [out, in] (torch's layout): wg/wu [I, D], wd [D, I]."""
+    """Expert matrices [I, D]: gate/up [out, in] (torch's layout), down [in, out]."""
     g, u = x @ wg.T, x @ wu.T
     sg = g / (1 + np.exp(-g))
     if limit:
         sg, u = np.minimum(sg, limit), np.clip(u, -limit, limit)
-    return (sg * u) @ wd.T
+    return (sg * u) @ wd
 
 
 def np_moe(x, weights, ids, we_gate, we_up, we_down, ws=None, *, limit=0.0, shared_limit=0.0):
@@ -118,13 +118,13 @@ def _expert_inputs(seed, n, *, d=128, i=64, e=16, k=4, i_s=64, dtype=jnp.float32
     amp = 3.0 if big else 1.0
     x = (amp * rng.standard_normal((n, d))).astype(np.float32)
     wscale = 1.0 / np.sqrt(d)
-    # [out, in]: gate/up [E, I, D], down [E, D, I]; shared [Is, D], [Is, D], [D, Is].
+    # Every expert matrix [.., I, D]: gate/up [out, in], down [in, out]; shared [Is, D].
     we_gate = (wscale * rng.standard_normal((e, i, d))).astype(np.float32)
     we_up = (wscale * rng.standard_normal((e, i, d))).astype(np.float32)
-    we_down = (rng.standard_normal((e, d, i)) / np.sqrt(i)).astype(np.float32)
+    we_down = (rng.standard_normal((e, i, d)) / np.sqrt(i)).astype(np.float32)
     ws = tuple(a.astype(np.float32) for a in (wscale * rng.standard_normal((i_s, d)),
                                                wscale * rng.standard_normal((i_s, d)),
-                                               rng.standard_normal((d, i_s)) / np.sqrt(i_s)))
+                                               rng.standard_normal((i_s, d)) / np.sqrt(i_s)))
     if repeat:
         # Tokens share experts: draw from a pool smaller than n·k so most experts repeat across tokens.
         pool = rng.choice(e, size=min(e, k + 2), replace=False)
@@ -186,8 +186,8 @@ def test_dispatch_errors():
     x, w, ids, wg, wu, wd = args
     with pytest.raises(ValueError, match=r"x.shape=\(128,\) must be \[N, D\]"):
         moe.moe_experts(x[0], w, ids, wg, wu, wd)
-    with pytest.raises(ValueError, match=r"we_down.shape=\(16, 64, 128\) must be \[E, D, I\] = \(16, 128, 64\)"):
-        moe.moe_experts(x, w, ids, wg, wu, wg)
+    with pytest.raises(ValueError, match=r"we_down.shape=\(16, 128, 64\) must be \[E, I, D\] = \(16, 64, 128\)"):
+        moe.moe_experts(x, w, ids, wg, wu, jnp.swapaxes(wd, 1, 2))
     with pytest.raises(ValueError, match="all three or none"):
         moe.moe_experts(x, w, ids, wg, wu, wd, ws[0])
     with pytest.raises(ValueError, match="backend='triton' must be one of"):
@@ -244,8 +244,11 @@ def test_route_pallas_exact_ties():
     args = (jnp.asarray(x), jnp.asarray(router), jnp.asarray(bias))
     w_ref, ids_ref = moe.route(*args, **ROUTE_KW)
     np.testing.assert_array_equal(np.asarray(ids_ref), np_route(x, router, bias, **ROUTE_KW)[1])
-    for tu in (router_mod.RouterTuning(), router_mod.RouterTuning(gemv_dot=False, topk_warps=4)):
-        for rows in ([slice(None)] if tu.gemv_dot else [slice(0, 1), slice(1, 2)]):
+    # The default (FMA GEMV at T = 1, 4-warp top-k) and the 16-row dot GEMV with a 1-warp top-k; batched rows
+    # always take the dot GEMV.
+    for tu in (router_mod.RouterTuning(), router_mod.RouterTuning(gemv_dot=True, k_splits=8, block_k=64,
+                                                                   topk_warps=1)):
+        for rows in (slice(None), slice(0, 1), slice(1, 2)):
             w, ids = router_mod.route(args[0][rows], *args[1:], **ROUTE_KW, tuning=tu)
             np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids_ref[rows]))
             np.testing.assert_allclose(np.asarray(w), np.asarray(w_ref[rows]), rtol=1e-5, atol=1e-6)
@@ -268,16 +271,18 @@ def test_experts_pallas(n, limits, dtype):
 
 # Small blocks so every loop runs several chunks at the test sizes (D = 128, I = 64): BK = 32, BKI = 16.
 _SMALL = dict(block_k=32, block_ki=16)
-_TUNINGS = {
+_TUNINGS = {  # every gate/up product mode (experts.GATE_UP_MODES)
     "fma": dict(_SMALL),  # T = 1: FMA tiles + one reduction
-    "fma_bi8": dict(_SMALL, block_i=8, block_d=8),  # 8-row programs: FMA only
-    "t1_dot": dict(_SMALL, t1_dot=True, block_d=16),  # T = 1 broadcast to 16 rows, tensor-core dots
-    "dot": dict(_SMALL, block_i=32, block_d=16),  # T > 1
+    "fma_reduce_bi2": dict(_SMALL, t1_gate_up="fma_reduce", block_i=2, warps_gate_up=1),  # the decode default's shape
+    "dot_x": dict(_SMALL, t1_gate_up="dot_x", block_d=16),  # T = 1 broadcast to 16 rows, tensor-core dots
+    "dot_w": dict(_SMALL, t1_gate_up="dot_w", dot_gate_up="dot_w"),  # the weight tile as the left operand
+    "dot": dict(_SMALL, block_i=32, block_d=16),  # T > 1, x·Wᵀ
 }
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("n,tu", [(1, "fma"), (1, "fma_bi8"), (1, "t1_dot"), (3, "dot"), (16, "dot")])
+@pytest.mark.parametrize("n,tu", [(1, "fma"), (1, "fma_reduce_bi2"), (1, "dot_x"), (1, "dot_w"), (3, "dot"),
+                                  (3, "dot_w"), (16, "dot")])
 def test_experts_pallas_tunings(n, tu, dtype):
     """ExpertsTuning variants (product form, rows per program, multi-chunk loops) vs the reference, clamps on."""
     from pallas_kernels.moe.experts import ExpertsTuning, moe_experts_fused
@@ -290,7 +295,7 @@ def test_experts_pallas_tunings(n, tu, dtype):
     assert rel_err(y, y_ref) <= (1e-5 if dtype == jnp.float32 else 2e-2)
 
 
-@pytest.mark.parametrize("n,tu", [(1, "fma"), (1, "t1_dot"), (3, "dot")])
+@pytest.mark.parametrize("n,tu", [(1, "fma"), (1, "fma_reduce_bi2"), (1, "dot_x"), (3, "dot")])
 def test_experts_pallas_repeated_ids_in_a_token(n, tu):
     """The router never repeats an expert within a token, but moe_experts accepts any ids in [0, E): a repeat must
     count twice (gate/up writes h once, for the expert's first slot; the down kernel reads it from there and gives
@@ -313,7 +318,7 @@ def test_experts_pallas_no_shared_and_distinct():
     from pallas_kernels.moe.experts import ExpertsTuning, moe_experts_fused
 
     y = moe_experts_fused(*args, None, None, None, limit=0.0, shared_limit=0.0,
-                          tuning=ExpertsTuning(**_TUNINGS["t1_dot"]))
+                          tuning=ExpertsTuning(**_TUNINGS["dot_x"]))
     assert rel_err(y, moe.moe_experts(*args)) <= 1e-5
 
 
@@ -335,8 +340,9 @@ def lower_for_cuda(monkeypatch, modules, fn, *avals):
     return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("n,t1_dot", [(1, False), (1, True), (3, False)], ids=["T1-fma", "T1-dot", "T3"])
-def test_pallas_lowers_for_cuda(monkeypatch, n, t1_dot):
+@pytest.mark.parametrize("n,tu", [(1, None), (1, "fma"), (1, "dot_x"), (1, "dot_w"), (3, None), (3, "dot_w")])
+def test_pallas_lowers_for_cuda(monkeypatch, n, tu):
+    """Every product mode lowers to Triton at Flash size (None: the defaults by T, experts.default_tuning)."""
     from pallas_kernels.moe import experts as experts_mod, router as router_mod
 
     d, e, i = 2560, 512, 768
@@ -346,12 +352,12 @@ def test_pallas_lowers_for_cuda(monkeypatch, n, t1_dot):
     def layer(x, r, b, wg, wu, wd, sg, su, sd):
         w, ids = router_mod.route(x, r, b, **ROUTE_KW)
         return experts_mod.moe_experts_fused(x, w, ids, wg, wu, wd, sg, su, sd, limit=4.0, shared_limit=5.0,
-                                             tuning=experts_mod.ExpertsTuning(t1_dot=t1_dot))
+                                             tuning=tu and experts_mod.ExpertsTuning(**_TUNINGS[tu]))
 
-    # Expert weights [out, in]: gate/up [E, I, D], down [E, D, I]; shared [I, D], [I, D], [D, I].
+    # Every expert matrix [.., I, D].
     txt = lower_for_cuda(monkeypatch, [router_mod, experts_mod], layer, sds((n, d), bf), sds((d, e), f32),
-                         sds((e,), f32), sds((e, i, d), bf), sds((e, i, d), bf), sds((e, d, i), bf), sds((i, d), bf),
-                         sds((i, d), bf), sds((d, i), bf))
+                         sds((e,), f32), sds((e, i, d), bf), sds((e, i, d), bf), sds((e, i, d), bf), sds((i, d), bf),
+                         sds((i, d), bf), sds((i, d), bf))
     assert txt.count("stablehlo.custom_call") == 4  # router GEMV, top-k, gate/up, down
 
 
@@ -359,7 +365,7 @@ def test_router_variants_lower_for_cuda(monkeypatch):
     from pallas_kernels.moe import router as router_mod
 
     sds = jax.ShapeDtypeStruct
-    for tu in (router_mod.RouterTuning(gemv_dot=False, topk_warps=4, block_e=64, k_splits=16, block_k=32),):
+    for tu in (router_mod.RouterTuning(gemv_dot=True, topk_warps=1, block_e=64, k_splits=8, block_k=64),):
         fn = lambda x, r, b, tu=tu: router_mod.route(x, r, b, **ROUTE_KW, tuning=tu)  # noqa: E731
         txt = lower_for_cuda(monkeypatch, [router_mod], fn, sds((1, 2560), jnp.bfloat16),
                              sds((2560, 512), jnp.float32), sds((512,), jnp.float32))
