@@ -25,26 +25,33 @@ def _load(name: str):
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def plot_moe(data, v1) -> Path:
-    """Left: the MoE layer's device time per kernel at T = 1 (profiler, cold chain) against the floor. Right: the
-    v1 harness's T sweep (wall per call, ~8 µs host cost included) against the floor of the experts read."""
+def plot_moe(data, t1, v1) -> Path:
+    """Left: the MoE layer's device time per kernel at T = 1 (profiler, cold chain; the device-time sweep of
+    `bench_moe_sweep_call8.json`, else `data`'s profile) against the floor. Right: the T sweep (wall per layer in
+    the chain, device-bound from T = 2) against the floor of the experts read, with the first kernels' v1 sweep."""
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    prof = [k for k in data["profile"]["T1"] if k["us_per_layer"] >= 0.5]
-    floor = next(r["floor_us"] for r in data["rows"] if r["T"] == 1)
+    src = t1 if t1 and "T1" in t1.get("profile", {}) else data
+    prof = [k for k in src["profile"]["T1"] if k["us_per_layer"] >= 0.5]
+    floor = next(r["floor_us"] for r in src["rows"] if r["T"] == 1)
     a.barh([k["kernel"] for k in prof], [k["us_per_layer"] for k in prof])
-    total = sum(k["us_per_layer"] for k in data["profile"]["T1"])
+    total = sum(k["us_per_layer"] for k in src["profile"]["T1"])
     a.set(xlabel="device µs per layer (profiler)",
-          title=f"T = 1: {total:.1f} µs per layer vs floor {floor:.1f} µs\n{data['best_experts_tuning']}")
+          title=f"T = 1: {total:.1f} µs per layer vs floor {floor:.1f} µs\n{src['best_experts_tuning'][:70]}")
+    a.tick_params(axis="y", labelsize=7)
     a.invert_yaxis()
-    if v1:
-        layer = [r for r in v1["rows"] if r["kind"] == "moe_layer"]
-        pallas = sorted((r["T"], r["us"], r["floor_us"]) for r in layer if r["backend"] == "pallas")
+    for rows, style, label in ((data["rows"], "o-", "Pallas"), ((v1 or {}).get("rows", []), "o:", "first kernels (v1)")):
+        layer = [r for r in rows if r["kind"] == "moe_layer"]
+        pallas = sorted((r["T"], r["us"], r["floor_us"]) for r in layer if r["backend"] == "pallas" and r["T"] > 1)
         xla = sorted((r["T"], r["us"]) for r in layer if r["backend"] == "reference")
-        b.plot([t for t, _, _ in pallas], [u for _, u, _ in pallas], "o-", label="Pallas (v1 harness, wall)")
-        b.plot([t for t, _ in xla], [u for _, u in xla], "s", label="XLA reference (v1 harness, wall)")
-        b.plot([t for t, _, _ in pallas], [f for _, _, f in pallas], "k--", label="byte floor of experts read")
-        b.set(xlabel="tokens per call T", ylabel="µs per MoE layer", yscale="log", title="MoE layer vs T")
-        b.legend(fontsize=8)
+        if not pallas:
+            continue
+        b.plot([t for t, _, _ in pallas], [u for _, u, _ in pallas], style, label=f"{label}, T >= 2 (wall)")
+        b.plot([t for t, _ in xla], [u for _, u in xla], "s" if style == "o-" else "x",
+               label=f"XLA reference{' (v1)' if style != 'o-' else ''}")
+        if style == "o-":
+            b.plot([t for t, _, _ in pallas], [f for _, _, f in pallas], "k--", label="byte floor of experts read")
+    b.set(xlabel="tokens per call T", ylabel="µs per MoE layer", yscale="log", title="MoE layer vs T")
+    b.legend(fontsize=7)
     fig.suptitle(f"MoE, Ling-3.0-flash shape, {data['device']}")
     return _save(fig, "moe_vs_T.png")
 
@@ -117,7 +124,7 @@ def _save(fig, name: str) -> Path:
 
 
 def main():
-    jobs = (("bench_moe.json", lambda d: plot_moe(d, _load("bench_moe_v1.json"))),
+    jobs = (("bench_moe.json", lambda d: plot_moe(d, _load("bench_moe_sweep_call8.json"), _load("bench_moe_v1.json"))),
             ("kda_decode_verify.json", plot_kda), ("mla_profile.json", plot_mla), ("bench_decode.json", plot_slice))
     for name, plot in jobs:
         data = _load(name)

@@ -72,7 +72,7 @@ class ExpertsTuning:
             raise ValueError(f"ExpertsTuning.dot_gate_up={self.dot_gate_up!r} must be 'dot_x' or 'dot_w'")
 
 
-DECODE_TUNING = ExpertsTuning(t1_gate_up="fma_reduce", block_i=2, block_k=512, warps_gate_up=1)
+DECODE_TUNING = ExpertsTuning(t1_gate_up="fma_reduce", block_i=2, block_k=512, warps_gate_up=1, block_ki=256)
 VERIFY_TUNING = ExpertsTuning()
 
 
