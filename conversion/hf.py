@@ -190,8 +190,8 @@ TABLE: tuple[Rule, ...] = (
 
     _rule("mlp.gate.weight", "ffn.router", LINEAR, MOE),
     _rule(("mlp.gate.expert_bias", "mlp.gate.e_score_correction_bias"), "ffn.expert_bias", IDENTITY, MOE),
-    # Gate/up not LINEAR: ling-jax keeps them in torch's [out, in], so every expert matrix is [Ie, D] (whole D-rows
-    # for the batch-1 kernels; ling_jax/params.py); each expert's tensor is taken as is and stacked on [E].
+    # Gate/up not LINEAR: ling-jax keeps them in torch's [out, in], so every expert matrix is [Ie, D] (a batch-1
+    # gate/up program streams whole D-rows; ling_jax/params.py); each expert's tensor is taken as is, stacked on [E].
     _rule("mlp.experts.{e}.gate_proj.weight", "ffn.we_gate", IDENTITY, MOE),
     _rule("mlp.experts.{e}.up_proj.weight", "ffn.we_up", IDENTITY, MOE),
     _rule("mlp.experts.{e}.down_proj.weight", "ffn.we_down", LINEAR, MOE),  # [D, Ie] -> [Ie, D]

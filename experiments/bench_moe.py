@@ -171,7 +171,8 @@ def profile_chain(layer_fn, layers, xs, n=5):
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="no sweep: the tunings of --experts / --router")
-    ap.add_argument("--experts", default="", help="--quick: DECODE_TUNING with these fields, e.g. block_i=4,warps_gate_up=2")
+    ap.add_argument("--experts", default="",
+                    help="--quick: DECODE_TUNING with these fields, e.g. block_i=4,warps_gate_up=2")
     ap.add_argument("--router", default="", help="RouterTuning fields for --quick, e.g. gemv_dot=false")
     ap.add_argument("--no-ts", action="store_true", help="stop after the sweep (and the T = 1 profile)")
     ap.add_argument("--layers", type=int, default=8)
@@ -248,8 +249,8 @@ def main(argv=None):
         ks = profile_chain(lambda x, lay: moe_layer(x, lay, "pallas", et, rt), layers, xs_for(1))
         return round(sum(k["us_per_layer"] for k in ks), 2)
 
-    # At T = 1 the chain is bound by the host's launches (~45-55 µs of wall per layer, ±5 µs run to run, for
-    # ~39 µs of device work): the sweep ranks by device time when it has it.
+    # At T = 1 the chain's wall slope follows the host's kernel launches, not the ~39 µs of device work (30-59 µs
+    # per layer over one sweep, some below the device time): the sweep ranks by device time when it has it.
     def sweep(kind, configs, make):
         best = (configs[0], 1e9)
         for c in configs:

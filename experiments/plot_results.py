@@ -36,10 +36,11 @@ def plot_moe(data, t1, v1) -> Path:
     a.barh([k["kernel"] for k in prof], [k["us_per_layer"] for k in prof])
     total = sum(k["us_per_layer"] for k in src["profile"]["T1"])
     a.set(xlabel="device µs per layer (profiler)",
-          title=f"T = 1: {total:.1f} µs per layer vs floor {floor:.1f} µs\n{src['best_experts_tuning'][:70]}")
+          title=f"T = 1: {total:.1f} µs per layer vs floor {floor:.1f} µs (defaults, cold)")
     a.tick_params(axis="y", labelsize=7)
     a.invert_yaxis()
-    for rows, style, label in ((data["rows"], "o-", "Pallas"), ((v1 or {}).get("rows", []), "o:", "first kernels (v1)")):
+    runs = ((data["rows"], "o-", "Pallas"), ((v1 or {}).get("rows", []), "o:", "first kernels (v1)"))
+    for rows, style, label in runs:
         layer = [r for r in rows if r["kind"] == "moe_layer"]
         pallas = sorted((r["T"], r["us"], r["floor_us"]) for r in layer if r["backend"] == "pallas" and r["T"] > 1)
         xla = sorted((r["T"], r["us"]) for r in layer if r["backend"] == "reference")

@@ -60,11 +60,11 @@ def gate_up_h(x, ids, wg, wu, sg, su, tu):
     n_slots, bi, bk = K + 1, tu.block_i, tu.block_k
     return pl.pallas_call(
         functools.partial(ex.experts_fwd_kernel_gate_up, BK=bk, n_chunks=D // bk, n_routed=K, limit=4.0,
-                          shared_limit=5.0, has_shared=True, mode=tu.t1_gate_up, unroll=1),
+                          shared_limit=5.0, has_shared=True, mode=tu.t1_gate_up),
         grid=(n_slots, I // bi), in_specs=[pl.no_block_spec] * 6,
         out_specs=pl.BlockSpec((None, 1, bi), lambda s, j: (s, 0, j)),
         out_shape=jax.ShapeDtypeStruct((n_slots, 1, I), x.dtype),
-        compiler_params=pltriton.CompilerParams(num_warps=tu.warps_gate_up, num_stages=3),
+        compiler_params=pltriton.CompilerParams(num_warps=tu.warps_gate_up, num_stages=tu.stages_gate_up),
         name="experts_fwd_kernel_gate_up")(x, ids.reshape(-1), wg, wu, sg, su)
 
 

@@ -30,10 +30,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_common import run_header, write_results  # noqa: E402
 from probe_moe_t1 import per_kernel_us  # noqa: E402
 
-import _old_moe_experts as old  # noqa: E402
+try:
+    import _old_moe_experts as old  # noqa: E402
+except ImportError as exc:
+    raise SystemExit("probe_moe_layout.py compares against the kernels of commit f144aad: first run "
+                     "`git show f144aad:pallas_kernels/moe/experts.py > experiments/_old_moe_experts.py`") from exc
 from pallas_kernels.common import interpret_mode  # noqa: E402
 from pallas_kernels.moe import reference  # noqa: E402
 from pallas_kernels.moe import router as router_mod  # noqa: E402
+from pallas_kernels.moe.router import RouterTuning  # noqa: E402
 from pallas_kernels.moe.experts import DECODE_TUNING, ExpertsTuning, moe_experts_fused  # noqa: E402
 
 D, I, K, NL, EL, E_ROUTER = 2560, 768, 8, 8, 64, 512
@@ -78,9 +83,9 @@ def new_experts(tuning):
     return f
 
 
-def ref_experts(x, lay):
-    return reference.moe_experts(x, lay["w"], lay["ids"], lay["wg"], lay["wu"], lay["wd"], lay["sg"], lay["su"],
-                                 lay["sd"], limit=4.0, shared_limit=5.0)
+def ref_experts(x, lay):  # today's layout: gate/up [out, in] (the "_t" copies), down [in, out]
+    return reference.moe_experts(x, lay["w"], lay["ids"], lay["wg_t"], lay["wu_t"], lay["wd"], lay["sg_t"],
+                                 lay["su_t"], lay["sd"], limit=4.0, shared_limit=5.0)
 
 
 def gemv_ed_kernel(x_ref, w_ref, p_ref, *, BK, n_chunks):
@@ -117,12 +122,16 @@ def route_ed(be, ks, bk, warps, stages):
             out_specs=[pl.BlockSpec((1, K), lambda i: (i, 0))] * 2,
             out_shape=[jax.ShapeDtypeStruct((1, K), jnp.float32), jax.ShapeDtypeStruct((1, K), jnp.int32)],
             compiler_params=pltriton.CompilerParams(num_warps=1, num_stages=1),
-            interpret=interpret_mode(), name="router_fwd_kernel_topk")(part.reshape(ks, 1, g, e // g), lay["bias"].reshape(g, e // g))
+            interpret=interpret_mode(), name="router_fwd_kernel_topk",
+        )(part.reshape(ks, 1, g, e // g), lay["bias"].reshape(g, e // g))
     return f
 
 
+OLD_ROUTER = RouterTuning(gemv_dot=True, k_splits=8, block_k=64, topk_warps=1)  # the defaults before session 3
+
+
 def route_old(x, lay):
-    return router_mod.route(x, lay["router"], lay["bias"], **ROUTE_KW)
+    return router_mod.route(x, lay["router"], lay["bias"], **ROUTE_KW, tuning=OLD_ROUTER)
 
 
 def main():

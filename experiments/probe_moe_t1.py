@@ -72,9 +72,8 @@ def per_kernel_us(fn, x, layers, n=10):
 
 def reference_layer(x, lay):
     w, ids = reference.route(x, lay["router"], lay["bias"], **ROUTE_KW)
-    t = lambda a: jnp.swapaxes(a, -1, -2)  # noqa: E731  gather first, then view the 8 experts as [D, I]
     local = jnp.arange(K, dtype=jnp.int32)[None]  # the K selected experts, gathered, renumbered 0..K-1
-    y = reference._routed_gather(x, w, local, t(lay["wg"][ids[0]]), t(lay["wu"][ids[0]]), lay["wd"][ids[0]], 4.0)
+    y = reference._routed_gather(x, w, local, lay["wg"][ids[0]], lay["wu"][ids[0]], lay["wd"][ids[0]], 4.0)
     return (y.astype(x.dtype) + reference.expert_mlp(x, lay["sg"], lay["su"], lay["sd"], 5.0)).astype(x.dtype)
 
 

@@ -4,8 +4,8 @@
 checkpoint converter and the synthetic-checkpoint writer all derive from it, so nothing drifts.
 
 Layout (ling-jax names; weights stored [in, out], unlike torch's [out, in], except the MoE experts' gate and up
-projections, stored [out, in] as in torch, so that every expert matrix is [.., Ie, D]: a batch-1 program then
-streams whole D-rows (pallas_kernels/moe/experts.py)):
+projections, stored [out, in] as in torch, so that every expert matrix is [.., Ie, D]: a batch-1 gate/up program
+then streams whole D-rows (pallas_kernels/moe/experts.py)):
 
     embed [V, D] · final_norm [D] · lm_head [D, V]
     layers[i] = {input_norm, post_norm, mixer, ffn}

@@ -1,10 +1,11 @@
 """Pallas-Triton routed + shared SwiGLU experts for small T (decode, verify): each selected expert read once.
 
 Layout (ling_jax/params.py): every expert matrix is stored with the intermediate dim first, gate/up [E, I, D]
-(torch's [out, in]) and down [E, I, D] ([in, out]), so both kernels stream whole D-rows (5 KB at Flash size).
-Gate/up programs own BI output rows and read them end to end; with gate/up stored [E, D, I] each program read a
-64-256 byte stripe of every row and gate/up took 28 µs instead of 18.5 at T = 1 on the H200 (RESULTS.md). The down
-projection keeps [in, out]: a down kernel over [E, D, I] rows measured slower (its programs walk the slots).
+(torch's [out, in]) and down [E, I, D] ([in, out]). Gate/up programs own BI output rows and read those D-rows
+(5 KB at Flash size) end to end; with gate/up stored [E, D, I] each program read a 64-256 byte stripe of every row
+and gate/up took 28 µs instead of 18.5 at T = 1 on the H200 (RESULTS.md). Down programs own BD output columns and
+read that 128-byte stripe of every I-row: over [E, D, I] rows the down kernel measured slower (14.9-20.8 µs
+against 11.3), so down keeps [in, out].
 
 Slots: the T·K (token, k) pairs in row-major order, plus the shared expert. A routed slot *owns* its expert when
 no earlier slot chose the same expert; only owners do work, and an owner computes its expert for every token (its
@@ -22,7 +23,8 @@ XLA sums the NG partials (fp32), rounds once and adds the shared output in the c
 Products (GATE_UP_MODES): at T = 1 the gate/up default is `fma_reduce` with tiny programs (2 rows, 1 warp): the
 shape that streamed fastest in a read-only probe (experiments/probe_stream.py). Otherwise tokens are padded to
 TP = max(16, 2^⌈log2 T⌉) rows and every step is a tensor-core `dot` (T = 1 broadcasts its row in-kernel).
-Tunings by T: `DECODE_TUNING` (T = 1) and `VERIFY_TUNING` (T > 1), the best of the H200 sweeps.
+Tunings by T: `DECODE_TUNING` (T = 1, the best of the H200 sweeps by device time) and `VERIFY_TUNING` (T > 1,
+the dot path's defaults, not re-swept since the layout change).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ GATE_UP_MODES = ("fma", "fma_reduce", "dot_x", "dot_w")
 
 @dataclasses.dataclass(frozen=True)
 class ExpertsTuning:
-    # Field defaults = VERIFY_TUNING (T > 1); DECODE_TUNING below overrides the T = 1 gate/up shape.
+    # Field defaults = VERIFY_TUNING (T > 1); DECODE_TUNING below overrides the gate/up shape and the down chunk.
     block_i: int = 16  # BI: intermediate rows per gate/up program (>= 16 for the dot modes)
     block_k: int = 256  # BK: hidden-dim chunk per gate/up step
     block_d: int = 64  # BD: output columns per down program
@@ -64,8 +66,8 @@ class ExpertsTuning:
     stages_down: int = 3
 
     def __post_init__(self):
-        check_pow2_fields(self, ("block_i", "block_d"))
-        check_pow2_fields(self, ("block_k", "block_ki"), 16)
+        check_pow2_fields(self, ("block_i",))
+        check_pow2_fields(self, ("block_d", "block_k", "block_ki"), 16)
         if self.t1_gate_up not in GATE_UP_MODES:
             raise ValueError(f"ExpertsTuning.t1_gate_up={self.t1_gate_up!r} must be one of {GATE_UP_MODES}")
         if self.dot_gate_up not in ("dot_x", "dot_w"):
@@ -89,7 +91,6 @@ def _dot_nt(a, b):
     """a [M, C] · b [N, C]ᵀ -> [M, N] fp32."""
     prec = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
     return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
-
 
 
 def _gu_init(mode, bi, bk, tp):
@@ -118,9 +119,14 @@ def _gu_result(mode, acc, to):
             return acc.T
         cols = lax.broadcasted_iota(jnp.int32, acc.shape, 1)  # T = 1 broadcast its row: keep column 0
         return jnp.sum(jnp.where(cols == 0, acc, 0.0), axis=1)[None, :]
+    return _token_rows(acc, to)
+
+
+def _token_rows(acc, to):
+    """acc [TP, N] of a dot over padded token rows -> the [TO, N] real ones (T = 1 broadcast its row: row 0)."""
     if to == acc.shape[0]:
         return acc
-    rows = lax.broadcasted_iota(jnp.int32, acc.shape, 0)  # T = 1 broadcast its row: keep row 0
+    rows = lax.broadcasted_iota(jnp.int32, acc.shape, 0)
     return jnp.sum(jnp.where(rows == 0, acc, 0.0), axis=0)[None, :]
 
 
@@ -165,7 +171,7 @@ def down_cols(load_h, load_d, *, BKI, n_chunks, bd, to, dt):
         return acc + _dot(jnp.broadcast_to(load_h(ks), (tp, BKI)), load_d(ks))
 
     acc = lax.fori_loop(0, n_chunks, body, jnp.zeros((tp, bd), jnp.float32))
-    return _gu_result("dot_x", acc, to).astype(dt).astype(jnp.float32)
+    return _token_rows(acc, to).astype(dt).astype(jnp.float32)
 
 
 def experts_fwd_kernel_gate_up(x_ref, ids_ref, wg_ref, wu_ref, sg_ref, su_ref, h_ref, *, BK, n_chunks, n_routed,
@@ -254,10 +260,9 @@ def moe_experts_fused(x, weights, ids, we_gate, we_up, we_down, ws_gate, ws_up, 
     bd = min(tuning.block_d, d & -d)
     bki = min(tuning.block_ki, i & -i)
     mode = tuning.t1_gate_up if n == 1 else tuning.dot_gate_up
-    for name, size, uses_dot in (("block_i", bi, mode.startswith("dot")), ("block_d", bd, True)):
-        if uses_dot and size < 16:
-            raise ValueError(f"ExpertsTuning.{name}={getattr(tuning, name)} gives {size} (D={d}, I={i}): "
-                             "tensor-core dots need >= 16; only the T = 1 FMA paths take fewer")
+    if mode.startswith("dot") and bi < 16:
+        raise ValueError(f"ExpertsTuning.block_i={tuning.block_i} with gate/up mode {mode!r} at T={n}: tensor-core "
+                         "dots need >= 16 rows; only the T = 1 FMA modes take fewer (T > 1: use VERIFY_TUNING)")
     tp = max(16, next_pow2(n))
     to = 1 if n == 1 else tp
     if to != n:

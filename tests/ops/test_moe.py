@@ -328,6 +328,20 @@ def test_pallas_rejects_unsupported_shapes():
         moe.moe_experts(*args, *ws, backend="pallas")
 
 
+def test_experts_tuning_errors():
+    from pallas_kernels.moe.experts import DECODE_TUNING, ExpertsTuning, moe_experts_fused
+
+    with pytest.raises(ValueError, match="t1_gate_up='fma2' must be one of"):
+        ExpertsTuning(t1_gate_up="fma2")
+    with pytest.raises(ValueError, match="dot_gate_up='fma' must be 'dot_x' or 'dot_w'"):
+        ExpertsTuning(dot_gate_up="fma")
+    with pytest.raises(ValueError, match=r"block_d=8 must be a power of two >= 16"):
+        ExpertsTuning(block_d=8)
+    args, ws, _, _ = _expert_inputs(0, 3)
+    with pytest.raises(ValueError, match=r"block_i=2 with gate/up mode 'dot_x' at T=3.*use VERIFY_TUNING"):
+        moe_experts_fused(*args, *ws, limit=0.0, shared_limit=0.0, tuning=DECODE_TUNING)
+
+
 def lower_for_cuda(monkeypatch, modules, fn, *avals):
     """Lower fn for CUDA on this CPU machine: the Pallas -> Triton lowering runs (catching what interpret mode
     accepts but Triton does not, e.g. chained ref indexers) without a GPU. Returns the StableHLO text."""
