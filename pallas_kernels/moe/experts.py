@@ -148,7 +148,7 @@ def _ownership(ids_flat, s, n_routed):
     return e, (s < n_routed) & (e >= 0) & (earlier == 0)
 
 
-def gate_up_rows(x_ref, load_g, load_u, *, BK, n_chunks, bi, to, mode, limit, dt):
+def _gate_up_rows(x_ref, load_g, load_u, *, BK, n_chunks, bi, to, mode, limit, dt):
     """SwiGLU(x·W_gateᵀ, x·W_upᵀ) for BI intermediate rows: x_ref [TO, D]; load_g/load_u(ks) -> [BI, BK] weight
     tiles of one expert; -> [TO, BI] in dt (each product rounded to dt before SwiGLU, as the reference)."""
     def body(c, carry):
@@ -161,7 +161,7 @@ def gate_up_rows(x_ref, load_g, load_u, *, BK, n_chunks, bi, to, mode, limit, dt
     return _swiglu(_gu_result(mode, acc_g, to).astype(dt), _gu_result(mode, acc_u, to).astype(dt), limit)
 
 
-def down_cols(load_h, load_d, *, BKI, n_chunks, bd, to, dt):
+def _down_cols(load_h, load_d, *, BKI, n_chunks, bd, to, dt):
     """h·W_down for BD output columns: load_h(ks) -> [TO, BKI] activations, load_d(ks) -> [BKI, BD] weight tiles;
     -> [TO, BD] fp32 holding values rounded to dt (the reference rounds each expert's output)."""
     tp = max(16, to)
@@ -184,8 +184,8 @@ def experts_fwd_kernel_gate_up(x_ref, ids_ref, wg_ref, wu_ref, sg_ref, su_ref, h
     rows = pl.ds(pl.multiple_of(j * bi, bi), bi)
 
     def compute(load_g, load_u, lim):
-        h_ref[...] = gate_up_rows(x_ref, load_g, load_u, BK=BK, n_chunks=n_chunks, bi=bi, to=to, mode=mode,
-                                  limit=lim, dt=h_ref.dtype)
+        h_ref[...] = _gate_up_rows(x_ref, load_g, load_u, BK=BK, n_chunks=n_chunks, bi=bi, to=to, mode=mode,
+                                   limit=lim, dt=h_ref.dtype)
 
     # One indexer per load (the Triton lowering takes no `ref.at[e][...]` chains).
     @pl.when(owner)
@@ -207,8 +207,8 @@ def experts_fwd_kernel_down(h_ref, ids_ref, ids2_ref, w_ref, wd_ref, sd_ref, o_r
     cols = pl.ds(pl.multiple_of(i_d * bd, bd), bd)
 
     def expert_out(s, load_d):
-        return down_cols(lambda ks: h_ref[s, :, ks], load_d, BKI=BKI, n_chunks=n_chunks, bd=bd, to=to,
-                         dt=wd_ref.dtype)
+        return _down_cols(lambda ks: h_ref[s, :, ks], load_d, BKI=BKI, n_chunks=n_chunks, bd=bd, to=to,
+                          dt=wd_ref.dtype)
 
     @pl.when(g < n_groups)
     def _():

@@ -51,7 +51,7 @@ class RouterTuning:
         check_pow2_fields(self, ("block_e", "block_k", "k_splits", "block_n", "topk_warps"))
 
 
-def gemv_block(x_ref, w_ref, cols, o_split, *, BK, n_chunks, bn, use_dot):
+def _gemv_block(x_ref, w_ref, cols, o_split, *, BK, n_chunks, bn, use_dot):
     """Partial logits [bn, BE] of x_ref [bn, D] rows [o_split, o_split + n_chunks·BK) · w_ref[:, cols] (fp32)."""
     be = cols.size
     if bn == 1 and not use_dot:
@@ -81,11 +81,11 @@ def router_fwd_kernel_gemv(x_ref, w_ref, p_ref, *, BK, n_chunks, use_dot):
     # x_ref [BN, D] compute dtype (BN = 1: one token); w_ref [D, E] fp32; p_ref [BN, BE] fp32 partial logits
     bn, be = p_ref.shape
     cols = pl.ds(pl.multiple_of(pl.program_id(0) * be, be), be)
-    p_ref[...] = gemv_block(x_ref, w_ref, cols, pl.program_id(1) * (n_chunks * BK), BK=BK, n_chunks=n_chunks, bn=bn,
-                            use_dot=use_dot)
+    p_ref[...] = _gemv_block(x_ref, w_ref, cols, pl.program_id(1) * (n_chunks * BK), BK=BK, n_chunks=n_chunks,
+                             bn=bn, use_dot=use_dot)
 
 
-def select_topk(logits, bias, *, topk_group, top_k, scale, norm):
+def _select_topk(logits, bias, *, topk_group, top_k, scale, norm):
     """In-kernel grouped top-k of one token: logits, bias [G, E/G] fp32 -> (weights [K] fp32, ids [K] int32)."""
     n_group, gsz = logits.shape
     e = n_group * gsz
@@ -122,7 +122,7 @@ def select_topk(logits, bias, *, topk_group, top_k, scale, norm):
     return w * scale, ids
 
 
-def sum_partials(p_ref):
+def _sum_partials(p_ref):
     """p_ref [KS, G, E/G] fp32 split-K partial logits -> [G, E/G], summed in split order."""
     logits = p_ref[0]
     for k in range(1, p_ref.shape[0]):
@@ -132,7 +132,7 @@ def sum_partials(p_ref):
 
 def router_fwd_kernel_topk(p_ref, b_ref, w_ref, i_ref, **select_kw):
     # p_ref [KS, G, E/G] fp32 partial logits; b_ref [G, E/G] fp32; w_ref [1, K] fp32; i_ref [1, K] int32
-    w, ids = select_topk(sum_partials(p_ref), b_ref[...], **select_kw)
+    w, ids = _select_topk(_sum_partials(p_ref), b_ref[...], **select_kw)
     w_ref[0, :] = w
     i_ref[0, :] = ids
 
