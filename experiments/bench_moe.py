@@ -24,12 +24,10 @@ Bytes: router fp32 D·E·4 + (distinct experts + shared) · 3·D·I·2; % of 4.3
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import functools
 import statistics
 import sys
-import tempfile
 import time
 
 import jax
@@ -146,21 +144,12 @@ def time_chain(layer_fn, layers, xs, reps=(1, 3), iters=10):
 
 def profile_chain(layer_fn, layers, xs, n=5):
     """Per-kernel device µs per layer from the JAX profiler (cold weights, inside the R = 1 chain)."""
-    from profile_ops import gpu_events
+    from profile_ops import durations_by_name, trace_kernels
 
     nl = len(layers)
     run = make_chain(layer_fn, nl, 1)
-    jax.block_until_ready(run(layers, xs))
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d, create_perfetto_trace=True):
-            for _ in range(n):
-                jax.block_until_ready(run(layers, xs))
-        events = gpu_events(d)
-    by_name = collections.defaultdict(list)
-    for name, _, dur in events:
-        by_name[name[:60]].append(dur)
     kernels = []
-    for name, durs in by_name.items():
+    for name, durs in durations_by_name(trace_kernels(lambda: run(layers, xs), n)).items():
         per_call = len(durs) / n  # launches per executable
         kernels.append(dict(kernel=name, per_layer=round(per_call / nl, 2), median_us=round(statistics.median(durs), 2),
                             us_per_layer=round(sum(durs) / n / nl, 2)))

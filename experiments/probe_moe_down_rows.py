@@ -14,14 +14,13 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_common import run_header, write_results  # noqa: E402
-from probe_moe_t1 import D, I, K, LIMITS, ROUTE_KW, make_layers, per_kernel_us, reference_layer  # noqa: E402
+from bench_common import run_header  # noqa: E402
+from probe_moe_t1 import D, I, K, LIMITS, ROUTE_KW, make_layers, record_row, reference_layer  # noqa: E402
 
 from pallas_kernels.moe import experts as ex  # noqa: E402
 from pallas_kernels.moe import router as router_mod  # noqa: E402
@@ -110,20 +109,7 @@ def main():
         lay["sd_rows"] = jnp.swapaxes(lay["sd"], 0, 1) + 0
 
     def record(label, fn):
-        try:
-            a = np.asarray(jax.jit(fn)(x, layers[0]), np.float64)
-            b = np.asarray(jax.jit(reference_layer)(x, layers[0]), np.float64)
-            err = float(np.linalg.norm(a - b) / np.linalg.norm(b))
-            ks = per_kernel_us(fn, x, layers)
-        except Exception as exc:  # one variant's failure must not lose the others
-            print(f"{label}: {type(exc).__name__}: {str(exc)[:600]}", flush=True)
-            return
-        total = sum(us * per for us, per in ks.values())
-        results["rows"].append(dict(label=label, err=err, total_us=round(total, 2), kernels=ks))
-        print(f"{label:44s} err {err:.2e}  total {total:6.2f} µs  " +
-              "  ".join(f"{k[:30]} {v[0]}" + (f"x{v[1]:.2g}" if v[1] != 1 else "") for k, v in ks.items()),
-              flush=True)
-        write_results("probe_moe_down_rows.json", results)
+        record_row(results, "probe_moe_down_rows.json", label, fn, x, layers, reference_layer)
 
     for label, tu in GATE_UP:
         record(f"gate/up {label}", separate(tu))

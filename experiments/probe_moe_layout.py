@@ -27,8 +27,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_common import run_header, write_results  # noqa: E402
-from probe_moe_t1 import per_kernel_us  # noqa: E402
+from bench_common import run_header  # noqa: E402
+from probe_moe_t1 import record_row  # noqa: E402
 
 try:
     import _old_moe_experts as old  # noqa: E402
@@ -138,26 +138,7 @@ def main():
     results = {**run_header(), "rows": []}
 
     def record(label, fn, x, layers, check=None):
-        try:
-            if check is not None:
-                out, ref = jax.jit(fn)(x, layers[0]), jax.jit(check)(x, layers[0])
-                if isinstance(out, (list, tuple)):
-                    err = float(np.mean(np.asarray(out[1]) != np.asarray(ref[1])))
-                else:
-                    a, b = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-                    err = float(np.linalg.norm(a - b) / np.linalg.norm(b))
-            else:
-                err = None
-            ks = per_kernel_us(fn, x, layers)
-        except Exception as exc:  # one variant's failure must not lose the others
-            print(f"{label}: {type(exc).__name__}: {str(exc)[:400]}", flush=True)
-            return
-        total = sum(us * per for us, per in ks.values())
-        results["rows"].append(dict(label=label, err=err, total_us=round(total, 2), kernels=ks))
-        print(f"{label:60s} err {err}  total {total:6.2f} µs  " +
-              "  ".join(f"{k[:28]} {v[0]}" + (f"x{v[1]:.2g}" if v[1] != 1 else "") for k, v in ks.items()),
-              flush=True)
-        write_results("probe_moe_layout.json", results)
+        record_row(results, "probe_moe_layout.json", label, fn, x, layers, check)
 
     x, layers = make_layers(1)
     record("router old", route_old, x, layers, check=lambda x, lay: reference.route(

@@ -13,11 +13,9 @@ Run on the GPU: `PYTHONPATH=. python3 experiments/probe_moe_t1.py --sweep call4`
 from __future__ import annotations
 
 import argparse
-import collections
 import functools
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import jax
@@ -29,7 +27,7 @@ from jax.experimental.pallas import triton as pltriton
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_common import run_header, write_results  # noqa: E402
-from profile_ops import gpu_events  # noqa: E402
+from profile_ops import durations_by_name, trace_kernels  # noqa: E402
 
 from pallas_kernels.moe import reference  # noqa: E402
 from pallas_kernels.moe import router as router_mod  # noqa: E402
@@ -56,18 +54,38 @@ def make_layers():
 
 
 def per_kernel_us(fn, x, layers, n=10):
+    """{kernel: (median device µs, launches per layer)} of fn(x, lay) over every layer, n traced runs."""
     run = jax.jit(lambda x, layers: [fn(x, lay) for lay in layers])
-    jax.block_until_ready(run(x, layers))
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d, create_perfetto_trace=True):
-            for _ in range(n):
-                jax.block_until_ready(run(x, layers))
-        events = gpu_events(d)
-    by_name = collections.defaultdict(list)
-    for name, _, dur in events:
-        by_name[name[:60]].append(dur)
+    by_name = durations_by_name(trace_kernels(lambda: run(x, layers), n))
     calls = n * len(layers)
     return {k: (round(statistics.median(v), 2), len(v) / calls) for k, v in by_name.items()}
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def record_row(results, out_name, label, fn, x, layers, check=None):
+    """Check fn against `check` on layer 0 (relative error; for a (weights, ids) router pair, the fraction of ids
+    that differ), profile it over all layers, print and append the row, save `results` as out_name."""
+    try:
+        err = None
+        if check is not None:
+            out, ref = jax.jit(fn)(x, layers[0]), jax.jit(check)(x, layers[0])
+            if isinstance(out, (list, tuple)):
+                err = float(np.mean(np.asarray(out[1]) != np.asarray(ref[1])))
+            else:
+                err = rel_err(out, ref)
+        ks = per_kernel_us(fn, x, layers)
+    except Exception as exc:  # one variant's failure must not lose the others
+        print(f"{label}: {type(exc).__name__}: {str(exc)[:600]}", flush=True)
+        return
+    total = sum(us * per for us, per in ks.values())
+    results["rows"].append(dict(label=label, err=err, total_us=round(total, 2), kernels=ks))
+    print(f"{label:48s} err {err}  total {total:6.2f} µs  " +
+          "  ".join(f"{k[:30]} {v[0]}" + (f"x{v[1]:.2g}" if v[1] != 1 else "") for k, v in ks.items()), flush=True)
+    write_results(out_name, results)
 
 
 def reference_layer(x, lay):
@@ -153,22 +171,7 @@ def main():
     x, layers = make_layers()
 
     def record(label, fn, check=True):
-        try:
-            err = None
-            if check:
-                a = np.asarray(jax.jit(fn)(x, layers[0]), np.float64)
-                b = np.asarray(jax.jit(reference_layer)(x, layers[0]), np.float64)
-                err = float(np.linalg.norm(a - b) / np.linalg.norm(b))
-            ks = per_kernel_us(fn, x, layers)
-        except Exception as exc:  # one variant's failure must not lose the others
-            print(f"{label}: {type(exc).__name__}: {str(exc)[:600]}", flush=True)
-            return
-        total = sum(us * per for us, per in ks.values())
-        results["rows"].append(dict(label=label, err=err, total_us=round(total, 2), kernels=ks))
-        print(f"{label:48s} err {err}  total {total:6.2f} µs  " +
-              "  ".join(f"{k[:30]} {v[0]}" + (f"x{v[1]:.2g}" if v[1] != 1 else "") for k, v in ks.items()),
-              flush=True)
-        write_results("probe_moe_t1.json", results)
+        record_row(results, "probe_moe_t1.json", label, fn, x, layers, reference_layer if check else None)
 
     record("separate route + experts (defaults)", separate())
     for label, et, rt in SWEEPS[args.sweep]:

@@ -124,15 +124,28 @@ def gpu_events(trace_dir):
     return sorted(out, key=lambda e: e[1])
 
 
-def profile(name, backend, n):
-    fn, args = OPS[name](backend)
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
+def trace_kernels(run, n):
+    """GPU events (as `gpu_events`) of n calls of the zero-argument `run`, after two untraced warm-up calls."""
+    jax.block_until_ready(run())
+    jax.block_until_ready(run())
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):
             for _ in range(n):
-                jax.block_until_ready(fn(*args))
-        events = gpu_events(d)
+                jax.block_until_ready(run())
+        return gpu_events(d)
+
+
+def durations_by_name(events, width=60):
+    """{kernel name (first `width` characters): [durations µs]} over the traced events."""
+    by_name = collections.defaultdict(list)
+    for name, _, dur in events:
+        by_name[name[:width]].append(dur)
+    return by_name
+
+
+def profile(name, backend, n):
+    fn, args = OPS[name](backend)
+    events = trace_kernels(lambda: fn(*args), n)
     if not events:
         return None
     # Calls are separated by host syncs: split the kernel stream at gaps > 20 µs, keep full-length calls.
