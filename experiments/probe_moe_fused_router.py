@@ -12,12 +12,16 @@ combine 1.5 µs) move almost no bytes. Here:
 Counter: "alias" = a fresh zero buffer aliased in and out (XLA zero-fills it every call); "keep" = a constant
 zero buffer the kernel restores (every program that increments it is followed by the last one resetting it).
 
-Run on the GPU: `XLA_FLAGS=--xla_allow_excess_precision=false PYTHONPATH=. python3 experiments/probe_moe_fused_router.py`.
+Also (--sweep static): the session-3 layer with its fixed-count loops written out (loads issued up front) and
+fewer pipeline stages.
+Run on the GPU: `XLA_FLAGS=--xla_allow_excess_precision=false PYTHONPATH=. python3 experiments/probe_moe_fused_router.py
+--sweep c1` (session 4's call 1), `--sweep static` (call 2).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import sys
@@ -72,7 +76,7 @@ def router_kernel(x_ref, w_ref, b_ref, cnt_ref, sg_ref, su_ref, *outs, BE, BK, n
 
         @pl.when(_signal_last(cnt_ref, 0, n_gemv))
         def _():
-            lg = pltriton.load(lg_ref, cache_modifier=".cg")
+            lg = pltriton.load(lg_ref, volatile=True)
             w, ids = router_mod._select_topk(lg, b_ref[...], **SELECT_KW)
             wt_ref[0, :] = w
             id_ref[0, :] = ids
@@ -159,10 +163,10 @@ def down_combine_kernel(h_ref, ids_ref, w_ref, wd_ref, sd_ref, cnt_ref, part_ref
 
     @pl.when(_signal_last(cnt_ref, i_d, K + 1))
     def _():
-        routed = pltriton.load(part_ref.at[jnp.int32(0), :, cols], cache_modifier=".cg")
+        routed = pltriton.load(part_ref.at[jnp.int32(0), :, cols], volatile=True)
         for s in range(1, K):
-            routed = routed + pltriton.load(part_ref.at[jnp.int32(s), :, cols], cache_modifier=".cg")
-        shared = pltriton.load(part_ref.at[jnp.int32(K), :, cols], cache_modifier=".cg")
+            routed = routed + pltriton.load(part_ref.at[jnp.int32(s), :, cols], volatile=True)
+        shared = pltriton.load(part_ref.at[jnp.int32(K), :, cols], volatile=True)
         y_ref[:, cols] = routed.astype(dt) + shared.astype(dt)
         cnt_ref[i_d] = jnp.int32(0)
 
@@ -237,8 +241,51 @@ def toy_layers():
     return make_layers()
 
 
+class _StaticLax:
+    """jax.lax with fori_loop written out when its bounds are Python ints (all loads issued up front)."""
+
+    def __getattr__(self, name):
+        return getattr(lax, name)
+
+    @staticmethod
+    def fori_loop(lo, hi, body, init):
+        if not (isinstance(lo, int) and isinstance(hi, int)):
+            return lax.fori_loop(lo, hi, body, init)
+        for c in range(lo, hi):
+            init = body(jnp.int32(c), init)  # an array: pl.multiple_of takes no Python int
+        return init
+
+
+@contextlib.contextmanager
+def static_loops():
+    ex.lax = _StaticLax()
+    ex.moe_experts_fused.clear_cache()
+    try:
+        yield
+    finally:
+        ex.lax = lax
+        ex.moe_experts_fused.clear_cache()
+
+
+def static_sweep(rec):
+    dec = ex.DECODE_TUNING
+    rec("layer: session 3 defaults", separate())
+    for label, tu in (("defaults", dec), ("gate/up stages 1", dataclasses.replace(dec, stages_gate_up=1)),
+                      ("stages 1 both", dataclasses.replace(dec, stages_gate_up=1, stages_down=1)),
+                      ("stages 1, BI 1", dataclasses.replace(dec, stages_gate_up=1, block_i=1)),
+                      ("stages 1, BI 4", dataclasses.replace(dec, stages_gate_up=1, block_i=4)),
+                      ("stages 1, BI 4 w2", dataclasses.replace(dec, stages_gate_up=1, block_i=4, warps_gate_up=2)),
+                      ("stages 1 both, BKI 128", dataclasses.replace(dec, stages_gate_up=1, stages_down=1,
+                                                                     block_ki=128)),
+                      ("stages 1 both, BD 128 w8", dataclasses.replace(dec, stages_gate_up=1, stages_down=1,
+                                                                       block_d=128, warps_down=8))):
+        with static_loops():
+            rec(f"layer: static loops, {label}", separate(tu))
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--sweep", choices=("c1", "static"), default="static")
     ap.add_argument("--race-tokens", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--toy", action="store_true", help="CPU smoke run: small sizes, interpret mode")
@@ -255,6 +302,10 @@ def main():
     def ref_route(x, lay):
         return reference.route(x, lay["router"], lay["bias"], **ROUTE_KW)
 
+    if args.sweep == "static":
+        static_sweep(rec)
+        write_results(OUT, results)
+        return
     for keep in (True, False):
         n_bad = race_check(layers, args.race_tokens, keep)
         print(f"race check keep={keep}: {n_bad} of {args.race_tokens} tokens with different ids", flush=True)

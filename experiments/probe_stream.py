@@ -6,11 +6,14 @@ Structures (each program owns BI rows of one slab, as the gate/up kernel does):
   tile   [BI, BK] tiles, loop over the D chunks (the gate/up kernel's order: BI rows advance together)
   rowseq one row at a time, each row's five [512] chunks loaded together: a sequential stream per program
   flat   the slab viewed [I·D/BK, BK] (rows of BK contiguous): [BR, BK] tiles, each one contiguous block
-Run on the GPU: `PYTHONPATH=. python3 experiments/probe_stream.py`.
+  unrolled  [BI, BK] tiles of whole rows, the D/BK loads written out (no loop), so all are issued up front;
+         with num_stages 1 they go straight to registers (no cp.async pipeline through shared memory)
+Run on the GPU: `PYTHONPATH=. python3 experiments/probe_stream.py --sweep s4` (s3: session 3's call 5).
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import sys
 from pathlib import Path
@@ -40,6 +43,14 @@ def tile_kernel(w_ref, o_ref, *, BK):
     o_ref[...] = jnp.sum(lax.fori_loop(0, D // BK, body, jnp.zeros((bi, BK), jnp.float32)), axis=1)
 
 
+def unrolled_kernel(w_ref, o_ref, *, BK):
+    s, j = pl.program_id(0), pl.program_id(1)
+    bi = o_ref.shape[0]
+    rows = pl.ds(pl.multiple_of(j * bi, bi), bi)
+    tiles = [w_ref[s, rows, pl.ds(c * BK, BK)] for c in range(D // BK)]
+    o_ref[...] = jnp.sum(sum(t.astype(jnp.float32) for t in tiles), axis=1)
+
+
 def rowseq_kernel(w_ref, o_ref, *, BK):
     s, j = pl.program_id(0), pl.program_id(1)
     bi = o_ref.shape[0]
@@ -67,9 +78,9 @@ def flat_kernel(w_ref, o_ref, *, BR, n_steps):
     o_ref[...] = jnp.full((1,), jnp.sum(acc))
 
 
-def run(kind, warps, **kw):
+def run(kind, warps, stages=3, **kw):
     def f(x, slabs):
-        params = pltriton.CompilerParams(num_warps=warps, num_stages=3)
+        params = pltriton.CompilerParams(num_warps=warps, num_stages=stages)
         if kind == "flat":
             bk, br, n_steps = kw["BK"], kw["BR"], kw["n_steps"]
             v = slabs.reshape(NS, I * D // bk, bk)
@@ -80,7 +91,7 @@ def run(kind, warps, **kw):
                 out_shape=jax.ShapeDtypeStruct((NS, n_prog, 1), jnp.float32), compiler_params=params,
                 name=f"read_{kind}")(v)
         bi = kw["BI"]
-        kern = tile_kernel if kind == "tile" else rowseq_kernel
+        kern = dict(tile=tile_kernel, rowseq=rowseq_kernel, unrolled=unrolled_kernel)[kind]
         return pl.pallas_call(
             functools.partial(kern, BK=kw["BK"]), grid=(NS, I // bi), in_specs=[pl.no_block_spec],
             out_specs=pl.BlockSpec((None, bi), lambda s, j: (s, j)),
@@ -88,7 +99,7 @@ def run(kind, warps, **kw):
     return f
 
 
-VARIANTS = [
+VARIANTS_S3 = [
     ("tile", 4, dict(BI=8, BK=512)), ("tile", 2, dict(BI=4, BK=512)), ("tile", 4, dict(BI=4, BK=512)),
     ("tile", 8, dict(BI=8, BK=512)), ("tile", 8, dict(BI=16, BK=512)), ("tile", 1, dict(BI=2, BK=512)),
     ("rowseq", 4, dict(BI=8, BK=512)), ("rowseq", 4, dict(BI=4, BK=512)), ("rowseq", 2, dict(BI=8, BK=512)),
@@ -99,11 +110,25 @@ VARIANTS = [
 ]
 
 
+VARIANTS_S4 = [  # (kind, warps, kw incl. stages)
+    ("tile", 1, dict(BI=2, BK=512)), ("tile", 1, dict(BI=2, BK=512, stages=1)),
+    ("unrolled", 1, dict(BI=2, BK=512, stages=1)), ("unrolled", 1, dict(BI=2, BK=512)),
+    ("unrolled", 1, dict(BI=1, BK=512, stages=1)), ("unrolled", 1, dict(BI=4, BK=512, stages=1)),
+    ("unrolled", 1, dict(BI=2, BK=256, stages=1)), ("unrolled", 2, dict(BI=4, BK=512, stages=1)),
+    ("unrolled", 2, dict(BI=2, BK=512, stages=1)), ("unrolled", 4, dict(BI=8, BK=512, stages=1)),
+    ("unrolled", 4, dict(BI=4, BK=512, stages=1)), ("unrolled", 8, dict(BI=16, BK=512, stages=1)),
+]
+SWEEPS = {"s3": VARIANTS_S3, "s4": VARIANTS_S4}
+
+
 def main():
-    results = {**run_header(), "MB": MB, "rows": []}
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sweep", choices=sorted(SWEEPS), default="s4")
+    args = ap.parse_args()
+    results = {**run_header(), "MB": MB, "sweep": args.sweep, "rows": []}
     slabs = [jax.random.normal(jax.random.key(l), (NS, I, D), jnp.bfloat16) for l in range(NL)]
     x = jnp.zeros((1,), jnp.float32)
-    for kind, warps, kw in VARIANTS:
+    for kind, warps, kw in SWEEPS[args.sweep]:
         label = f"{kind} w{warps} " + " ".join(f"{k}{v}" for k, v in kw.items())
         try:
             ks = per_kernel_us(run(kind, warps, **kw), x, slabs)

@@ -1,0 +1,218 @@
+"""Probe: the whole T = 1 MoE layer (router GEMV, top-k, shared + routed gate/up, down) in one Pallas launch.
+
+Why: the session-3 layer is five launches; each costs ~1.7 µs of ramp/tail on top of its bytes, and the top-k
+(~2.5-5 µs of serial reductions) stalls the machine between the GEMV and the expert streaming. One launch of
+1-warp programs with roles by ticket (an atomic counter at program start, so every program a program waits for
+has started: no deadlock whatever order the hardware dispatches in):
+  GEMV      E/BE programs: fp32 router rows [BE, D] (router stored [E, D]) -> logits; the last to finish (arrival
+            counter) runs the grouped top-k and publishes weights/ids (flag).
+  shared    I/BI programs: shared gate/up rows, no wait (they stream while the top-k runs).
+  routed    K·I/BI programs: wait for the ids flag, then gate/up rows of their expert.
+  down      (K + 1)·D/BD programs: wait until every gate/up program of their slot arrived, then BD columns.
+An XLA fusion sums the K weighted fp32 partials, rounds, and adds the shared one (as the session-3 layer).
+Handshake: producers store, CTA barrier, then one thread's acq_rel atomic; consumers poll with volatile loads and
+issue `fence.acq_rel.gpu` (inline asm) whose result feeds the indices of their dependent loads.
+Counters [16] int32: 0 ticket, 1 GEMV arrivals, 2 ids flag, 3..3+K slot arrivals, 15 finished programs.
+"keep": one constant zero buffer, reset by the last program to finish; "alias": XLA zero-fills a fresh one per call.
+
+Run on the GPU: `XLA_FLAGS=--xla_allow_excess_precision=false PYTHONPATH=. timeout 200 python3
+experiments/probe_moe_mega.py` (a hang would be a handshake bug: keep the timeout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+sys.path.insert(0, str(Path(__file__).parent))
+import probe_moe_fused_router as fr  # noqa: E402
+from bench_common import run_header, write_results  # noqa: E402
+from probe_moe_t1 import K, LIMITS, ROUTE_KW, record_row, reference_layer, separate  # noqa: E402
+
+from pallas_kernels.common import interpret_mode  # noqa: E402
+from pallas_kernels.moe import experts as ex  # noqa: E402
+from pallas_kernels.moe import router as router_mod  # noqa: E402
+
+OUT = "probe_moe_mega.json"
+C_TICKET, C_GEMV, C_IDS, C_SLOT, C_DONE = 0, 1, 2, 3, 15
+
+
+def _arrive(cnt_ref, idx):
+    """Release everything this program stored (CTA barrier, then one acq_rel atomic); returns the old count."""
+    if not interpret_mode():
+        pltriton.debug_barrier()
+    return pltriton.atomic_add(cnt_ref, (jnp.asarray(idx, jnp.int32),), jnp.int32(1))
+
+
+def _wait(cnt_ref, idx, target):
+    """Poll cnt[idx] until >= target, then an acquire fence; returns an int32 zero that depends on the fence
+    (added to the indices of the loads that must see the producers' data)."""
+    if interpret_mode():  # interpreted programs run in ticket order: every producer is done
+        return jnp.int32(0)
+    ref = cnt_ref.at[pl.ds(idx, 1)]
+    v = lax.while_loop(lambda v: jnp.min(v) < target, lambda v: pltriton.load(ref, volatile=True),
+                       pltriton.load(ref, volatile=True))
+    fenced, = pltriton.elementwise_inline_asm(
+        "fence.acq_rel.gpu;\n\tmov.b32 $0, $1;", args=[v], constraints="=r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct((1,), jnp.int32)])
+    return jnp.minimum(jnp.min(fenced) - target, 0)  # 0 at run time; the compiler cannot know it
+
+
+def _pick(row, k):
+    """Element k (traced) of a [K] vector."""
+    return jnp.sum(jnp.where(lax.iota(jnp.int32, row.shape[0]) == k, row, jnp.zeros_like(row)))
+
+
+def mega_kernel(x_ref, rt_ref, b_ref, wg_ref, wu_ref, wd_ref, sg_ref, su_ref, sd_ref, cnt_ref,
+                lg_ref, wt_ref, id_ref, h_ref, part_ref, *maybe_cnt_out, BE, BK, BI, BD, BKI, ticket, keep):
+    D = x_ref.shape[1]
+    E, I = rt_ref.shape[0], wg_ref.shape[1]
+    gsz = lg_ref.shape[1]
+    n_gemv, n_rows, n_cols = E // BE, I // BI, D // BD
+    lo_shared = n_gemv
+    lo_routed = lo_shared + n_rows
+    lo_down = lo_routed + K * n_rows
+    total = lo_down + (K + 1) * n_cols
+    dt = h_ref.dtype
+    t = pltriton.atomic_add(cnt_ref, (jnp.int32(C_TICKET),), jnp.int32(1)) if ticket else pl.program_id(0)
+
+    def gate_up(load_g, load_u, lim):
+        return ex._gate_up_rows(x_ref, load_g, load_u, BK=BK, n_chunks=D // BK, bi=BI, to=1, mode="fma_reduce",
+                                limit=lim, dt=dt)
+
+    @pl.when(t < lo_shared)
+    def _():
+        rows = pl.ds(pl.multiple_of(t * BE, BE), BE)
+
+        def body(c, acc):
+            ks = pl.ds(pl.multiple_of(c * BK, BK), BK)
+            return acc + jnp.sum(rt_ref[rows, ks] * x_ref[0, ks].astype(jnp.float32)[None, :], axis=1)
+
+        lg_ref[(t * BE) // gsz, pl.ds(pl.multiple_of((t * BE) % gsz, BE), BE)] = lax.fori_loop(
+            0, D // BK, body, jnp.zeros((BE,), jnp.float32))
+
+        @pl.when(_arrive(cnt_ref, C_GEMV) == n_gemv - 1)
+        def _():
+            lg = lg_ref[...] if interpret_mode() else pltriton.load(lg_ref, volatile=True)
+            w, ids = router_mod._select_topk(lg, b_ref[...], **fr.SELECT_KW)
+            wt_ref[0, :] = w
+            id_ref[0, :] = ids
+            _arrive(cnt_ref, C_IDS)
+
+    @pl.when((t >= lo_shared) & (t < lo_routed))
+    def _():
+        rows = pl.ds(pl.multiple_of((t - lo_shared) * BI, BI), BI)
+        h_ref[K, :, rows] = gate_up(lambda ks: sg_ref[rows, ks], lambda ks: su_ref[rows, ks], LIMITS["shared_limit"])
+        _arrive(cnt_ref, C_SLOT + K)
+
+    @pl.when((t >= lo_routed) & (t < lo_down))
+    def _():
+        s, j = (t - lo_routed) // n_rows, (t - lo_routed) % n_rows
+        zero = _wait(cnt_ref, C_IDS, 1)
+        e = _pick(id_ref[0, pl.ds(zero, K)], s)
+        rows = pl.ds(pl.multiple_of(j * BI, BI), BI)
+        h_ref[s, :, rows] = gate_up(lambda ks: wg_ref[e, rows, ks], lambda ks: wu_ref[e, rows, ks], LIMITS["limit"])
+        _arrive(cnt_ref, C_SLOT + s)
+
+    @pl.when(t >= lo_down)
+    def _():
+        g, i_d = (t - lo_down) // n_cols, (t - lo_down) % n_cols
+        cols = pl.ds(pl.multiple_of(i_d * BD, BD), BD)
+        zero = _wait(cnt_ref, C_SLOT + g, n_rows)
+
+        def out(load_d):
+            return ex._down_cols(lambda ks: h_ref[g + zero, :, ks], load_d, BKI=BKI, n_chunks=I // BKI, bd=BD, to=1,
+                                 dt=dt)
+
+        @pl.when(g < K)
+        def _():
+            e = _pick(id_ref[0, pl.ds(zero, K)], g)
+            part_ref[g, :, cols] = _pick(wt_ref[0, pl.ds(zero, K)], g) * out(lambda ks: wd_ref[e, ks, cols])
+
+        @pl.when(g == K)
+        def _():
+            part_ref[K, :, cols] = out(lambda ks: sd_ref[ks, cols])
+
+    if keep:  # the last program to finish leaves the counters as it found them: zero
+        @pl.when(_arrive(cnt_ref, C_DONE) == total - 1)
+        def _():
+            cnt_ref[...] = jnp.zeros(cnt_ref.shape, jnp.int32)
+
+
+def mega_layer(keep=True, ticket=True, BE=2, BK=512, BI=2, BD=64, BKI=64, warps=1, stages=3):
+    def f(x, lay):
+        D = x.shape[1]
+        E, I = lay["router_t"].shape[0], lay["wg"].shape[1]
+        G = ROUTE_KW["n_group"]
+        bk, bki = min(BK, D), min(BKI, I)
+        cnt = fr._counter(keep, 16)
+        outs = [jax.ShapeDtypeStruct((G, E // G), jnp.float32), jax.ShapeDtypeStruct((1, K), jnp.float32),
+                jax.ShapeDtypeStruct((1, K), jnp.int32), jax.ShapeDtypeStruct((K + 1, 1, I), x.dtype),
+                jax.ShapeDtypeStruct((K + 1, 1, D), jnp.float32)]
+        aliases = {}
+        if not keep:
+            aliases = {9: len(outs)}
+            outs.append(jax.ShapeDtypeStruct((16,), jnp.int32))
+        n_prog = E // BE + (K + 1) * (I // BI) + (K + 1) * (D // BD)
+        res = pl.pallas_call(
+            functools.partial(mega_kernel, BE=BE, BK=bk, BI=BI, BD=BD, BKI=bki, ticket=ticket, keep=keep),
+            grid=(n_prog,), in_specs=[pl.no_block_spec] * 10, out_specs=[pl.no_block_spec] * len(outs),
+            out_shape=outs, input_output_aliases=aliases, interpret=interpret_mode(),
+            compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=stages), name="moe_layer_mega",
+        )(x, lay["router_t"], lay["bias"].reshape(G, E // G), lay["wg"], lay["wu"], lay["wd"], lay["sg"],
+          lay["su"], lay["sd"], cnt)
+        parts = res[4]
+        return jnp.sum(parts[:K], axis=0).astype(x.dtype) + parts[K].astype(x.dtype)
+    return f
+
+
+def repeat_check(x, lay, fn, n):
+    """n sequential calls (lax.map over different tokens) against the reference layer: the worst relative error."""
+    xs = x[None] + 0.5 * jax.random.normal(jax.random.key(3), (n,) + x.shape, x.dtype)
+    got = jax.jit(lambda xs: lax.map(lambda x: fn(x, lay), xs))(xs)
+    ref = jax.jit(lambda xs: lax.map(lambda x: reference_layer(x, lay), xs))(xs)
+    g, r = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    return float(max(np.linalg.norm(g[i] - r[i]) / np.linalg.norm(r[i]) for i in range(n)))
+
+
+VARIANTS = [("keep ticket", dict()), ("alias ticket", dict(keep=False)), ("keep no-ticket", dict(ticket=False)),
+            ("keep BD32 BKI128", dict(BD=32, BKI=128)), ("keep BKI128", dict(BKI=128)),
+            ("keep BE1", dict(BE=1)), ("keep stages2", dict(stages=2)), ("keep BD128 BKI32", dict(BD=128, BKI=32))]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--toy", action="store_true", help="CPU smoke run: small sizes, interpret mode")
+    ap.add_argument("--repeat", type=int, default=256)
+    ap.add_argument("--variants", default="all")
+    args = ap.parse_args()
+    global OUT
+    results = {**run_header(), "rows": []}
+    if args.toy:
+        OUT = "probe_moe_mega_toy.json"
+        x, layers = fr.toy_layers()
+    else:
+        x, layers = fr.make_layers()
+    for lay in layers:
+        lay["router_t"] = jnp.asarray(lay["router"].T)
+    variants = VARIANTS if args.variants == "all" else [VARIANTS[int(i)] for i in args.variants.split(",")]
+    err = repeat_check(x, layers[0], mega_layer(), args.repeat)
+    print(f"repeat check (keep ticket): worst rel err {err:.2e} over {args.repeat} calls", flush=True)
+    results["repeat_worst_err"] = err
+    record_row(results, OUT, "layer: session 3 (route + experts)", separate(), x, layers, reference_layer)
+    for label, kw in variants:
+        record_row(results, OUT, f"mega {label}", mega_layer(**kw), x, layers, reference_layer)
+    write_results(OUT, results)
+
+
+if __name__ == "__main__":
+    main()
