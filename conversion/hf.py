@@ -14,10 +14,11 @@ entries cover every leaf of `param_specs(cfg)` exactly once with the shapes decl
 `Transform.to_params` (official arrays -> params arrays) and `Transform.to_hf` (the inverse).
 
 Transforms (official torch layout is [out, in]; ling-jax stores [in, out] with heads split out, except the MoE
-experts' gate/up, kept [out, in]):
-    IDENTITY  norms, A_log, embed [V, D], expert_bias, routed and shared expert gate/up (already [out, in])
+router and experts' gate/up, kept [out, in]):
+    IDENTITY  norms, A_log, embed [V, D], router [E, D], expert_bias, routed and shared expert gate/up (already
+              [out, in])
     LINEAR    [prod(out), prod(in)] -> [*in, *out]: the first `n_in` param axes are inputs
-              (w_q [D, H, K] <- [H*K, D]; w_o [H, Dv, D] <- [D, H*Dv]; router [D, E] <- [E, D])
+              (w_q [D, H, K] <- [H*K, D]; w_o [H, Dv, D] <- [D, H*Dv]; lm_head [D, V] <- [V, D])
     CONV      [H*K, 1, W] -> [W, H, K]
     SPLIT_HEADS  dt_bias [H*K] -> [H, K]
     KV_B      kv_b_proj [H*(Dn+Dv), R] (rows head-major, [k_nope | v] per head) -> w_k_b [R, H, Dn], w_v_b [R, H, Dv]
@@ -188,7 +189,7 @@ TABLE: tuple[Rule, ...] = (
     _rule("mlp.up_proj.weight", "ffn.w_up", LINEAR, DENSE),
     _rule("mlp.down_proj.weight", "ffn.w_down", LINEAR, DENSE),
 
-    _rule("mlp.gate.weight", "ffn.router", LINEAR, MOE),
+    _rule("mlp.gate.weight", "ffn.router", IDENTITY, MOE),  # [E, D] kept as is (router GEMV streams whole rows)
     _rule(("mlp.gate.expert_bias", "mlp.gate.e_score_correction_bias"), "ffn.expert_bias", IDENTITY, MOE),
     # Gate/up not LINEAR: ling-jax keeps them in torch's [out, in], so every expert matrix is [Ie, D] (a batch-1
     # gate/up program streams whole D-rows; ling_jax/params.py); each expert's tensor is taken as is, stacked on [E].

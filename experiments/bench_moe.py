@@ -2,12 +2,13 @@
 Ling-3.0-flash sizes, against the pure-XLA reference (gather + einsum)?
 
 Run on the GPU: `PYTHONPATH=. python3 experiments/bench_moe.py` (add `--quick` for no tuning sweep). Correctness
-is checked compiled first (router ids identical on 512 tokens, layer vs reference at T in {1, 3, 16}, every swept
-tuning at T = 1), then:
-  - the MoE layer at T = 1 over experts tunings (router default), then over router tunings (best experts tuning),
-    ranked by device time on a GPU (the T = 1 chain's wall time is the host's),
-  - the MoE layer (best tunings; T > 1 takes experts.VERIFY_TUNING, the T = 1 sweep does not apply to the dot
-    path) at T = 1..9 and 16, and the XLA reference at T = 1 and 8,
+is checked compiled first (router ids identical on 512 tokens with the N > 1 default and on 64 single tokens with
+every swept router tuning, layer vs reference at T in {1, 3, 16}, every swept tuning at T = 1), then:
+  - the MoE layer at T = 1 over experts tunings (router default), then over router tunings (best experts tuning;
+    `--router-only`: DECODE_TUNING, no experts sweep), ranked by device time on a GPU (the T = 1 chain's wall time
+    is the host's); each row also notes the router GEMV's own device time,
+  - the MoE layer (best tunings; T > 1 takes experts.VERIFY_TUNING and router.VERIFY_TUNING, the T = 1 sweeps do
+    not apply to the dot paths) at T = 1..9 and 16, and the XLA reference at T = 1 and 8,
   - the profiler's per-kernel device times of the best config at T = 1 (after the sweep) and T = 6 (at the end),
     cold weights, inside the chain.
 Results are saved after each section (a timeout keeps what finished).
@@ -38,7 +39,7 @@ from bench_common import HBM_BYTES_PER_S, print_table, run_header, slope_per_cal
 from pallas_kernels import moe
 from pallas_kernels.moe import router as router_mod
 from pallas_kernels.moe.experts import DECODE_TUNING, ExpertsTuning, moe_experts_fused
-from pallas_kernels.moe.router import RouterTuning
+from pallas_kernels.moe.router import DECODE_TUNING as ROUTER_DECODE, RouterTuning
 
 D, E, I, K = 2560, 512, 768, 8
 ROUTE_KW = dict(n_group=8, topk_group=4, top_k=K, routed_scaling_factor=2.5)
@@ -60,17 +61,29 @@ EXPERTS_SWEEP = [
     dataclasses.replace(_D, block_d=128),
     dataclasses.replace(_D, block_ki=128),
 ]
+# The router is [E, D]: a GEMV program streams BE whole expert rows (BK-wide tiles), no split-K. T = 1 sweep around
+# router.DECODE_TUNING (fma_reduce, BE 2, BK 512, 1 warp): the product mode (T1_GEMV_MODES), rows and warps per
+# program, the chunk, stages, and the top-k program's warps. BK is capped at D's largest power-of-two divisor (512).
+_R = ROUTER_DECODE
 ROUTER_SWEEP = [
-    RouterTuning(),
-    RouterTuning(gemv_dot=True, k_splits=8, block_k=64, topk_warps=1),  # the defaults before session 3
-    RouterTuning(k_splits=8, block_k=64),
-    RouterTuning(k_splits=32, block_k=16),
-    RouterTuning(topk_warps=8),
+    _R,
+    dataclasses.replace(_R, t1_gemv="fma"),
+    dataclasses.replace(_R, block_e=1),
+    dataclasses.replace(_R, block_e=4),
+    dataclasses.replace(_R, block_e=4, num_warps=2),
+    dataclasses.replace(_R, block_e=8, num_warps=4),
+    dataclasses.replace(_R, block_e=8, block_k=256, num_warps=2, t1_gemv="fma"),
+    dataclasses.replace(_R, block_k=256),
+    dataclasses.replace(_R, num_stages=1),
+    dataclasses.replace(_R, topk_warps=1),
+    dataclasses.replace(_R, topk_warps=8),
+    RouterTuning(),  # VERIFY_TUNING at T = 1: fma, BE 16, BK 64, 4 warps
+    RouterTuning(t1_gemv="dot", block_e=16, block_k=64),  # 16-row broadcast tensor-core dot
 ]
 
 
 def parse_tuning(base, text):
-    """`block_i=32,gemv_dot=true,t1_gate_up=dot_w` -> base with those fields (ints, true/false, else strings)."""
+    """`block_i=32,t1_gemv=fma,t1_gate_up=dot_w` -> base with those fields (ints, true/false, else strings)."""
     kw = {}
     for item in filter(None, text.split(",")):
         k, v = (s.strip() for s in item.split("="))
@@ -100,7 +113,7 @@ def make_layers(nl, key):
     for l in range(nl):
         c = jnp.asarray(1.0 + 0.01 * l, bf)
         lay = {n: (w * c) for n, w in base.items()}  # distinct buffers per layer (cold), same statistics
-        lay["router"] = jax.random.normal(jax.random.fold_in(k[6], l), (D, E), jnp.float32) * (D ** -0.5)
+        lay["router"] = jax.random.normal(jax.random.fold_in(k[6], l), (E, D), jnp.float32) * (D ** -0.5)  # [E, D]
         lay["expert_bias"] = 0.01 * jax.random.normal(jax.random.fold_in(k[7], l), (E,), jnp.float32)
         layers.append(jax.block_until_ready(lay))
     del base
@@ -117,8 +130,9 @@ def moe_layer(x, lay, backend, et=None, rt=None):
         w, ids = moe.route(x, lay["router"], lay["expert_bias"], **ROUTE_KW)
         return moe.moe_experts(x, w, ids, lay["we_gate"], lay["we_up"], lay["we_down"], lay["ws_gate"],
                                lay["ws_up"], lay["ws_down"], limit=LIMIT, shared_limit=SHARED_LIMIT)
-    w, ids = router_mod.route(x, lay["router"], lay["expert_bias"], **ROUTE_KW, tuning=rt or RouterTuning())
-    et = et if x.shape[0] == 1 else None  # the T = 1 sweep's tuning; T > 1 runs experts.VERIFY_TUNING
+    if x.shape[0] > 1:  # the T = 1 sweeps' tunings; T > 1 runs experts.VERIFY_TUNING and router.VERIFY_TUNING
+        et = rt = None
+    w, ids = router_mod.route(x, lay["router"], lay["expert_bias"], **ROUTE_KW, tuning=rt)
     return moe_experts_fused(x, w, ids, lay["we_gate"], lay["we_up"], lay["we_down"], lay["ws_gate"],
                              lay["ws_up"], lay["ws_down"], limit=LIMIT, shared_limit=SHARED_LIMIT,
                              tuning=et)
@@ -162,7 +176,9 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="no sweep: the tunings of --experts / --router")
     ap.add_argument("--experts", default="",
                     help="--quick: DECODE_TUNING with these fields, e.g. block_i=4,warps_gate_up=2")
-    ap.add_argument("--router", default="", help="RouterTuning fields for --quick, e.g. gemv_dot=false")
+    ap.add_argument("--router", default="",
+                    help="--quick: router.DECODE_TUNING with these fields, e.g. t1_gemv=fma,block_e=4")
+    ap.add_argument("--router-only", action="store_true", help="sweep the router only (experts DECODE_TUNING)")
     ap.add_argument("--no-ts", action="store_true", help="stop after the sweep (and the T = 1 profile)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--iters", type=int, default=10)
@@ -194,13 +210,25 @@ def main(argv=None):
     lay = layers[0]
     xr = jnp.asarray(rng.standard_normal((512, D)), jnp.bfloat16)
     w_r, i_r = moe.route(xr, lay["router"], lay["expert_bias"], **ROUTE_KW)
-    for rt in ROUTER_SWEEP if not args.quick else [parse_tuning(RouterTuning(), args.router)]:
-        w_p, i_p = router_mod.route(xr, lay["router"], lay["expert_bias"], **ROUTE_KW, tuning=rt)
-        mism = int((np.asarray(i_p) != np.asarray(i_r)).any(axis=1).sum())
-        werr = float(np.abs(np.asarray(w_p) - np.asarray(w_r)).max())
-        results["checks"][f"router_ids_differ_of_512 {short(rt)}"] = mism
-        print(f"check router {short(rt)}: tokens with different ids {mism}/512, weights max err {werr:.2e}", flush=True)
-        assert mism == 0, rt
+
+    def check_router(rt, n_tok):  # rt None: the N > 1 default (all 512 tokens at once); else T = 1, token by token
+        if rt is None:
+            w_p, i_p = router_mod.route(xr, lay["router"], lay["expert_bias"], **ROUTE_KW)
+        else:
+            outs = [router_mod.route(xr[i:i + 1], lay["router"], lay["expert_bias"], **ROUTE_KW, tuning=rt)
+                    for i in range(n_tok)]
+            w_p, i_p = (np.concatenate([np.asarray(o[j]) for o in outs]) for j in (0, 1))
+        mism = int((np.asarray(i_p) != np.asarray(i_r[:n_tok])).any(axis=1).sum())
+        werr = float(np.abs(np.asarray(w_p) - np.asarray(w_r[:n_tok])).max())
+        label = "N>1 default" if rt is None else short(rt)
+        results["checks"][f"router_ids_differ_of_{n_tok} {label}"] = mism
+        print(f"check router {label}: tokens with different ids {mism}/{n_tok}, weights max err {werr:.2e}",
+              flush=True)
+        assert mism == 0, label
+
+    check_router(None, 512)
+    for rt in ROUTER_SWEEP if not args.quick else [parse_tuning(ROUTER_DECODE, args.router)]:
+        check_router(rt, 64)
     for t in (1, 3, 16):
         x = xs_for(t)[0]
         err = rel_err(moe_layer(x, lay, "pallas"), moe_layer(x, lay, "reference"))
@@ -232,11 +260,12 @@ def main(argv=None):
     y1_ref = moe_layer(x1, lay, "reference")
 
     # 1) Experts tunings at T = 1 (router default), then router tunings (best experts tuning).
-    def device_us(et, rt):  # device µs per layer (profiler, cold chain); None off the GPU
+    def device_us(et, rt):  # (layer, router GEMV) device µs per layer (profiler, cold chain); None off the GPU
         if jax.default_backend() != "gpu":
-            return None
+            return None, None
         ks = profile_chain(lambda x, lay: moe_layer(x, lay, "pallas", et, rt), layers, xs_for(1))
-        return round(sum(k["us_per_layer"] for k in ks), 2)
+        gemv = sum(k["us_per_layer"] for k in ks if "router_fwd_kernel_gemv" in k["kernel"])
+        return round(sum(k["us_per_layer"] for k in ks), 2), round(gemv, 2)
 
     # At T = 1 the chain's wall slope follows the host's kernel launches, not the ~39 µs of device work (30-59 µs
     # per layer over one sweep, some below the device time): the sweep ranks by device time when it has it.
@@ -248,21 +277,21 @@ def main(argv=None):
                 err = rel_err(moe_layer(x1, lay, "pallas", et, rt), y1_ref)
                 assert err <= 2e-2, f"rel err {err:.2e}"
                 us, sp = timed(1, et, rt)
-                dev = device_us(et, rt)
+                dev, dev_gemv = device_us(et, rt)
             except Exception as exc:  # a tuning that fails to compile or check is skipped with its reason
                 print(f"skip {c}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
                 continue
-            row(kind, "pallas", 1, us, sp, nb1, d1, note=f"device {dev} µs {short(c)}")
-            results["rows"][-1]["device_us"] = dev
+            row(kind, "pallas", 1, us, sp, nb1, d1, note=f"device {dev} µs (router GEMV {dev_gemv}) {short(c)}")
+            results["rows"][-1]["device_us"], results["rows"][-1]["router_gemv_device_us"] = dev, dev_gemv
             score = us if dev is None else dev
             if score < best[1]:
                 best = (c, score)
         return best[0]
 
     if args.quick:
-        et_best, rt_best = parse_tuning(DECODE_TUNING, args.experts), parse_tuning(RouterTuning(), args.router)
+        et_best, rt_best = parse_tuning(DECODE_TUNING, args.experts), parse_tuning(ROUTER_DECODE, args.router)
     else:
-        et_best = sweep("sweep_exp", EXPERTS_SWEEP, lambda c: (c, None))
+        et_best = DECODE_TUNING if args.router_only else sweep("sweep_exp", EXPERTS_SWEEP, lambda c: (c, None))
         rt_best = sweep("sweep_rtr", ROUTER_SWEEP, lambda c: (et_best, c))
     results["best_experts_tuning"], results["best_router_tuning"] = str(et_best), str(rt_best)
     print(f"best: {short(et_best)} {short(rt_best)}  [{time.time() - t_start:.0f}s]", flush=True)

@@ -25,9 +25,8 @@ from probe_moe_t1 import D, I, K, LIMITS, ROUTE_KW, make_layers, record_row, ref
 from pallas_kernels.moe import experts as ex  # noqa: E402
 from pallas_kernels.moe import router as router_mod  # noqa: E402
 from pallas_kernels.moe.experts import ExpertsTuning  # noqa: E402
-from pallas_kernels.moe.router import RouterTuning  # noqa: E402
 
-ROUTER = RouterTuning(gemv_dot=False, k_splits=16, block_k=32, topk_warps=4)
+ROUTER = router_mod.DECODE_TUNING
 
 
 def down_rows_kernel(h_ref, ids_ref, w_ref, wd_ref, sd_ref, y_ref, *, BKI, n_chunks):

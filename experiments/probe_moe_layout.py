@@ -6,9 +6,11 @@ weights (64 experts per layer here, 9 used, 106 MB per layer: far past the 60 MB
 checked compiled against the reference first.
 
 The old kernels are not in the tree: `git show f144aad:pallas_kernels/moe/experts.py >
-experiments/_old_moe_experts.py` first. The run in RESULTS.md (session 3, call 1) was made at commit 0a437ab, when
-the new down kernel also read [E, D, I] (torch layout); that down measured slower (14.9-20.8 µs against 11.3) and
-the down projection went back to [E, I, D] ([in, out]), which this script now passes.
+experiments/_old_moe_experts.py` and `git show cf5cb96:pallas_kernels/moe/router.py >
+experiments/_old_moe_router.py` (the split-K router over [D, E], before the router went [E, D]) first. The run in
+RESULTS.md (session 3, call 1) was made at commit 0a437ab, when the new down kernel also read [E, D, I] (torch
+layout); that down measured slower (14.9-20.8 µs against 11.3) and the down projection went back to [E, I, D]
+([in, out]), which this script now passes.
 
 Run on the GPU: `PYTHONPATH=. python3 experiments/probe_moe_layout.py`.
 """
@@ -32,13 +34,14 @@ from probe_moe_t1 import record_row  # noqa: E402
 
 try:
     import _old_moe_experts as old  # noqa: E402
+    import _old_moe_router as old_router  # noqa: E402
 except ImportError as exc:
-    raise SystemExit("probe_moe_layout.py compares against the kernels of commit f144aad: first run "
-                     "`git show f144aad:pallas_kernels/moe/experts.py > experiments/_old_moe_experts.py`") from exc
+    raise SystemExit("probe_moe_layout.py compares against the kernels of commits f144aad and cf5cb96: first run "
+                     "`git show f144aad:pallas_kernels/moe/experts.py > experiments/_old_moe_experts.py` and "
+                     "`git show cf5cb96:pallas_kernels/moe/router.py > experiments/_old_moe_router.py`") from exc
 from pallas_kernels.common import interpret_mode  # noqa: E402
 from pallas_kernels.moe import reference  # noqa: E402
 from pallas_kernels.moe import router as router_mod  # noqa: E402
-from pallas_kernels.moe.router import RouterTuning  # noqa: E402
 from pallas_kernels.moe.experts import DECODE_TUNING, ExpertsTuning, moe_experts_fused  # noqa: E402
 
 D, I, K, NL, EL, E_ROUTER = 2560, 768, 8, 8, 64, 512
@@ -114,24 +117,23 @@ def route_ed(be, ks, bk, warps, stages):
             compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=stages),
             interpret=interpret_mode(), name="router_gemv_ed")(x, w)
         g = ROUTE_KW["n_group"]
+        logits = part.sum(0)  # [1, E]: split-K partials summed in XLA (today's top-k kernel reads logits)
         return pl.pallas_call(
             functools.partial(router_mod.router_fwd_kernel_topk, topk_group=4, top_k=K, scale=2.5, norm=True),
             grid=(1,),
-            in_specs=[pl.BlockSpec((ks, None, g, e // g), lambda i: (0, i, 0, 0)),
+            in_specs=[pl.BlockSpec((None, g, e // g), lambda i: (i, 0, 0)),
                       pl.BlockSpec((g, e // g), lambda i: (0, 0))],
             out_specs=[pl.BlockSpec((1, K), lambda i: (i, 0))] * 2,
             out_shape=[jax.ShapeDtypeStruct((1, K), jnp.float32), jax.ShapeDtypeStruct((1, K), jnp.int32)],
             compiler_params=pltriton.CompilerParams(num_warps=1, num_stages=1),
             interpret=interpret_mode(), name="router_fwd_kernel_topk",
-        )(part.reshape(ks, 1, g, e // g), lay["bias"].reshape(g, e // g))
+        )(logits.reshape(1, g, e // g), lay["bias"].reshape(g, e // g))
     return f
 
 
-OLD_ROUTER = RouterTuning(gemv_dot=True, k_splits=8, block_k=64, topk_warps=1)  # the defaults before session 3
-
-
-def route_old(x, lay):
-    return router_mod.route(x, lay["router"], lay["bias"], **ROUTE_KW, tuning=OLD_ROUTER)
+def route_old(x, lay):  # the split-K router over [D, E] with the defaults before session 3 (commit cf5cb96's file)
+    tuning = old_router.RouterTuning(gemv_dot=True, k_splits=8, block_k=64, topk_warps=1)
+    return old_router.route(x, lay["router"], lay["bias"], **ROUTE_KW, tuning=tuning)
 
 
 def main():
@@ -141,12 +143,14 @@ def main():
         record_row(results, "probe_moe_layout.json", label, fn, x, layers, check)
 
     x, layers = make_layers(1)
-    record("router old", route_old, x, layers, check=lambda x, lay: reference.route(
-        x, lay["router"], lay["bias"], **ROUTE_KW))
+    check_route = lambda x, lay: reference.route(x, lay["router_t"], lay["bias"], **ROUTE_KW)  # noqa: E731
+    record("router old", route_old, x, layers, check=check_route)
+    record("router today (DECODE_TUNING)", lambda x, lay: router_mod.route(x, lay["router_t"], lay["bias"],
+                                                                            **ROUTE_KW), x, layers, check=check_route)
     for be, ks, bk, w, st in [(4, 1, 256, 4, 3), (8, 1, 128, 4, 3), (4, 2, 256, 4, 3), (8, 4, 128, 4, 3),
                               (4, 1, 512, 4, 3), (2, 1, 512, 2, 3), (4, 4, 128, 4, 4), (16, 4, 64, 4, 3)]:
         record(f"router [E,D] BE{be} KS{ks} BK{bk} w{w} s{st}", route_ed(be, ks, bk, w, st), x, layers,
-               check=lambda x, lay: reference.route(x, lay["router"], lay["bias"], **ROUTE_KW))
+               check=check_route)
     record("experts old default", old_experts(old.ExpertsTuning()), x, layers, check=ref_experts)
     record("experts old best split", old_experts(old.ExpertsTuning(block_i=128, block_k=64, k_splits=4,
                                                                      warps_gate_up=8)), x, layers, check=ref_experts)

@@ -32,7 +32,6 @@ from profile_ops import durations_by_name, trace_kernels  # noqa: E402
 from pallas_kernels.moe import reference  # noqa: E402
 from pallas_kernels.moe import router as router_mod  # noqa: E402
 from pallas_kernels.moe.experts import ExpertsTuning, moe_experts_fused  # noqa: E402
-from pallas_kernels.moe.router import RouterTuning  # noqa: E402
 
 D, I, K, NL, E = 2560, 768, 8, 8, 512
 ROUTE_KW = dict(n_group=8, topk_group=4, top_k=K, routed_scaling_factor=2.5)
@@ -48,7 +47,7 @@ def make_layers():
             wg=jax.random.normal(k[0], (E, I, D), bf) * s, wu=jax.random.normal(k[1], (E, I, D), bf) * s,
             wd=jax.random.normal(k[2], (E, I, D), bf) * I ** -0.5, sg=jax.random.normal(k[3], (I, D), bf) * s,
             su=jax.random.normal(k[4], (I, D), bf) * s, sd=jax.random.normal(k[5], (I, D), bf) * I ** -0.5,
-            router=jax.random.normal(k[6], (D, E), jnp.float32) * s,
+            router=jax.random.normal(k[6], (E, D), jnp.float32) * s,  # [E, D]
             bias=0.01 * jax.random.normal(k[7], (E,), jnp.float32)))
     return jax.random.normal(jax.random.key(99), (1, D), jnp.bfloat16), layers
 
@@ -95,7 +94,7 @@ def reference_layer(x, lay):
     return (y.astype(x.dtype) + reference.expert_mlp(x, lay["sg"], lay["su"], lay["sd"], 5.0)).astype(x.dtype)
 
 
-def separate(experts_tuning=None, router_tuning=RouterTuning()):
+def separate(experts_tuning=None, router_tuning=None):  # None: the defaults by T
     def f(x, lay):
         w, ids = router_mod.route(x, lay["router"], lay["bias"], **ROUTE_KW, tuning=router_tuning)
         return moe_experts_fused(x, w, ids, lay["wg"], lay["wu"], lay["wd"], lay["sg"], lay["su"], lay["sd"],
@@ -129,18 +128,15 @@ def read_ceiling(bi, bk, unroll=1, warps=4, n_exp=9):
     return f
 
 
-E_, R_ = ExpertsTuning, RouterTuning
+E_ = ExpertsTuning
 FMA_R = "fma_reduce"
 # (label, experts tuning, router tuning); None = default. "call3"/"call4": session 3's device calls 3 and 4 (call 3
-# also swept loop unrolling and FMA down products, all slower, removed since: commit 7955b3f has them).
+# also swept loop unrolling and FMA down products, all slower, removed since: commit 7955b3f has them). Their
+# router rows swept the split-K router over [D, E], gone since the router went [E, D] (commit cf5cb96 has them).
 SWEEPS = {
     "call3": [
         ("gate/up fma_reduce BK512", E_(t1_gate_up=FMA_R, block_k=512), None),
         ("gate/up fma_reduce BK1024 w8", E_(t1_gate_up=FMA_R, block_k=1024, warps_gate_up=8), None),
-        ("router KS16 BK32", None, R_(k_splits=16, block_k=32)),
-        ("router BE8", None, R_(block_e=8)),
-        ("router fma KS16 BK32", None, R_(gemv_dot=False, k_splits=16, block_k=32)),
-        ("router topk warps 4", None, R_(topk_warps=4)),
     ],
     "call4": [
         ("gate/up dot_w BI16 BK256", E_(t1_gate_up="dot_w"), None),
@@ -151,11 +147,6 @@ SWEEPS = {
         ("gate/up dot_w BI32 BK256 w8", E_(t1_gate_up="dot_w", block_i=32, warps_gate_up=8), None),
         ("gate/up dot_w BI64 BK128 w4", E_(t1_gate_up="dot_w", block_i=64, block_k=128), None),
         ("gate/up dot_x BI16 BK256 s4", E_(t1_gate_up="dot_x", stages_gate_up=4), None),
-        ("router fma KS16 BK32 topk w4", None, R_(gemv_dot=False, k_splits=16, block_k=32, topk_warps=4)),
-        ("router fma KS8 BK64 topk w4", None, R_(gemv_dot=False, topk_warps=4)),
-        ("router fma KS32 BK16 topk w4", None, R_(gemv_dot=False, k_splits=32, block_k=16, topk_warps=4)),
-        ("router fma KS16 BK32 BE32 topk w4", None, R_(gemv_dot=False, k_splits=16, block_k=32, block_e=32,
-                                                       topk_warps=4)),
     ],
 }
 CEILINGS = {"call3": [(8, 512, 1, 4, 9), (16, 256, 2, 4, 9), (8, 512, 5, 4, 9), (16, 128, 4, 4, 9),
@@ -175,7 +166,7 @@ def main():
 
     record("separate route + experts (defaults)", separate())
     for label, et, rt in SWEEPS[args.sweep]:
-        record(label, separate(et, rt or RouterTuning()))
+        record(label, separate(et, rt))
     for bi, bk, un, w, n_exp in CEILINGS[args.sweep]:  # un: loop unroll of the read kernel
         record(f"read ceiling {n_exp * 7.87:.1f} MB BI{bi} BK{bk} unroll {un} w{w}", read_ceiling(bi, bk, un, w, n_exp),
                check=False)

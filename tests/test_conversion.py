@@ -104,7 +104,7 @@ def expected_params(hcfg, sd) -> dict[str, np.ndarray]:
             for p in ("gate", "up", "down"):
                 out[dst + f"ffn.w_{p}"] = sd[m + f"{p}_proj.weight"].T
         else:
-            out[dst + "ffn.router"] = sd[m + "gate.weight"].T
+            out[dst + "ffn.router"] = sd[m + "gate.weight"]  # [E, D]: torch's [out, in], kept
             out[dst + "ffn.expert_bias"] = sd[m + "gate.e_score_correction_bias"]
             # Expert gate/up stay [out, in] (torch's layout) in ling-jax; down is transposed to [I, D].
             gate_up = sd[m + "experts.gate_up_proj"]  # [E, 2I, D], gate rows first

@@ -104,7 +104,7 @@ def test_clamped_layer_matches_float64_formula():
         silu = g / (1 + np.exp(-g))
         return np.minimum(silu, L) * np.clip(u, -L, L)
 
-    s = 1 / (1 + np.exp(-(X @ P["router"])))
+    s = 1 / (1 + np.exp(-(X @ P["router"].T)))  # router [E, D]
     choice = (s + P["expert_bias"]).reshape(5, cfg.n_group, -1)
     want = np.zeros_like(X)
     clamped = 0

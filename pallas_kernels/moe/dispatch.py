@@ -18,7 +18,7 @@ def route(x, router, expert_bias, *, n_group, topk_group, top_k, routed_scaling_
 
     Args:
       x: [N, D] compute dtype (float32 or bfloat16).
-      router: [D, E] float32 (the checkpoint's `mlp.gate.weight`, transposed).
+      router: [E, D] float32 (torch's [out, in]: the checkpoint's `mlp.gate.weight` as it is).
       expert_bias: [E] float32; added to the sigmoid scores for selection only.
       n_group, topk_group, top_k: E splits into n_group equal groups; the best topk_group groups (by the sum of
         their top-2 biased scores) are kept and top_k experts are chosen among them. Ties go to the lower index.
@@ -32,11 +32,13 @@ def route(x, router, expert_bias, *, n_group, topk_group, top_k, routed_scaling_
     check_rank("x", x, 2, "[N, D]")
     check_dtype("x", x, COMPUTE_DTYPES)
     n, d = x.shape
-    check_rank("router", router, 2, "[D, E]")
-    if router.shape[0] != d:
-        raise ValueError(f"router.shape={tuple(router.shape)} must be [D, E] with D = x.shape[1] = {d}")
+    check_rank("router", router, 2, "[E, D]")
+    if router.shape[1] != d:
+        hint = " (a [D, E] router from before: pass router.T)" if router.shape[0] == d else ""
+        raise ValueError(f"router.shape={tuple(router.shape)} must be [E, D] (torch's [out, in], the checkpoint's "
+                         f"mlp.gate.weight as it is) with D = x.shape[1] = {d}{hint}")
     check_dtype("router", router, (jnp.float32,))
-    e = router.shape[1]
+    e = router.shape[0]
     check_shape("expert_bias", expert_bias, (e,), "[E]")
     check_dtype("expert_bias", expert_bias, (jnp.float32,))
     if n_group < 1 or e % n_group:

@@ -1,22 +1,29 @@
-"""Pallas-Triton router: split-K fp32 GEMV (kernel 1), then sigmoid + grouped top-k by masked argmax (kernel 2).
+"""Pallas-Triton router: fp32 GEMV over expert rows (kernel 1), then sigmoid + grouped top-k by masked argmax
+(kernel 2).
 
-Kernel 1 (`router_fwd_kernel_gemv`), grid (E / BE, KS, NP / BN): program (j, k, n) streams rows
-[k·D/KS, (k+1)·D/KS) of the [D, BE] slab j of the fp32 router in [BK, BE] tiles into fp32 `dot`s (pipelined
-loads) and writes partial logits for BN tokens. Split-K gives E/BE·KS programs, enough loads in flight. The
-router stays fp32 (5.2 MB for Flash, +1.2 µs over a bf16 copy at 4.3 TB/s) so the logits equal the reference's
-up to fp32 summation order and the selection is the reference's (a bf16 copy would move near-ties).
+Layout: the router is stored [E, D] fp32, torch's [out, in] (the checkpoint's `mlp.gate.weight` as it is;
+ling_jax/params.py), so an expert's weights are one contiguous 10 KB D-row at Flash size.
 
-At T = 1 (`gemv_dot=False`, the default) the single token's products are plain FMAs into a [BK, BE] fp32 tile
-reduced once at the end; `gemv_dot=True` broadcasts it to 16 rows for a tensor-core dot instead (1.1 µs slower at
-the same split, H200).
+Kernel 1 (`router_fwd_kernel_gemv`), grid (E / BE, NP / BN): program (j, n) owns expert rows [j·BE, (j+1)·BE) and
+reads them end to end in [BE, BK] tiles (row-contiguous reads, as the experts' gate/up programs: the lesson of
+their [.., Ie, D] layout change), writing logits [BN, BE] for BN tokens. No split-K: each logit is one program's
+sum, so the top-k kernel reads the logits directly. Products by T (`T1_GEMV_MODES`):
+  T = 1, `fma`: x[k]·w[e, k] into a [BE, BK] fp32 tile, reduced over BK once at the end;
+  T = 1, `fma_reduce` (DECODE_TUNING): the same products reduced every tile into [1, BE];
+  T = 1, `dot`, and always for N > 1 tokens: a tensor-core fp32 dot (precision HIGHEST) of the tokens, padded to
+  >= 16 rows (T = 1 broadcasts its row), with the [BE, BK] weight tile as the transposed operand (BE >= 16).
+The router stays fp32 (5.2 MB for Flash, +1.2 µs over a bf16 copy at 4.3 TB/s) so the logits equal the
+reference's up to fp32 summation order and the selection is the reference's (a bf16 copy would move near-ties).
+Tunings by T: `DECODE_TUNING` (T = 1: tiny programs, 2 rows and 1 warp, streaming whole rows like the experts'
+DECODE_TUNING; not yet swept on a GPU in this layout) and `VERIFY_TUNING` (N > 1: the dot path).
 
-Kernel 2 (`router_fwd_kernel_topk`), grid (N,), one program per token over the scores laid out [G, E/G]: sums the
-KS partials in order, sigmoid, then few serial reductions: per-group top-2 sums for all groups at once (row max,
-row argmax, row max without that argmax), the best groups by rank counting on the G scores (a group is kept when
-fewer than topk_group groups beat it: larger, or equal at a lower index), then K argmax passes over the kept
-experts (argmax returns the first maximum) and the K weights in one [K, E] reduction. Every tie goes to the lower
-index, exactly as `lax.top_k`. ~14 serial reductions instead of ~50 (per-group and per-pick loops before). The GEMV
-stays out of this program: one program cannot stream 5 MB fast.
+Kernel 2 (`router_fwd_kernel_topk`), grid (N,), one program per token over its logits laid out [G, E/G]:
+sigmoid, then few serial reductions: per-group top-2 sums for all groups at once (row max, row argmax, row max
+without that argmax), the best groups by rank counting on the G scores (a group is kept when fewer than
+topk_group groups beat it: larger, or equal at a lower index), then K argmax passes over the kept experts (argmax
+returns the first maximum) and the K weights in one [K, E] reduction. Every tie goes to the lower index, exactly
+as `lax.top_k`. ~14 serial reductions instead of ~50 (per-group and per-pick loops before). The GEMV stays out of
+this program: one program cannot stream 5 MB fast.
 """
 
 from __future__ import annotations
@@ -33,56 +40,76 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels.common import interpret_mode
 from pallas_kernels.common.sizes import check_pow2_fields, next_pow2
 
+# T = 1 GEMV products of a [BE, BK] weight tile with the token's [1, BK] slice, by mode (accumulator shape):
+#   fma [BE, BK] elementwise, reduced once at the end;  fma_reduce [1, BE] reduced every tile;
+#   dot [16, BE] tensor-core dot on the row broadcast to 16 rows (needs BE >= 16). N > 1 always takes `dot`.
+T1_GEMV_MODES = ("fma", "fma_reduce", "dot")
+
 
 @dataclasses.dataclass(frozen=True)
 class RouterTuning:
-    # Defaults: best of the H200 sweeps by device time (experiments/RESULTS.md, "MoE, session 3": GEMV 3.8 µs +
-    # top-k 3.8 µs at T = 1, against 5.3 + 4.4 for dot / KS 8 / BK 64 / one top-k warp).
-    block_e: int = 16  # BE: experts per GEMV program
-    block_k: int = 32  # BK: hidden-dim chunk per GEMV step
-    k_splits: int = 16  # KS: hidden-dim splits (partial logits summed by the top-k kernel)
-    block_n: int = 16  # BN: tokens per GEMV program (N = 1 uses a single row)
-    num_warps: int = 4
-    num_stages: int = 3
-    gemv_dot: bool = False  # T = 1: dot on a 16-row broadcast (pipelined loads) vs elementwise FMA + one reduction
+    # Field defaults = VERIFY_TUNING (N > 1, the dot path); DECODE_TUNING below overrides them for T = 1.
+    block_e: int = 16  # BE: expert rows per GEMV program (>= 16 for the dot: N > 1, or t1_gemv="dot")
+    block_k: int = 64  # BK: hidden-dim chunk per GEMV step (>= 16 for the dot)
+    num_warps: int = 4  # GEMV program
+    num_stages: int = 3  # GEMV program
+    t1_gemv: str = "fma"  # T = 1 products: "fma" | "fma_reduce" | "dot" (T1_GEMV_MODES)
+    block_n: int = 16  # BN: tokens per GEMV program at N > 1 (>= 16: dot rows)
     topk_warps: int = 4  # warps of the top-k program (one token per program)
 
     def __post_init__(self):
-        check_pow2_fields(self, ("block_e", "block_k", "k_splits", "block_n", "topk_warps"))
+        check_pow2_fields(self, ("block_e", "block_k", "num_warps", "topk_warps"))
+        check_pow2_fields(self, ("block_n",), 16)
+        if self.num_stages < 1:
+            raise ValueError(f"RouterTuning.num_stages={self.num_stages} must be >= 1")
+        if self.t1_gemv not in T1_GEMV_MODES:
+            raise ValueError(f"RouterTuning.t1_gemv={self.t1_gemv!r} must be one of {T1_GEMV_MODES}")
+        if self.t1_gemv == "dot" and self.block_e < 16:
+            raise ValueError(f"RouterTuning.block_e={self.block_e} with t1_gemv='dot': tensor-core dots need "
+                             "block_e >= 16 expert rows; use t1_gemv='fma' or 'fma_reduce' for fewer")
 
 
-def _gemv_block(x_ref, w_ref, cols, o_split, *, BK, n_chunks, bn, use_dot):
-    """Partial logits [bn, BE] of x_ref [bn, D] rows [o_split, o_split + n_chunks·BK) · w_ref[:, cols] (fp32)."""
-    be = cols.size
-    if bn == 1 and not use_dot:
-        # One token: x[k]·w[k, :] products accumulate in a [BK, BE] fp32 tile (plain FMAs, no 16-row broadcast),
-        # reduced over BK once at the end.
+DECODE_TUNING = RouterTuning(block_e=2, block_k=512, num_warps=1, t1_gemv="fma_reduce")
+VERIFY_TUNING = RouterTuning()
+
+
+def default_tuning(n_tokens: int) -> RouterTuning:
+    return DECODE_TUNING if n_tokens == 1 else VERIFY_TUNING
+
+
+def _gemv_rows(x_ref, w_ref, *, BK, n_chunks, mode):
+    """Logits [BN, BE] fp32 of x_ref [BN, D] (compute dtype) · w_ref [BE, D]ᵀ (fp32 expert rows, read end to end)."""
+    bn, be = x_ref.shape[0], w_ref.shape[0]
+    if mode == "fma":
         def body_fma(c, acc):
-            ks = pl.ds(pl.multiple_of(o_split + c * BK, BK), BK)
-            return acc + x_ref[0, ks].astype(jnp.float32)[:, None] * w_ref[ks, cols]
+            ks = pl.ds(pl.multiple_of(c * BK, BK), BK)
+            return acc + w_ref[:, ks] * x_ref[:, ks].astype(jnp.float32)  # [BE, BK] · [1, BK]
 
-        acc = lax.fori_loop(0, n_chunks, body_fma, jnp.zeros((BK, be), jnp.float32))
-        return jnp.sum(acc, axis=0)[None, :]
+        acc = lax.fori_loop(0, n_chunks, body_fma, jnp.zeros((be, BK), jnp.float32))
+        return jnp.sum(acc, axis=1)[None, :]
+    if mode == "fma_reduce":
+        def body_red(c, acc):
+            ks = pl.ds(pl.multiple_of(c * BK, BK), BK)
+            return acc + jnp.sum(w_ref[:, ks] * x_ref[:, ks].astype(jnp.float32), axis=1)[None, :]
+
+        return lax.fori_loop(0, n_chunks, body_red, jnp.zeros((1, be), jnp.float32))
     rows = max(16, bn)  # dot tiles need >= 16 rows
 
-    def body(c, acc):
-        ks = pl.ds(pl.multiple_of(o_split + c * BK, BK), BK)
+    def body_dot(c, acc):
+        ks = pl.ds(pl.multiple_of(c * BK, BK), BK)
         b_x = jnp.broadcast_to(x_ref[:, ks].astype(jnp.float32), (rows, BK))  # [rows, BK]
-        return acc + jnp.dot(b_x, w_ref[ks, cols], precision=lax.Precision.HIGHEST,
-                             preferred_element_type=jnp.float32)
+        return acc + lax.dot_general(b_x, w_ref[:, ks], (((1,), (1,)), ((), ())),
+                                     precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
 
-    acc = lax.fori_loop(0, n_chunks, body, jnp.zeros((rows, be), jnp.float32))
-    if bn == 1:
+    acc = lax.fori_loop(0, n_chunks, body_dot, jnp.zeros((rows, be), jnp.float32))
+    if bn == 1:  # T = 1 broadcast its row: keep row 0
         acc = jnp.sum(jnp.where((lax.iota(jnp.int32, rows) == 0)[:, None], acc, 0.0), axis=0)[None, :]
     return acc
 
 
-def router_fwd_kernel_gemv(x_ref, w_ref, p_ref, *, BK, n_chunks, use_dot):
-    # x_ref [BN, D] compute dtype (BN = 1: one token); w_ref [D, E] fp32; p_ref [BN, BE] fp32 partial logits
-    bn, be = p_ref.shape
-    cols = pl.ds(pl.multiple_of(pl.program_id(0) * be, be), be)
-    p_ref[...] = _gemv_block(x_ref, w_ref, cols, pl.program_id(1) * (n_chunks * BK), BK=BK, n_chunks=n_chunks,
-                             bn=bn, use_dot=use_dot)
+def router_fwd_kernel_gemv(x_ref, w_ref, l_ref, *, BK, n_chunks, mode):
+    # x_ref [BN, D] compute dtype (BN = 1: one token); w_ref [BE, D] fp32 expert rows; l_ref [BN, BE] fp32 logits
+    l_ref[...] = _gemv_rows(x_ref, w_ref, BK=BK, n_chunks=n_chunks, mode=mode)
 
 
 def _select_topk(logits, bias, *, topk_group, top_k, scale, norm):
@@ -122,17 +149,9 @@ def _select_topk(logits, bias, *, topk_group, top_k, scale, norm):
     return w * scale, ids
 
 
-def _sum_partials(p_ref):
-    """p_ref [KS, G, E/G] fp32 split-K partial logits -> [G, E/G], summed in split order."""
-    logits = p_ref[0]
-    for k in range(1, p_ref.shape[0]):
-        logits = logits + p_ref[k]
-    return logits
-
-
-def router_fwd_kernel_topk(p_ref, b_ref, w_ref, i_ref, **select_kw):
-    # p_ref [KS, G, E/G] fp32 partial logits; b_ref [G, E/G] fp32; w_ref [1, K] fp32; i_ref [1, K] int32
-    w, ids = _select_topk(_sum_partials(p_ref), b_ref[...], **select_kw)
+def router_fwd_kernel_topk(l_ref, b_ref, w_ref, i_ref, **select_kw):
+    # l_ref [G, E/G] fp32 logits of one token; b_ref [G, E/G] fp32; w_ref [1, K] fp32; i_ref [1, K] int32
+    w, ids = _select_topk(l_ref[...], b_ref[...], **select_kw)
     w_ref[0, :] = w
     i_ref[0, :] = ids
 
@@ -140,30 +159,34 @@ def router_fwd_kernel_topk(p_ref, b_ref, w_ref, i_ref, **select_kw):
 @functools.partial(jax.jit, static_argnames=("n_group", "topk_group", "top_k", "routed_scaling_factor",
                                              "norm_topk_prob", "tuning"))
 def route(x, router, expert_bias, *, n_group, topk_group, top_k, routed_scaling_factor, norm_topk_prob=True,
-          tuning: RouterTuning = RouterTuning()):
-    """Same contract as `reference.route`; shapes already validated by the dispatcher."""
+          tuning: RouterTuning | None = None):
+    """Same contract as `reference.route` (router [E, D] fp32); shapes already validated by the dispatcher.
+    `tuning` None: `default_tuning(N)`."""
     n, d = x.shape
-    e = router.shape[1]
-    be = min(tuning.block_e, e)
+    e = router.shape[0]
+    tuning = tuning or default_tuning(n)
     for name, v in (("E", e), ("E/n_group", e // n_group), ("top_k", top_k)):
         if v & (v - 1):
             raise ValueError(f"the Pallas router needs power-of-two sizes: {name}={v}")
-    ks = tuning.k_splits
-    while ks > 1 and (d % ks or (d // ks) % 16):
-        ks //= 2
-    bk = min(tuning.block_k, (d // ks) & -(d // ks))
+    mode = tuning.t1_gemv if n == 1 else "dot"
+    be = min(tuning.block_e, e)
+    if mode == "dot" and be < 16:
+        raise ValueError(f"RouterTuning.block_e={tuning.block_e} at N={n} tokens: the tensor-core dot needs >= 16 "
+                         "expert rows per program; only T = 1 with t1_gemv 'fma'/'fma_reduce' takes fewer "
+                         "(N > 1: use router.VERIFY_TUNING)")
+    bk = min(tuning.block_k, d & -d)
     if bk < 16:
         raise ValueError(f"the Pallas router needs D={d} divisible by 16")
     bn = 1 if n == 1 else min(tuning.block_n, max(16, next_pow2(n)))
     n_pad = -(-n // bn) * bn
     xp = x if n_pad == n else jnp.pad(x, ((0, n_pad - n), (0, 0)))
     interpret = interpret_mode()
-    partial = pl.pallas_call(
-        functools.partial(router_fwd_kernel_gemv, BK=bk, n_chunks=d // ks // bk, use_dot=tuning.gemv_dot),
-        grid=(e // be, ks, n_pad // bn),
-        in_specs=[pl.BlockSpec((bn, d), lambda j, k, i: (i, 0)), pl.no_block_spec],
-        out_specs=pl.BlockSpec((None, bn, be), lambda j, k, i: (k, i, j)),
-        out_shape=jax.ShapeDtypeStruct((ks, n_pad, e), jnp.float32),
+    logits = pl.pallas_call(
+        functools.partial(router_fwd_kernel_gemv, BK=bk, n_chunks=d // bk, mode=mode),
+        grid=(e // be, n_pad // bn),
+        in_specs=[pl.BlockSpec((bn, d), lambda j, i: (i, 0)), pl.BlockSpec((be, d), lambda j, i: (j, 0))],
+        out_specs=pl.BlockSpec((bn, be), lambda j, i: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((n_pad, e), jnp.float32),
         compiler_params=pltriton.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
         interpret=interpret,
         name="router_fwd_kernel_gemv",
@@ -173,12 +196,12 @@ def route(x, router, expert_bias, *, n_group, topk_group, top_k, routed_scaling_
         functools.partial(router_fwd_kernel_topk, topk_group=topk_group, top_k=top_k,
                           scale=float(routed_scaling_factor), norm=bool(norm_topk_prob)),
         grid=(n,),
-        in_specs=[pl.BlockSpec((ks, None, n_group, gsz), lambda i: (0, i, 0, 0)),
+        in_specs=[pl.BlockSpec((None, n_group, gsz), lambda i: (i, 0, 0)),
                   pl.BlockSpec((n_group, gsz), lambda i: (0, 0))],
         out_specs=[pl.BlockSpec((1, top_k), lambda i: (i, 0)), pl.BlockSpec((1, top_k), lambda i: (i, 0))],
         out_shape=[jax.ShapeDtypeStruct((n, top_k), jnp.float32), jax.ShapeDtypeStruct((n, top_k), jnp.int32)],
         compiler_params=pltriton.CompilerParams(num_warps=tuning.topk_warps, num_stages=1),
         interpret=interpret,
         name="router_fwd_kernel_topk",
-    )(partial.reshape(ks, n_pad, n_group, gsz), expert_bias.reshape(n_group, gsz))
+    )(logits.reshape(n_pad, n_group, gsz), expert_bias.reshape(n_group, gsz))
     return w, ids

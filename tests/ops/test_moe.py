@@ -20,7 +20,7 @@ ROUTE_KW = dict(n_group=8, topk_group=4, top_k=8, routed_scaling_factor=2.5)
 
 def np_route(x, router, bias, *, n_group, topk_group, top_k, routed_scaling_factor, norm_topk_prob=True):
     """Token-by-token NumPy router with explicit lower-index tie breaking (stable sort of the negated key)."""
-    logits = x.astype(np.float64) @ router.astype(np.float64)
+    logits = x.astype(np.float64) @ router.astype(np.float64).T  # router [E, D]
     s = 1.0 / (1.0 + np.exp(-logits))
     choice = s + bias.astype(np.float64)
     n, e = choice.shape
@@ -45,22 +45,22 @@ def np_route(x, router, bias, *, n_group, topk_group, top_k, routed_scaling_fact
 def _router_inputs(seed, n, d=256, e=512, ties=False):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((n, d)).astype(np.float32)
-    router = (rng.standard_normal((d, e)) / np.sqrt(d)).astype(np.float32)
+    router = (rng.standard_normal((e, d)) / np.sqrt(d)).astype(np.float32)  # [E, D]
     bias = (0.01 * rng.standard_normal(e)).astype(np.float32)
     if ties:
-        # Exact ties: duplicated router columns and biases, inside a group and across groups, plus whole groups
+        # Exact ties: duplicated router rows and biases, inside a group and across groups, plus whole groups
         # duplicated so that group scores tie too.
         gsz = e // ROUTE_KW["n_group"]
         for a, b in [(3, 5), (7, 200), (64, 65), (130, 400)]:
-            router[:, b] = router[:, a]
+            router[b] = router[a]
             bias[b] = bias[a]
-        router[:, 2 * gsz:3 * gsz] = router[:, 5 * gsz:6 * gsz]
+        router[2 * gsz:3 * gsz] = router[5 * gsz:6 * gsz]
         bias[2 * gsz:3 * gsz] = bias[5 * gsz:6 * gsz]
-        # Near tie: a duplicated column whose bias is larger by a few fp32 ulps of the biased score (~1).
-        router[:, 11] = router[:, 10]
+        # Near tie: a duplicated row whose bias is larger by a few fp32 ulps of the biased score (~1).
+        router[11] = router[10]
         bias[11] = bias[10] + np.float32(3e-7)
         # Make the duplicated experts strong so the ties decide the top-8.
-        x[:, :] += 3.0 * np.sign(router[:, 3] + router[:, 64] + router[:, 10])[None, :]
+        x[:, :] += 3.0 * np.sign(router[3] + router[64] + router[10])[None, :]
     return x, router, bias
 
 
@@ -78,7 +78,7 @@ def test_route_hand_table():
     # E = 8 in 4 groups of 2; keep 2 groups; top 3. choice = s + bias with logits 0 (s = 0.5) and hand biases.
     bias = np.array([0.1, 0.0, 0.3, 0.2, 0.0, 0.0, 0.3, 0.2], np.float32)
     x = np.zeros((1, 4), np.float32)
-    router = np.zeros((4, 8), np.float32)
+    router = np.zeros((8, 4), np.float32)  # [E, D]
     w, ids = moe.route(jnp.asarray(x), jnp.asarray(router), jnp.asarray(bias), n_group=4, topk_group=2, top_k=3,
                        routed_scaling_factor=2.5)
     # Group scores: g0 = 1.1, g1 = 1.5, g2 = 1.0, g3 = 1.5 -> groups 1 and 3 (tie at 1.5: both kept).
@@ -194,11 +194,17 @@ def test_dispatch_errors():
         moe.moe_experts(x, w, ids, wg, wu, wd, backend="triton")
     with pytest.raises(ValueError, match=r"we_gate.dtype=bfloat16 must be one of \['float32'\]"):
         moe.moe_experts(x, w, ids, wg.astype(jnp.bfloat16), wu, wd)
-    router = jnp.zeros((128, 512), jnp.float32)
+    router = jnp.zeros((512, 128), jnp.float32)  # [E, D]
     with pytest.raises(ValueError, match=r"router.dtype=bfloat16"):
         moe.route(x, router.astype(jnp.bfloat16), jnp.zeros(512), **ROUTE_KW)
     with pytest.raises(ValueError, match="n_group=7 must divide"):
         moe.route(x, router, jnp.zeros(512), **{**ROUTE_KW, "n_group": 7})
+    # A [D, E] router (the layout before): the message names the shape, the layout and the fix.
+    with pytest.raises(ValueError, match=r"router.shape=\(128, 512\) must be \[E, D\] .* D = x.shape\[1\] = 128 "
+                                         r"\(a \[D, E\] router from before: pass router.T\)"):
+        moe.route(x, router.T, jnp.zeros(512), **ROUTE_KW)
+    with pytest.raises(ValueError, match=r"router.shape=\(512, 64\) must be \[E, D\]"):
+        moe.route(x, router[:, :64], jnp.zeros(512), **ROUTE_KW)
 
 
 @pytest.mark.parametrize("n", [1, 7, 40])
@@ -214,41 +220,78 @@ def test_route_pallas(n):
         assert ids.dtype == jnp.int32 and w.dtype == jnp.float32
 
 
+@pytest.mark.parametrize("mode", ["fma", "fma_reduce", "dot"])
+def test_route_pallas_t1_modes(mode):
+    """Each T = 1 GEMV product mode (router.T1_GEMV_MODES) selects the reference's experts, random inputs and near
+    ties; fma modes at the decode block shape (BE 2, BK 512 > D: one chunk) and BK 32 (8 chunks)."""
+    from pallas_kernels.moe import router as router_mod
+
+    be = 16 if mode == "dot" else 2
+    for seed in range(4):
+        x, router, bias = _router_inputs(200 + seed, 1, ties=seed % 2 == 1)
+        args = (jnp.asarray(x), jnp.asarray(router), jnp.asarray(bias))
+        tu = router_mod.RouterTuning(t1_gemv=mode, block_e=be, block_k=(512, 32)[seed // 2], num_warps=1)
+        w, ids = router_mod.route(*args, **ROUTE_KW, tuning=tu)
+        w_ref, ids_ref = moe.route(*args, **ROUTE_KW)
+        np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids_ref))
+        np.testing.assert_allclose(np.asarray(w), np.asarray(w_ref), rtol=1e-5, atol=1e-6)
+
+
+def test_router_tuning_errors():
+    from pallas_kernels.moe.router import RouterTuning
+
+    with pytest.raises(ValueError, match=r"RouterTuning.t1_gemv='gemv' must be one of \('fma', 'fma_reduce', 'dot'\)"):
+        RouterTuning(t1_gemv="gemv")
+    with pytest.raises(ValueError, match=r"RouterTuning.block_e=8 with t1_gemv='dot': tensor-core dots need"):
+        RouterTuning(t1_gemv="dot", block_e=8)
+    with pytest.raises(ValueError, match=r"RouterTuning.block_k=48 must be a power of two"):
+        RouterTuning(block_k=48)
+    with pytest.raises(ValueError, match=r"RouterTuning.block_n=8 must be a power of two >= 16"):
+        RouterTuning(block_n=8)
+    with pytest.raises(ValueError, match=r"RouterTuning.num_stages=0 must be >= 1"):
+        RouterTuning(num_stages=0)
+
+
 def test_route_pallas_bf16_input_and_hand_table():
     x, router, bias = _router_inputs(7, 9, ties=True)
     args = (jnp.asarray(x, jnp.bfloat16), jnp.asarray(router), jnp.asarray(bias))
     np.testing.assert_array_equal(np.asarray(moe.route(*args, **ROUTE_KW, backend="pallas")[1]),
                                   np.asarray(moe.route(*args, **ROUTE_KW)[1]))
     bias = jnp.asarray([0.1, 0.0, 0.3, 0.2, 0.0, 0.0, 0.3, 0.2], jnp.float32)
-    _, ids = moe.route(jnp.zeros((1, 16)), jnp.zeros((16, 8)), bias, n_group=4, topk_group=2, top_k=4,
+    _, ids = moe.route(jnp.zeros((1, 16)), jnp.zeros((8, 16)), bias, n_group=4, topk_group=2, top_k=4,
                        routed_scaling_factor=2.5, backend="pallas")
     np.testing.assert_array_equal(np.asarray(ids), [[2, 6, 3, 7]])
 
 
 def test_route_pallas_exact_ties():
     """Many exact ties (scores on a coarse grid): equal experts in and across groups, equal group scores, equal
-    top-2 members; both GEMV variants (the FMA one, gemv_dot=False, runs at one token only: tokens 0 and 1
-    alone). Selection must match lax.top_k's lower-index order exactly."""
+    top-2 members; every T = 1 GEMV product mode (tokens 0 and 1 alone) and the batched dot. Selection must match
+    lax.top_k's lower-index order exactly."""
     from pallas_kernels.moe import router as router_mod
 
     rng = np.random.default_rng(11)
     d, e, n = 64, 512, 12
     x = rng.standard_normal((n, d)).astype(np.float32)
-    # Few distinct router columns and biases on a coarse grid: most scores collide exactly.
-    cols = rng.standard_normal((d, 4)).astype(np.float32) / 8
-    router = cols[:, rng.integers(0, 4, e)]
+    # Few distinct router rows and biases on a coarse grid: most scores collide exactly.
+    rows4 = rng.standard_normal((4, d)).astype(np.float32) / 8
+    router = rows4[rng.integers(0, 4, e)]  # [E, D]
     bias = (rng.integers(0, 3, e) * 0.25).astype(np.float32)
     bias[64:128] = bias[0:64]  # group 1 = group 0: equal group scores
-    router[:, 64:128] = router[:, 0:64]
+    router[64:128] = router[0:64]
     x[0] = 0.0  # token 0: every logit 0, only the bias grid decides
     args = (jnp.asarray(x), jnp.asarray(router), jnp.asarray(bias))
     w_ref, ids_ref = moe.route(*args, **ROUTE_KW)
     np.testing.assert_array_equal(np.asarray(ids_ref), np_route(x, router, bias, **ROUTE_KW)[1])
-    # The default (FMA GEMV at T = 1, 4-warp top-k) and the 16-row dot GEMV with a 1-warp top-k; batched rows
-    # always take the dot GEMV.
-    for tu in (router_mod.RouterTuning(), router_mod.RouterTuning(gemv_dot=True, k_splits=8, block_k=64,
-                                                                   topk_warps=1)):
+    # The defaults by T (None), each T = 1 product mode with awkward blocks (BE 1 or 4, BK below or above D, one
+    # warp top-k); batched rows always take the dot GEMV (BE >= 16).
+    RT = router_mod.RouterTuning
+    for tu in (None, RT(t1_gemv="fma", block_e=1, block_k=16), RT(t1_gemv="fma_reduce", block_e=4, block_k=1024),
+               RT(t1_gemv="dot", block_e=32, block_k=16, topk_warps=1), RT(block_e=128, block_k=32, block_n=32)):
         for rows in (slice(None), slice(0, 1), slice(1, 2)):
+            if rows == slice(None) and tu is not None and tu.block_e < 16:
+                with pytest.raises(ValueError, match=rf"block_e={tu.block_e} at N={n} tokens: the tensor-core dot"):
+                    router_mod.route(args[0][rows], *args[1:], **ROUTE_KW, tuning=tu)
+                continue
             w, ids = router_mod.route(args[0][rows], *args[1:], **ROUTE_KW, tuning=tu)
             np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids_ref[rows]))
             np.testing.assert_allclose(np.asarray(w), np.asarray(w_ref[rows]), rtol=1e-5, atol=1e-6)
@@ -369,7 +412,7 @@ def test_pallas_lowers_for_cuda(monkeypatch, n, tu):
                                              tuning=tu and experts_mod.ExpertsTuning(**_TUNINGS[tu]))
 
     # Every expert matrix [.., I, D].
-    txt = lower_for_cuda(monkeypatch, [router_mod, experts_mod], layer, sds((n, d), bf), sds((d, e), f32),
+    txt = lower_for_cuda(monkeypatch, [router_mod, experts_mod], layer, sds((n, d), bf), sds((e, d), f32),
                          sds((e,), f32), sds((e, i, d), bf), sds((e, i, d), bf), sds((e, i, d), bf), sds((i, d), bf),
                          sds((i, d), bf), sds((i, d), bf))
     assert txt.count("stablehlo.custom_call") == 4  # router GEMV, top-k, gate/up, down
@@ -379,8 +422,11 @@ def test_router_variants_lower_for_cuda(monkeypatch):
     from pallas_kernels.moe import router as router_mod
 
     sds = jax.ShapeDtypeStruct
-    for tu in (router_mod.RouterTuning(gemv_dot=True, topk_warps=1, block_e=64, k_splits=8, block_k=64),):
+    # Every T = 1 product mode (the defaults by T run in test_pallas_lowers_for_cuda), awkward blocks.
+    RT = router_mod.RouterTuning
+    for tu in (RT(t1_gemv="fma", block_e=2, block_k=512, num_warps=1), RT(t1_gemv="fma_reduce", block_e=8),
+               RT(t1_gemv="dot", topk_warps=1, block_e=64, block_k=16), RT(t1_gemv="fma", block_e=1, block_k=1024)):
         fn = lambda x, r, b, tu=tu: router_mod.route(x, r, b, **ROUTE_KW, tuning=tu)  # noqa: E731
         txt = lower_for_cuda(monkeypatch, [router_mod], fn, sds((1, 2560), jnp.bfloat16),
-                             sds((2560, 512), jnp.float32), sds((512,), jnp.float32))
+                             sds((512, 2560), jnp.float32), sds((512,), jnp.float32))
         assert txt.count("stablehlo.custom_call") == 2
