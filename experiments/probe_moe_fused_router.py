@@ -294,7 +294,7 @@ def main():
     x, layers = toy_layers() if args.toy else make_layers()
     layers = layers[:args.layers]
     for lay in layers:
-        lay["router_t"] = jnp.asarray(lay["router"].T)  # [E, D] copy
+        lay["router_t"] = lay["router"]  # stored [E, D]
 
     def rec(label, fn, check=reference_layer):
         record_row(results, OUT, label, fn, x, layers, check)

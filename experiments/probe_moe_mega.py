@@ -73,7 +73,8 @@ def _pick(row, k):
 
 
 def mega_kernel(x_ref, rt_ref, b_ref, wg_ref, wu_ref, wd_ref, sg_ref, su_ref, sd_ref, cnt_ref,
-                lg_ref, wt_ref, id_ref, h_ref, part_ref, *maybe_cnt_out, BE, BK, BI, BD, BKI, ticket, keep):
+                lg_ref, wt_ref, id_ref, h_ref, part_ref, *maybe_cnt_out, BE, BK, BI, BD, BKI, ticket, keep,
+                with_down):
     D = x_ref.shape[1]
     E, I = rt_ref.shape[0], wg_ref.shape[1]
     gsz = lg_ref.shape[1]
@@ -81,7 +82,7 @@ def mega_kernel(x_ref, rt_ref, b_ref, wg_ref, wu_ref, wd_ref, sg_ref, su_ref, sd
     lo_shared = n_gemv
     lo_routed = lo_shared + n_rows
     lo_down = lo_routed + K * n_rows
-    total = lo_down + (K + 1) * n_cols
+    total = lo_down + ((K + 1) * n_cols if with_down else 0)
     dt = h_ref.dtype
     t = pltriton.atomic_add(cnt_ref, (jnp.int32(C_TICKET),), jnp.int32(1)) if ticket else pl.program_id(0)
 
@@ -123,7 +124,7 @@ def mega_kernel(x_ref, rt_ref, b_ref, wg_ref, wu_ref, wd_ref, sg_ref, su_ref, sd
         h_ref[s, :, rows] = gate_up(lambda ks: wg_ref[e, rows, ks], lambda ks: wu_ref[e, rows, ks], LIMITS["limit"])
         _arrive(cnt_ref, C_SLOT + s)
 
-    @pl.when(t >= lo_down)
+    @pl.when((t >= lo_down) & with_down)
     def _():
         g, i_d = (t - lo_down) // n_cols, (t - lo_down) % n_cols
         cols = pl.ds(pl.multiple_of(i_d * BD, BD), BD)
@@ -148,7 +149,7 @@ def mega_kernel(x_ref, rt_ref, b_ref, wg_ref, wu_ref, wd_ref, sg_ref, su_ref, sd
             cnt_ref[...] = jnp.zeros(cnt_ref.shape, jnp.int32)
 
 
-def mega_layer(keep=True, ticket=True, BE=2, BK=512, BI=2, BD=64, BKI=64, warps=1, stages=3):
+def mega_layer(keep=True, ticket=True, BE=2, BK=512, BI=2, BD=64, BKI=64, warps=1, stages=3, with_down=True):
     def f(x, lay):
         D = x.shape[1]
         E, I = lay["router_t"].shape[0], lay["wg"].shape[1]
@@ -162,14 +163,17 @@ def mega_layer(keep=True, ticket=True, BE=2, BK=512, BI=2, BD=64, BKI=64, warps=
         if not keep:
             aliases = {9: len(outs)}
             outs.append(jax.ShapeDtypeStruct((16,), jnp.int32))
-        n_prog = E // BE + (K + 1) * (I // BI) + (K + 1) * (D // BD)
+        n_prog = E // BE + (K + 1) * (I // BI) + ((K + 1) * (D // BD) if with_down else 0)
         res = pl.pallas_call(
-            functools.partial(mega_kernel, BE=BE, BK=bk, BI=BI, BD=BD, BKI=bki, ticket=ticket, keep=keep),
+            functools.partial(mega_kernel, BE=BE, BK=bk, BI=BI, BD=BD, BKI=bki, ticket=ticket, keep=keep,
+                              with_down=with_down),
             grid=(n_prog,), in_specs=[pl.no_block_spec] * 10, out_specs=[pl.no_block_spec] * len(outs),
             out_shape=outs, input_output_aliases=aliases, interpret=interpret_mode(),
             compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=stages), name="moe_layer_mega",
         )(x, lay["router_t"], lay["bias"].reshape(G, E // G), lay["wg"], lay["wu"], lay["wd"], lay["sg"],
           lay["su"], lay["sd"], cnt)
+        if not with_down:  # the session-3 down kernel + XLA combine
+            return fr.down_xla_combine(res[3], res[1], res[2], lay)
         parts = res[4]
         return jnp.sum(parts[:K], axis=0).astype(x.dtype) + parts[K].astype(x.dtype)
     return f
@@ -178,15 +182,62 @@ def mega_layer(keep=True, ticket=True, BE=2, BK=512, BI=2, BD=64, BKI=64, warps=
 def repeat_check(x, lay, fn, n):
     """n sequential calls (lax.map over different tokens) against the reference layer: the worst relative error."""
     xs = x[None] + 0.5 * jax.random.normal(jax.random.key(3), (n,) + x.shape, x.dtype)
-    got = jax.jit(lambda xs: lax.map(lambda x: fn(x, lay), xs))(xs)
-    ref = jax.jit(lambda xs: lax.map(lambda x: reference_layer(x, lay), xs))(xs)
+    # lay is an argument, not a closure: closed-over weights would become GBs of HLO constants
+    got = jax.jit(lambda xs, lay: lax.map(lambda x: fn(x, lay), xs))(xs, lay)
+    ref = jax.jit(lambda xs, lay: lax.map(lambda x: reference_layer(x, lay), xs))(xs, lay)
     g, r = np.asarray(got, np.float64), np.asarray(ref, np.float64)
     return float(max(np.linalg.norm(g[i] - r[i]) / np.linalg.norm(r[i]) for i in range(n)))
 
 
+def topk_shared_kernel(lg_ref, b_ref, x_ref, sg_ref, su_ref, wt_ref, id_ref, h_ref, *, BI, BK):
+    """Program 0: the grouped top-k; programs 1..I/BI: the shared expert's gate/up rows (they stream while the
+    top-k's serial reductions run)."""
+    p = pl.program_id(0)
+
+    @pl.when(p == 0)
+    def _():
+        w, ids = router_mod._select_topk(lg_ref[...], b_ref[...], **fr.SELECT_KW)
+        wt_ref[0, :] = w
+        id_ref[0, :] = ids
+
+    @pl.when(p > 0)
+    def _():
+        rows = pl.ds(pl.multiple_of((p - 1) * BI, BI), BI)
+        h_ref[K, :, rows] = ex._gate_up_rows(x_ref, lambda ks: sg_ref[rows, ks], lambda ks: su_ref[rows, ks], BK=BK,
+                                             n_chunks=x_ref.shape[1] // BK, bi=BI, to=1, mode="fma_reduce",
+                                             limit=LIMITS["shared_limit"], dt=h_ref.dtype)
+
+
+def topk_shared_layer(BI=8, warps=4, BK=512):
+    """Router GEMV (router.DECODE_TUNING) | top-k + shared gate/up | routed gate/up | down | XLA combine."""
+    def f(x, lay):
+        D = x.shape[1]
+        E, I = lay["router"].shape[0], lay["wg"].shape[1]
+        G, bk = ROUTE_KW["n_group"], min(BK, D)
+        logits = pl.pallas_call(
+            functools.partial(router_mod.router_fwd_kernel_gemv, BK=bk, n_chunks=D // bk, mode="fma_reduce"),
+            grid=(E // 2, 1), in_specs=[pl.BlockSpec((1, D), lambda j, i: (i, 0)), pl.BlockSpec((2, D), lambda j, i: (j, 0))],
+            out_specs=pl.BlockSpec((1, 2), lambda j, i: (i, j)), out_shape=jax.ShapeDtypeStruct((1, E), jnp.float32),
+            interpret=interpret_mode(), compiler_params=pltriton.CompilerParams(num_warps=1, num_stages=3),
+            name="router_fwd_kernel_gemv")(x, lay["router"])
+        w, ids, h = pl.pallas_call(
+            functools.partial(topk_shared_kernel, BI=BI, BK=bk), grid=(1 + I // BI,),
+            in_specs=[pl.no_block_spec] * 5, out_specs=[pl.no_block_spec] * 3,
+            out_shape=[jax.ShapeDtypeStruct((1, K), jnp.float32), jax.ShapeDtypeStruct((1, K), jnp.int32),
+                       jax.ShapeDtypeStruct((K + 1, 1, I), x.dtype)],
+            interpret=interpret_mode(), compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=3),
+            name="router_topk_shared")(logits.reshape(G, E // G), lay["bias"].reshape(G, E // G), x, lay["sg"], lay["su"])
+        h = fr.routed_gate_up(x, ids, h, lay)
+        return fr.down_xla_combine(h, w, ids, lay)
+    return f
+
+
 VARIANTS = [("keep ticket", dict()), ("alias ticket", dict(keep=False)), ("keep no-ticket", dict(ticket=False)),
             ("keep BD32 BKI128", dict(BD=32, BKI=128)), ("keep BKI128", dict(BKI=128)),
-            ("keep BE1", dict(BE=1)), ("keep stages2", dict(stages=2)), ("keep BD128 BKI32", dict(BD=128, BKI=32))]
+            ("keep BE1", dict(BE=1)), ("keep stages2", dict(stages=2)), ("keep BD128 BKI32", dict(BD=128, BKI=32)),
+            ("keep no-ticket, down separate", dict(ticket=False, with_down=False)),
+            ("keep no-ticket stages1", dict(ticket=False, stages=1))]
+TOPK_SHARED = [dict(BI=8, warps=4), dict(BI=4, warps=4), dict(BI=4, warps=2), dict(BI=16, warps=4)]
 
 
 def main():
@@ -203,14 +254,17 @@ def main():
     else:
         x, layers = fr.make_layers()
     for lay in layers:
-        lay["router_t"] = jnp.asarray(lay["router"].T)
+        lay["router_t"] = lay["router"]  # stored [E, D]
     variants = VARIANTS if args.variants == "all" else [VARIANTS[int(i)] for i in args.variants.split(",")]
+    print("repeat check: compiling and running (a hang here is a handshake bug)", flush=True)
     err = repeat_check(x, layers[0], mega_layer(), args.repeat)
     print(f"repeat check (keep ticket): worst rel err {err:.2e} over {args.repeat} calls", flush=True)
     results["repeat_worst_err"] = err
     record_row(results, OUT, "layer: session 3 (route + experts)", separate(), x, layers, reference_layer)
     for label, kw in variants:
         record_row(results, OUT, f"mega {label}", mega_layer(**kw), x, layers, reference_layer)
+    for kw in TOPK_SHARED:
+        record_row(results, OUT, f"top-k + shared gate/up {kw}", topk_shared_layer(**kw), x, layers, reference_layer)
     write_results(OUT, results)
 
 
