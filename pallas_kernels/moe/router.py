@@ -4,26 +4,29 @@
 Layout: the router is stored [E, D] fp32, torch's [out, in] (the checkpoint's `mlp.gate.weight` as it is;
 ling_jax/params.py), so an expert's weights are one contiguous 10 KB D-row at Flash size.
 
-Kernel 1 (`router_fwd_kernel_gemv`), grid (E / BE, NP / BN): program (j, n) owns expert rows [j·BE, (j+1)·BE) and
-reads them end to end in [BE, BK] tiles (row-contiguous reads, as the experts' gate/up programs: the lesson of
-their [.., Ie, D] layout change), writing logits [BN, BE] for BN tokens. No split-K: each logit is one program's
-sum, so the top-k kernel reads the logits directly. Products by T (`T1_GEMV_MODES`):
+Kernel 1 (`router_fwd_kernel_gemv`), grid (E / BE, KS, NP / BN): program (j, k, n) owns expert rows
+[j·BE, (j+1)·BE) and reads their D-split k, [k·D/KS, (k+1)·D/KS), end to end in [BE, BK] tiles (row-contiguous
+reads, as the experts' gate/up programs), writing partial logits [BN, BE] for BN tokens. Split-K exists for the
+number of programs in flight: 5.2 MB of fp32 rows streamed by E/BE = 256-512 one-warp programs took 4.7-5.6 µs on
+the H200, against 3.8 µs for 512 programs of the previous [D, E] split-K kernel (RESULTS.md, "MoE, session 4").
+Products by T (`T1_GEMV_MODES`):
   T = 1, `fma`: x[k]·w[e, k] into a [BE, BK] fp32 tile, reduced over BK once at the end;
   T = 1, `fma_reduce` (DECODE_TUNING): the same products reduced every tile into [1, BE];
   T = 1, `dot`, and always for N > 1 tokens: a tensor-core fp32 dot (precision HIGHEST) of the tokens, padded to
   >= 16 rows (T = 1 broadcasts its row), with the [BE, BK] weight tile as the transposed operand (BE >= 16).
 The router stays fp32 (5.2 MB for Flash, +1.2 µs over a bf16 copy at 4.3 TB/s) so the logits equal the
 reference's up to fp32 summation order and the selection is the reference's (a bf16 copy would move near-ties).
-Tunings by T: `DECODE_TUNING` (T = 1: tiny programs, 2 rows and 1 warp, streaming whole rows like the experts'
-DECODE_TUNING; not yet swept on a GPU in this layout) and `VERIFY_TUNING` (N > 1: the dot path).
+Tunings by T: `DECODE_TUNING` (T = 1: tiny one-warp programs, the best of the H200 sweep) and `VERIFY_TUNING`
+(N > 1: the dot path).
 
-Kernel 2 (`router_fwd_kernel_topk`), grid (N,), one program per token over its logits laid out [G, E/G]:
-sigmoid, then few serial reductions: per-group top-2 sums for all groups at once (row max, row argmax, row max
-without that argmax), the best groups by rank counting on the G scores (a group is kept when fewer than
-topk_group groups beat it: larger, or equal at a lower index), then K argmax passes over the kept experts (argmax
-returns the first maximum) and the K weights in one [K, E] reduction. Every tie goes to the lower index, exactly
-as `lax.top_k`. ~14 serial reductions instead of ~50 (per-group and per-pick loops before). The GEMV stays out of
-this program: one program cannot stream 5 MB fast.
+Kernel 2 (`router_fwd_kernel_topk`), grid (N,), one program per token over its scores laid out [G, E/G]: sums
+the KS partials in split order, sigmoid, then few serial reductions: per-group top-2 sums for all groups at once
+(row max, row argmax, row max without that argmax), the best groups by rank counting on the G scores (a group is
+kept when fewer than topk_group groups beat it: larger, or equal at a lower index), then K argmax passes over the
+kept experts (argmax returns the first maximum) and the K weights in one [K, E] reduction. Every tie goes to the
+lower index, exactly as `lax.top_k`. ~14 serial reductions instead of ~50 (per-group and per-pick loops before).
+The GEMV stays out of this program: one program cannot stream 5 MB fast, and folding the top-k into the GEMV
+kernel's last program (an arrival counter) was slower (RESULTS.md, "MoE, session 4").
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ class RouterTuning:
     # Field defaults = VERIFY_TUNING (N > 1, the dot path); DECODE_TUNING below overrides them for T = 1.
     block_e: int = 16  # BE: expert rows per GEMV program (>= 16 for the dot: N > 1, or t1_gemv="dot")
     block_k: int = 64  # BK: hidden-dim chunk per GEMV step (>= 16 for the dot)
+    k_splits: int = 1  # KS: D-splits (partial logits summed by the top-k kernel); the largest count <= KS that
+    #                    divides D into multiples of 16 is used (KS = 5 at D = 2560: 512 each; 2 at D = 256)
     num_warps: int = 4  # GEMV program
     num_stages: int = 3  # GEMV program
     t1_gemv: str = "fma"  # T = 1 products: "fma" | "fma_reduce" | "dot" (T1_GEMV_MODES)
@@ -60,8 +65,9 @@ class RouterTuning:
     def __post_init__(self):
         check_pow2_fields(self, ("block_e", "block_k", "num_warps", "topk_warps"))
         check_pow2_fields(self, ("block_n",), 16)
-        if self.num_stages < 1:
-            raise ValueError(f"RouterTuning.num_stages={self.num_stages} must be >= 1")
+        for name in ("num_stages", "k_splits"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RouterTuning.{name}={getattr(self, name)} must be >= 1")
         if self.t1_gemv not in T1_GEMV_MODES:
             raise ValueError(f"RouterTuning.t1_gemv={self.t1_gemv!r} must be one of {T1_GEMV_MODES}")
         if self.t1_gemv == "dot" and self.block_e < 16:
@@ -108,7 +114,8 @@ def _gemv_rows(x_ref, w_ref, *, BK, n_chunks, mode):
 
 
 def router_fwd_kernel_gemv(x_ref, w_ref, l_ref, *, BK, n_chunks, mode):
-    # x_ref [BN, D] compute dtype (BN = 1: one token); w_ref [BE, D] fp32 expert rows; l_ref [BN, BE] fp32 logits
+    # x_ref [BN, D/KS] compute dtype (BN = 1: one token); w_ref [BE, D/KS] fp32, one D-split of BE expert rows;
+    # l_ref [BN, BE] fp32 partial logits of that split
     l_ref[...] = _gemv_rows(x_ref, w_ref, BK=BK, n_chunks=n_chunks, mode=mode)
 
 
@@ -149,9 +156,22 @@ def _select_topk(logits, bias, *, topk_group, top_k, scale, norm):
     return w * scale, ids
 
 
-def router_fwd_kernel_topk(l_ref, b_ref, w_ref, i_ref, **select_kw):
-    # l_ref [G, E/G] fp32 logits of one token; b_ref [G, E/G] fp32; w_ref [1, K] fp32; i_ref [1, K] int32
-    w, ids = _select_topk(l_ref[...], b_ref[...], **select_kw)
+def _sum_partials(p_ref):
+    """p_ref [KS, G, E/G] fp32 partial logits -> [G, E/G], summed in split order."""
+    logits = p_ref[0]
+    for k in range(1, p_ref.shape[0]):
+        logits = logits + p_ref[k]
+    return logits
+
+
+def _split_count(d, k_splits):
+    """The largest split count <= k_splits dividing D into multiples of 16 (1 always qualifies: D % 16 checked)."""
+    return max(k for k in range(1, k_splits + 1) if d % k == 0 and (d // k) % 16 == 0)
+
+
+def router_fwd_kernel_topk(p_ref, b_ref, w_ref, i_ref, **select_kw):
+    # p_ref [KS, G, E/G] fp32 partial logits of one token; b_ref [G, E/G] fp32; w_ref [1, K] fp32; i_ref [1, K] int32
+    w, ids = _select_topk(_sum_partials(p_ref), b_ref[...], **select_kw)
     w_ref[0, :] = w
     i_ref[0, :] = ids
 
@@ -174,19 +194,21 @@ def route(x, router, expert_bias, *, n_group, topk_group, top_k, routed_scaling_
         raise ValueError(f"RouterTuning.block_e={tuning.block_e} at N={n} tokens: the tensor-core dot needs >= 16 "
                          "expert rows per program; only T = 1 with t1_gemv 'fma'/'fma_reduce' takes fewer "
                          "(N > 1: use router.VERIFY_TUNING)")
-    bk = min(tuning.block_k, d & -d)
-    if bk < 16:
+    if d % 16:
         raise ValueError(f"the Pallas router needs D={d} divisible by 16")
+    ks = _split_count(d, tuning.k_splits)
+    dk = d // ks
+    bk = min(tuning.block_k, dk & -dk)
     bn = 1 if n == 1 else min(tuning.block_n, max(16, next_pow2(n)))
     n_pad = -(-n // bn) * bn
     xp = x if n_pad == n else jnp.pad(x, ((0, n_pad - n), (0, 0)))
     interpret = interpret_mode()
-    logits = pl.pallas_call(
-        functools.partial(router_fwd_kernel_gemv, BK=bk, n_chunks=d // bk, mode=mode),
-        grid=(e // be, n_pad // bn),
-        in_specs=[pl.BlockSpec((bn, d), lambda j, i: (i, 0)), pl.BlockSpec((be, d), lambda j, i: (j, 0))],
-        out_specs=pl.BlockSpec((bn, be), lambda j, i: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((n_pad, e), jnp.float32),
+    partial = pl.pallas_call(
+        functools.partial(router_fwd_kernel_gemv, BK=bk, n_chunks=dk // bk, mode=mode),
+        grid=(e // be, ks, n_pad // bn),
+        in_specs=[pl.BlockSpec((bn, dk), lambda j, k, i: (i, k)), pl.BlockSpec((be, dk), lambda j, k, i: (j, k))],
+        out_specs=pl.BlockSpec((None, bn, be), lambda j, k, i: (k, i, j)),
+        out_shape=jax.ShapeDtypeStruct((ks, n_pad, e), jnp.float32),
         compiler_params=pltriton.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
         interpret=interpret,
         name="router_fwd_kernel_gemv",
@@ -196,12 +218,12 @@ def route(x, router, expert_bias, *, n_group, topk_group, top_k, routed_scaling_
         functools.partial(router_fwd_kernel_topk, topk_group=topk_group, top_k=top_k,
                           scale=float(routed_scaling_factor), norm=bool(norm_topk_prob)),
         grid=(n,),
-        in_specs=[pl.BlockSpec((None, n_group, gsz), lambda i: (i, 0, 0)),
+        in_specs=[pl.BlockSpec((ks, None, n_group, gsz), lambda i: (0, i, 0, 0)),
                   pl.BlockSpec((n_group, gsz), lambda i: (0, 0))],
         out_specs=[pl.BlockSpec((1, top_k), lambda i: (i, 0)), pl.BlockSpec((1, top_k), lambda i: (i, 0))],
         out_shape=[jax.ShapeDtypeStruct((n, top_k), jnp.float32), jax.ShapeDtypeStruct((n, top_k), jnp.int32)],
         compiler_params=pltriton.CompilerParams(num_warps=tuning.topk_warps, num_stages=1),
         interpret=interpret,
         name="router_fwd_kernel_topk",
-    )(logits.reshape(n_pad, n_group, gsz), expert_bias.reshape(n_group, gsz))
+    )(partial.reshape(ks, n_pad, n_group, gsz), expert_bias.reshape(n_group, gsz))
     return w, ids

@@ -3,7 +3,10 @@ CPU, compiled on a GPU) against the reference, and the dispatcher's error messag
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
+
 import pytest
 
 import jax
@@ -237,6 +240,23 @@ def test_route_pallas_t1_modes(mode):
         np.testing.assert_allclose(np.asarray(w), np.asarray(w_ref), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("n,d,ks,used", [(1, 240, 5, 5), (1, 240, 4, 3), (1, 256, 5, 4), (5, 240, 16, 15)])
+def test_route_pallas_k_splits(n, d, ks, used):
+    """D-splits: the partial logits of `used` splits (the largest count <= KS dividing D into multiples of 16)
+    summed by the top-k kernel select the reference's experts, random inputs and near ties, T = 1 and N > 1."""
+    from pallas_kernels.moe import router as router_mod
+
+    assert router_mod._split_count(d, ks) == used
+    base = router_mod.DECODE_TUNING if n == 1 else router_mod.VERIFY_TUNING
+    for seed in range(2):
+        x, router, bias = _router_inputs(300 + seed, n, d=d, ties=seed == 1)
+        args = (jnp.asarray(x), jnp.asarray(router), jnp.asarray(bias))
+        w, ids = router_mod.route(*args, **ROUTE_KW, tuning=dataclasses.replace(base, k_splits=ks))
+        w_ref, ids_ref = moe.route(*args, **ROUTE_KW)
+        np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids_ref))
+        np.testing.assert_allclose(np.asarray(w), np.asarray(w_ref), rtol=1e-5, atol=1e-6)
+
+
 def test_router_tuning_errors():
     from pallas_kernels.moe.router import RouterTuning
 
@@ -250,6 +270,8 @@ def test_router_tuning_errors():
         RouterTuning(block_n=8)
     with pytest.raises(ValueError, match=r"RouterTuning.num_stages=0 must be >= 1"):
         RouterTuning(num_stages=0)
+    with pytest.raises(ValueError, match=r"RouterTuning.k_splits=0 must be >= 1"):
+        RouterTuning(k_splits=0)
 
 
 def test_route_pallas_bf16_input_and_hand_table():

@@ -1,0 +1,55 @@
+"""Probe: the [E, D] router's GEMV over D-splits (RouterTuning.k_splits) and rows per program, by device time.
+
+The row-streaming GEMV with no split (E/BE one-warp programs) measured 4.7-5.6 µs for the 5.2 MB fp32 router,
+slower than the 3.8 µs of the previous [D, E] split-K kernel (512 programs): too few loads in flight. Here KS
+splits each row into KS contiguous segments (E/BE·KS programs) and the top-k sums the KS partials.
+NL = 32 routers (168 MB, > the 60 MB L2) in rotation; ids checked against the reference on layer 0.
+
+Run on the GPU: `PYTHONPATH=. python3 experiments/probe_router_splits.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_common import run_header, write_results  # noqa: E402
+from probe_moe_t1 import D, E, ROUTE_KW, record_row  # noqa: E402
+
+from pallas_kernels.moe import reference  # noqa: E402
+from pallas_kernels.moe import router as router_mod  # noqa: E402
+
+NL = 32
+OUT = "probe_router_splits.json"
+_R, _V = router_mod.DECODE_TUNING, router_mod.VERIFY_TUNING
+T1 = [dataclasses.replace(_R, block_e=be, k_splits=ks) for be in (1, 2, 4) for ks in (1, 2, 4, 5, 8, 10)]
+T1 += [dataclasses.replace(_R, k_splits=5, block_k=256), dataclasses.replace(_R, block_e=2, k_splits=5, num_warps=2),
+       dataclasses.replace(_R, block_e=8, k_splits=10, num_warps=4, t1_gemv="fma")]
+T6 = [dataclasses.replace(_V, k_splits=ks) for ks in (1, 4, 5, 10, 20)]
+
+
+def main():
+    results = {**run_header(), "rows": []}
+    layers = [dict(router=jax.random.normal(jax.random.key(l), (E, D), jnp.float32) * D ** -0.5,
+                   bias=0.01 * jax.random.normal(jax.random.key(100 + l), (E,), jnp.float32)) for l in range(NL)]
+
+    def ref(x, lay):
+        return reference.route(x, lay["router"], lay["bias"], **ROUTE_KW)
+
+    for t, tunings in ((1, T1), (6, T6)):
+        x = jax.random.normal(jax.random.key(99 + t), (t, D), jnp.bfloat16)
+        for tu in tunings:
+            def f(x, lay, tu=tu):
+                return router_mod.route(x, lay["router"], lay["bias"], **ROUTE_KW, tuning=tu)
+            label = f"T={t} BE{tu.block_e} KS{tu.k_splits} BK{tu.block_k} w{tu.num_warps} {tu.t1_gemv if t == 1 else 'dot'}"
+            record_row(results, OUT, label, f, x, layers, ref)
+    write_results(OUT, results)
+
+
+if __name__ == "__main__":
+    main()
