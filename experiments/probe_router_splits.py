@@ -5,11 +5,12 @@ slower than the 3.8 µs of the previous [D, E] split-K kernel (512 programs): to
 splits each row into KS contiguous segments (E/BE·KS programs) and the top-k sums the KS partials.
 NL = 32 routers (168 MB, > the 60 MB L2) in rotation; ids checked against the reference on layer 0.
 
-Run on the GPU: `PYTHONPATH=. python3 experiments/probe_router_splits.py`.
+Run on the GPU: `PYTHONPATH=. python3 experiments/probe_router_splits.py --sweep c7` (c6: session 4's call 6).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
 from pathlib import Path
@@ -27,26 +28,37 @@ from pallas_kernels.moe import router as router_mod  # noqa: E402
 NL = 32
 OUT = "probe_router_splits.json"
 _R, _V = router_mod.DECODE_TUNING, router_mod.VERIFY_TUNING
-T1 = [dataclasses.replace(_R, block_e=be, k_splits=ks) for be in (1, 2, 4) for ks in (1, 2, 4, 5, 8, 10)]
-T1 += [dataclasses.replace(_R, k_splits=5, block_k=256), dataclasses.replace(_R, block_e=2, k_splits=5, num_warps=2),
-       dataclasses.replace(_R, block_e=8, k_splits=10, num_warps=4, t1_gemv="fma")]
-T6 = [dataclasses.replace(_V, k_splits=ks) for ks in (1, 4, 5, 10, 20)]
+SWEEPS = {  # c6: session 4's call 6 (the code then had no dot_gemv); c7: the dot orientation for T > 1
+    "c6": ([dataclasses.replace(_R, block_e=be, k_splits=ks) for be in (1, 2, 4) for ks in (1, 2, 4, 5, 8, 10)]
+           + [dataclasses.replace(_R, k_splits=5, block_k=256), dataclasses.replace(_R, block_e=2, k_splits=5, num_warps=2),
+              dataclasses.replace(_R, block_e=8, k_splits=10, num_warps=4, t1_gemv="fma")],
+           {6: [dataclasses.replace(_V, k_splits=ks) for ks in (1, 4, 5, 10, 20)]}),
+    "c7": ([_R, dataclasses.replace(_R, k_splits=4), dataclasses.replace(_R, block_e=2)],
+           {t: [dataclasses.replace(_V, dot_gemv=dot, k_splits=ks, block_e=be, block_k=bk)
+                for dot in ("dot_x", "dot_w") for ks in (4, 10) for be in (16, 32) for bk in (64, 128)
+                if t == 6 or (ks, be, bk) in ((4, 16, 64), (10, 32, 128))] for t in (6, 16)}),
+}
 
 
 def main():
-    results = {**run_header(), "rows": []}
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sweep", choices=sorted(SWEEPS), default="c7")
+    args = ap.parse_args()
+    t1, by_t = SWEEPS[args.sweep]
+    results = {**run_header(), "sweep": args.sweep, "rows": []}
     layers = [dict(router=jax.random.normal(jax.random.key(l), (E, D), jnp.float32) * D ** -0.5,
                    bias=0.01 * jax.random.normal(jax.random.key(100 + l), (E,), jnp.float32)) for l in range(NL)]
 
     def ref(x, lay):
         return reference.route(x, lay["router"], lay["bias"], **ROUTE_KW)
 
-    for t, tunings in ((1, T1), (6, T6)):
+    for t, tunings in [(1, t1)] + sorted(by_t.items()):
         x = jax.random.normal(jax.random.key(99 + t), (t, D), jnp.bfloat16)
         for tu in tunings:
             def f(x, lay, tu=tu):
                 return router_mod.route(x, lay["router"], lay["bias"], **ROUTE_KW, tuning=tu)
-            label = f"T={t} BE{tu.block_e} KS{tu.k_splits} BK{tu.block_k} w{tu.num_warps} {tu.t1_gemv if t == 1 else 'dot'}"
+            label = (f"T={t} BE{tu.block_e} KS{tu.k_splits} BK{tu.block_k} w{tu.num_warps} "
+                     + (tu.t1_gemv if t == 1 else tu.dot_gemv))
             record_row(results, OUT, label, f, x, layers, ref)
     write_results(OUT, results)
 

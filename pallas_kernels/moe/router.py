@@ -13,7 +13,8 @@ Products by T (`T1_GEMV_MODES`):
   T = 1, `fma`: x[k]·w[e, k] into a [BE, BK] fp32 tile, reduced over BK once at the end;
   T = 1, `fma_reduce` (DECODE_TUNING): the same products reduced every tile into [1, BE];
   T = 1, `dot`, and always for N > 1 tokens: a tensor-core fp32 dot (precision HIGHEST) of the tokens, padded to
-  >= 16 rows (T = 1 broadcasts its row), with the [BE, BK] weight tile as the transposed operand (BE >= 16).
+  >= 16 rows (T = 1 broadcasts its row), BE >= 16; `dot_gemv` picks the orientation: `dot_x` x·Wᵀ (the
+  [BE, BK] weight tile as the transposed operand) or `dot_w` W·xᵀ (the weight tile as the left operand).
 The router stays fp32 (5.2 MB for Flash, +1.2 µs over a bf16 copy at 4.3 TB/s) so the logits equal the
 reference's up to fp32 summation order and the selection is the reference's (a bf16 copy would move near-ties).
 Tunings by T: `DECODE_TUNING` (T = 1: tiny one-warp programs, the best of the H200 sweep) and `VERIFY_TUNING`
@@ -59,6 +60,7 @@ class RouterTuning:
     num_warps: int = 4  # GEMV program
     num_stages: int = 3  # GEMV program
     t1_gemv: str = "fma"  # T = 1 products: "fma" | "fma_reduce" | "dot" (T1_GEMV_MODES)
+    dot_gemv: str = "dot_x"  # the dot's orientation: "dot_x" x·Wᵀ (weight tile transposed) | "dot_w" W·xᵀ
     block_n: int = 16  # BN: tokens per GEMV program at N > 1 (>= 16: dot rows)
     topk_warps: int = 4  # warps of the top-k program (one token per program)
 
@@ -70,12 +72,14 @@ class RouterTuning:
                 raise ValueError(f"RouterTuning.{name}={getattr(self, name)} must be >= 1")
         if self.t1_gemv not in T1_GEMV_MODES:
             raise ValueError(f"RouterTuning.t1_gemv={self.t1_gemv!r} must be one of {T1_GEMV_MODES}")
+        if self.dot_gemv not in ("dot_x", "dot_w"):
+            raise ValueError(f"RouterTuning.dot_gemv={self.dot_gemv!r} must be 'dot_x' or 'dot_w'")
         if self.t1_gemv == "dot" and self.block_e < 16:
             raise ValueError(f"RouterTuning.block_e={self.block_e} with t1_gemv='dot': tensor-core dots need "
                              "block_e >= 16 expert rows; use t1_gemv='fma' or 'fma_reduce' for fewer")
 
 
-DECODE_TUNING = RouterTuning(block_e=2, block_k=512, num_warps=1, t1_gemv="fma_reduce")
+DECODE_TUNING = RouterTuning(block_e=1, block_k=512, k_splits=5, num_warps=1, t1_gemv="fma_reduce")
 VERIFY_TUNING = RouterTuning()
 
 
@@ -100,14 +104,18 @@ def _gemv_rows(x_ref, w_ref, *, BK, n_chunks, mode):
 
         return lax.fori_loop(0, n_chunks, body_red, jnp.zeros((1, be), jnp.float32))
     rows = max(16, bn)  # dot tiles need >= 16 rows
+    w_left = mode == "dot_w"
 
     def body_dot(c, acc):
         ks = pl.ds(pl.multiple_of(c * BK, BK), BK)
         b_x = jnp.broadcast_to(x_ref[:, ks].astype(jnp.float32), (rows, BK))  # [rows, BK]
-        return acc + lax.dot_general(b_x, w_ref[:, ks], (((1,), (1,)), ((), ())),
-                                     precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+        a, b = (w_ref[:, ks], b_x) if w_left else (b_x, w_ref[:, ks])
+        return acc + lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+                                     preferred_element_type=jnp.float32)
 
-    acc = lax.fori_loop(0, n_chunks, body_dot, jnp.zeros((rows, be), jnp.float32))
+    acc = lax.fori_loop(0, n_chunks, body_dot, jnp.zeros((be, rows) if w_left else (rows, be), jnp.float32))
+    if w_left:
+        acc = acc.T  # [rows, BE]
     if bn == 1:  # T = 1 broadcast its row: keep row 0
         acc = jnp.sum(jnp.where((lax.iota(jnp.int32, rows) == 0)[:, None], acc, 0.0), axis=0)[None, :]
     return acc
@@ -204,7 +212,8 @@ def route(x, router, expert_bias, *, n_group, topk_group, top_k, routed_scaling_
     xp = x if n_pad == n else jnp.pad(x, ((0, n_pad - n), (0, 0)))
     interpret = interpret_mode()
     partial = pl.pallas_call(
-        functools.partial(router_fwd_kernel_gemv, BK=bk, n_chunks=dk // bk, mode=mode),
+        functools.partial(router_fwd_kernel_gemv, BK=bk, n_chunks=dk // bk,
+                          mode=tuning.dot_gemv if mode == "dot" else mode),
         grid=(e // be, ks, n_pad // bn),
         in_specs=[pl.BlockSpec((bn, dk), lambda j, k, i: (i, k)), pl.BlockSpec((be, dk), lambda j, k, i: (j, k))],
         out_specs=pl.BlockSpec((None, bn, be), lambda j, k, i: (k, i, j)),

@@ -240,10 +240,12 @@ def test_route_pallas_t1_modes(mode):
         np.testing.assert_allclose(np.asarray(w), np.asarray(w_ref), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("n,d,ks,used", [(1, 240, 5, 5), (1, 240, 4, 3), (1, 256, 5, 4), (5, 240, 16, 15)])
-def test_route_pallas_k_splits(n, d, ks, used):
+@pytest.mark.parametrize("n,d,ks,used,dot", [(1, 240, 5, 5, "dot_x"), (1, 240, 4, 3, "dot_x"), (1, 256, 5, 4, "dot_x"),
+                                              (5, 240, 16, 15, "dot_x"), (5, 256, 4, 4, "dot_w")])
+def test_route_pallas_k_splits(n, d, ks, used, dot):
     """D-splits: the partial logits of `used` splits (the largest count <= KS dividing D into multiples of 16)
-    summed by the top-k kernel select the reference's experts, random inputs and near ties, T = 1 and N > 1."""
+    summed by the top-k kernel select the reference's experts, random inputs and near ties, T = 1 and N > 1
+    (both dot orientations)."""
     from pallas_kernels.moe import router as router_mod
 
     assert router_mod._split_count(d, ks) == used
@@ -251,7 +253,8 @@ def test_route_pallas_k_splits(n, d, ks, used):
     for seed in range(2):
         x, router, bias = _router_inputs(300 + seed, n, d=d, ties=seed == 1)
         args = (jnp.asarray(x), jnp.asarray(router), jnp.asarray(bias))
-        w, ids = router_mod.route(*args, **ROUTE_KW, tuning=dataclasses.replace(base, k_splits=ks))
+        tu = dataclasses.replace(base, k_splits=ks, dot_gemv=dot)
+        w, ids = router_mod.route(*args, **ROUTE_KW, tuning=tu)
         w_ref, ids_ref = moe.route(*args, **ROUTE_KW)
         np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids_ref))
         np.testing.assert_allclose(np.asarray(w), np.asarray(w_ref), rtol=1e-5, atol=1e-6)
@@ -272,6 +275,8 @@ def test_router_tuning_errors():
         RouterTuning(num_stages=0)
     with pytest.raises(ValueError, match=r"RouterTuning.k_splits=0 must be >= 1"):
         RouterTuning(k_splits=0)
+    with pytest.raises(ValueError, match=r"RouterTuning.dot_gemv='dot' must be 'dot_x' or 'dot_w'"):
+        RouterTuning(dot_gemv="dot")
 
 
 def test_route_pallas_bf16_input_and_hand_table():
