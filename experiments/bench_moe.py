@@ -61,24 +61,20 @@ EXPERTS_SWEEP = [
     dataclasses.replace(_D, block_d=128),
     dataclasses.replace(_D, block_ki=128),
 ]
-# The router is [E, D]: a GEMV program streams BE whole expert rows (BK-wide tiles), no split-K. T = 1 sweep around
-# router.DECODE_TUNING (fma_reduce, BE 2, BK 512, 1 warp): the product mode (T1_GEMV_MODES), rows and warps per
-# program, the chunk, stages, and the top-k program's warps. BK is capped at D's largest power-of-two divisor (512).
+# The router is [E, D]: a GEMV program streams BE expert rows' D-split (KS splits, BK-wide tiles). T = 1 sweep
+# around router.DECODE_TUNING (fma_reduce, BE 1, KS 5, BK 512, 1 warp; S4 call 6 swept BE x KS): rows, splits,
+# the product mode, warps, stages, and the top-k program's warps. BK is capped at D/KS's largest power-of-two divisor.
 _R = ROUTER_DECODE
 ROUTER_SWEEP = [
     _R,
+    dataclasses.replace(_R, block_e=2),
+    dataclasses.replace(_R, k_splits=4),
+    dataclasses.replace(_R, k_splits=10),
     dataclasses.replace(_R, t1_gemv="fma"),
-    dataclasses.replace(_R, block_e=1),
-    dataclasses.replace(_R, block_e=4),
-    dataclasses.replace(_R, block_e=4, num_warps=2),
-    dataclasses.replace(_R, block_e=8, num_warps=4),
-    dataclasses.replace(_R, block_e=8, block_k=256, num_warps=2, t1_gemv="fma"),
-    dataclasses.replace(_R, block_k=256),
+    dataclasses.replace(_R, num_warps=2, block_e=2),
     dataclasses.replace(_R, num_stages=1),
-    dataclasses.replace(_R, topk_warps=1),
     dataclasses.replace(_R, topk_warps=8),
-    RouterTuning(),  # VERIFY_TUNING at T = 1: fma, BE 16, BK 64, 4 warps
-    RouterTuning(t1_gemv="dot", block_e=16, block_k=64),  # 16-row broadcast tensor-core dot
+    RouterTuning(),  # the N > 1 dot path's field defaults at T = 1: fma, BE 16, BK 64, 4 warps, no split
 ]
 
 

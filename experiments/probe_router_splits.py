@@ -27,7 +27,7 @@ from pallas_kernels.moe import router as router_mod  # noqa: E402
 
 NL = 32
 OUT = "probe_router_splits.json"
-_R, _V = router_mod.DECODE_TUNING, router_mod.VERIFY_TUNING
+_R, _V = router_mod.DECODE_TUNING, router_mod.RouterTuning()  # _V: the N > 1 tensor-core dot path
 SWEEPS = {  # c6: session 4's call 6 (the code then had no dot_gemv); c7: the dot orientation for T > 1
     "c6": ([dataclasses.replace(_R, block_e=be, k_splits=ks) for be in (1, 2, 4) for ks in (1, 2, 4, 5, 8, 10)]
            + [dataclasses.replace(_R, k_splits=5, block_k=256), dataclasses.replace(_R, block_e=2, k_splits=5, num_warps=2),
@@ -37,12 +37,18 @@ SWEEPS = {  # c6: session 4's call 6 (the code then had no dot_gemv); c7: the do
            {t: [dataclasses.replace(_V, dot_gemv=dot, k_splits=ks, block_e=be, block_k=bk)
                 for dot in ("dot_x", "dot_w") for ks in (4, 10) for be in (16, 32) for bk in (64, 128)
                 if t == 6 or (ks, be, bk) in ((4, 16, 64), (10, 32, 128))] for t in (6, 16)}),
+    # c8: one token per program (the T = 1 products; tile re-reads from L2) against the best dot of c7
+    "c8": ([router_mod.VERIFY_TUNING],
+           {t: [router_mod.VERIFY_TUNING, dataclasses.replace(router_mod.VERIFY_TUNING, block_e=2),
+                dataclasses.replace(router_mod.VERIFY_TUNING, k_splits=10),
+                dataclasses.replace(router_mod.VERIFY_TUNING, k_splits=2, block_k=256),
+                dataclasses.replace(_V, dot_gemv="dot_w", k_splits=4)] for t in (2, 6, 16)}),
 }
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sweep", choices=sorted(SWEEPS), default="c7")
+    ap.add_argument("--sweep", choices=sorted(SWEEPS), default="c8")
     args = ap.parse_args()
     t1, by_t = SWEEPS[args.sweep]
     results = {**run_header(), "sweep": args.sweep, "rows": []}
@@ -57,8 +63,9 @@ def main():
         for tu in tunings:
             def f(x, lay, tu=tu):
                 return router_mod.route(x, lay["router"], lay["bias"], **ROUTE_KW, tuning=tu)
+            per_token = t == 1 or tu.multi_token == "per_token"
             label = (f"T={t} BE{tu.block_e} KS{tu.k_splits} BK{tu.block_k} w{tu.num_warps} "
-                     + (tu.t1_gemv if t == 1 else tu.dot_gemv))
+                     + (tu.t1_gemv + (" per token" if t > 1 else "") if per_token else tu.dot_gemv))
             record_row(results, OUT, label, f, x, layers, ref)
     write_results(OUT, results)
 

@@ -17,8 +17,9 @@ Products by T (`T1_GEMV_MODES`):
   [BE, BK] weight tile as the transposed operand) or `dot_w` W·xᵀ (the weight tile as the left operand).
 The router stays fp32 (5.2 MB for Flash, +1.2 µs over a bf16 copy at 4.3 TB/s) so the logits equal the
 reference's up to fp32 summation order and the selection is the reference's (a bf16 copy would move near-ties).
-Tunings by T: `DECODE_TUNING` (T = 1: tiny one-warp programs, the best of the H200 sweep) and `VERIFY_TUNING`
-(N > 1: the dot path).
+Tunings by T: `DECODE_TUNING` (T = 1: one-warp programs of one expert row split 5 ways, the best of the H200
+sweep) and `VERIFY_TUNING` (N > 1: the same programs, one token each, `multi_token="per_token"`: a weight tile's
+reads after the first come from L2; the `dot` path with BN tokens per program stays an option).
 
 Kernel 2 (`router_fwd_kernel_topk`), grid (N,), one program per token over its scores laid out [G, E/G]: sums
 the KS partials in split order, sigmoid, then few serial reductions: per-group top-2 sums for all groups at once
@@ -52,7 +53,7 @@ T1_GEMV_MODES = ("fma", "fma_reduce", "dot")
 
 @dataclasses.dataclass(frozen=True)
 class RouterTuning:
-    # Field defaults = VERIFY_TUNING (N > 1, the dot path); DECODE_TUNING below overrides them for T = 1.
+    # Field defaults: the tensor-core dot path for N > 1 (an option now); DECODE_TUNING / VERIFY_TUNING below.
     block_e: int = 16  # BE: expert rows per GEMV program (>= 16 for the dot: N > 1, or t1_gemv="dot")
     block_k: int = 64  # BK: hidden-dim chunk per GEMV step (>= 16 for the dot)
     k_splits: int = 1  # KS: D-splits (partial logits summed by the top-k kernel); the largest count <= KS that
@@ -61,6 +62,8 @@ class RouterTuning:
     num_stages: int = 3  # GEMV program
     t1_gemv: str = "fma"  # T = 1 products: "fma" | "fma_reduce" | "dot" (T1_GEMV_MODES)
     dot_gemv: str = "dot_x"  # the dot's orientation: "dot_x" x·Wᵀ (weight tile transposed) | "dot_w" W·xᵀ
+    multi_token: str = "dot"  # N > 1: "dot" (BN tokens per program) | "per_token" (one token per program, the
+    #                           T = 1 products; the N reads of a weight tile after the first come from L2)
     block_n: int = 16  # BN: tokens per GEMV program at N > 1 (>= 16: dot rows)
     topk_warps: int = 4  # warps of the top-k program (one token per program)
 
@@ -72,6 +75,8 @@ class RouterTuning:
                 raise ValueError(f"RouterTuning.{name}={getattr(self, name)} must be >= 1")
         if self.t1_gemv not in T1_GEMV_MODES:
             raise ValueError(f"RouterTuning.t1_gemv={self.t1_gemv!r} must be one of {T1_GEMV_MODES}")
+        if self.multi_token not in ("dot", "per_token"):
+            raise ValueError(f"RouterTuning.multi_token={self.multi_token!r} must be 'dot' or 'per_token'")
         if self.dot_gemv not in ("dot_x", "dot_w"):
             raise ValueError(f"RouterTuning.dot_gemv={self.dot_gemv!r} must be 'dot_x' or 'dot_w'")
         if self.t1_gemv == "dot" and self.block_e < 16:
@@ -79,8 +84,10 @@ class RouterTuning:
                              "block_e >= 16 expert rows; use t1_gemv='fma' or 'fma_reduce' for fewer")
 
 
+# Best of the H200 sweeps by device time (RESULTS.md, "MoE, session 4"): T = 1 GEMV 3.1 µs + top-k 3.3 µs; the
+# same one-token programs for N > 1 (the tensor-core dot over [E, D] rows measured 14.6-27 µs at T = 6).
 DECODE_TUNING = RouterTuning(block_e=1, block_k=512, k_splits=5, num_warps=1, t1_gemv="fma_reduce")
-VERIFY_TUNING = RouterTuning()
+VERIFY_TUNING = dataclasses.replace(DECODE_TUNING, multi_token="per_token")
 
 
 def default_tuning(n_tokens: int) -> RouterTuning:
@@ -196,18 +203,19 @@ def route(x, router, expert_bias, *, n_group, topk_group, top_k, routed_scaling_
     for name, v in (("E", e), ("E/n_group", e // n_group), ("top_k", top_k)):
         if v & (v - 1):
             raise ValueError(f"the Pallas router needs power-of-two sizes: {name}={v}")
-    mode = tuning.t1_gemv if n == 1 else "dot"
+    one_row = n == 1 or tuning.multi_token == "per_token"  # one token per GEMV program
+    mode = tuning.t1_gemv if one_row else "dot"
     be = min(tuning.block_e, e)
     if mode == "dot" and be < 16:
         raise ValueError(f"RouterTuning.block_e={tuning.block_e} at N={n} tokens: the tensor-core dot needs >= 16 "
-                         "expert rows per program; only T = 1 with t1_gemv 'fma'/'fma_reduce' takes fewer "
-                         "(N > 1: use router.VERIFY_TUNING)")
+                         "expert rows per program; only one-token programs (T = 1, or multi_token='per_token') "
+                         "with t1_gemv 'fma'/'fma_reduce' take fewer (N > 1: use router.VERIFY_TUNING)")
     if d % 16:
         raise ValueError(f"the Pallas router needs D={d} divisible by 16")
     ks = _split_count(d, tuning.k_splits)
     dk = d // ks
     bk = min(tuning.block_k, dk & -dk)
-    bn = 1 if n == 1 else min(tuning.block_n, max(16, next_pow2(n)))
+    bn = 1 if one_row else min(tuning.block_n, max(16, next_pow2(n)))
     n_pad = -(-n // bn) * bn
     xp = x if n_pad == n else jnp.pad(x, ((0, n_pad - n), (0, 0)))
     interpret = interpret_mode()

@@ -240,20 +240,24 @@ def test_route_pallas_t1_modes(mode):
         np.testing.assert_allclose(np.asarray(w), np.asarray(w_ref), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("n,d,ks,used,dot", [(1, 240, 5, 5, "dot_x"), (1, 240, 4, 3, "dot_x"), (1, 256, 5, 4, "dot_x"),
-                                              (5, 240, 16, 15, "dot_x"), (5, 256, 4, 4, "dot_w")])
-def test_route_pallas_k_splits(n, d, ks, used, dot):
+@pytest.mark.parametrize("n,d,ks,used,multi", [(1, 240, 5, 5, None), (1, 240, 4, 3, None), (1, 256, 5, 4, None),
+                                                (5, 240, 16, 15, "dot_x"), (5, 256, 4, 4, "dot_w"),
+                                                (5, 240, 5, 5, "per_token")])
+def test_route_pallas_k_splits(n, d, ks, used, multi):
     """D-splits: the partial logits of `used` splits (the largest count <= KS dividing D into multiples of 16)
     summed by the top-k kernel select the reference's experts, random inputs and near ties, T = 1 and N > 1
-    (both dot orientations)."""
+    (both dot orientations, and one token per program)."""
     from pallas_kernels.moe import router as router_mod
 
     assert router_mod._split_count(d, ks) == used
-    base = router_mod.DECODE_TUNING if n == 1 else router_mod.VERIFY_TUNING
+    if multi in (None, "per_token"):
+        base = router_mod.DECODE_TUNING if multi is None else router_mod.VERIFY_TUNING
+    else:
+        base = dataclasses.replace(router_mod.RouterTuning(), dot_gemv=multi)
     for seed in range(2):
         x, router, bias = _router_inputs(300 + seed, n, d=d, ties=seed == 1)
         args = (jnp.asarray(x), jnp.asarray(router), jnp.asarray(bias))
-        tu = dataclasses.replace(base, k_splits=ks, dot_gemv=dot)
+        tu = dataclasses.replace(base, k_splits=ks)
         w, ids = router_mod.route(*args, **ROUTE_KW, tuning=tu)
         w_ref, ids_ref = moe.route(*args, **ROUTE_KW)
         np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids_ref))
@@ -277,6 +281,8 @@ def test_router_tuning_errors():
         RouterTuning(k_splits=0)
     with pytest.raises(ValueError, match=r"RouterTuning.dot_gemv='dot' must be 'dot_x' or 'dot_w'"):
         RouterTuning(dot_gemv="dot")
+    with pytest.raises(ValueError, match=r"RouterTuning.multi_token='tokens' must be 'dot' or 'per_token'"):
+        RouterTuning(multi_token="tokens")
 
 
 def test_route_pallas_bf16_input_and_hand_table():
