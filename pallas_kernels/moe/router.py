@@ -9,17 +9,19 @@ Kernel 1 (`router_fwd_kernel_gemv`), grid (E / BE, KS, NP / BN): program (j, k, 
 reads, as the experts' gate/up programs), writing partial logits [BN, BE] for BN tokens. Split-K exists for the
 number of programs in flight: 5.2 MB of fp32 rows streamed by E/BE = 256-512 one-warp programs took 4.7-5.6 µs on
 the H200, against 3.8 µs for 512 programs of the previous [D, E] split-K kernel (RESULTS.md, "MoE, session 4").
-Products by T (`T1_GEMV_MODES`):
-  T = 1, `fma`: x[k]·w[e, k] into a [BE, BK] fp32 tile, reduced over BK once at the end;
-  T = 1, `fma_reduce` (DECODE_TUNING): the same products reduced every tile into [1, BE];
-  T = 1, `dot`, and always for N > 1 tokens: a tensor-core fp32 dot (precision HIGHEST) of the tokens, padded to
-  >= 16 rows (T = 1 broadcasts its row), BE >= 16; `dot_gemv` picks the orientation: `dot_x` x·Wᵀ (the
-  [BE, BK] weight tile as the transposed operand) or `dot_w` W·xᵀ (the weight tile as the left operand).
+Products of a one-token program (T = 1, or N > 1 with `multi_token="per_token"`), by `t1_gemv` (T1_GEMV_MODES):
+  `fma`: x[k]·w[e, k] into a [BE, BK] fp32 tile, reduced over BK once at the end;
+  `fma_reduce` (DECODE_TUNING, VERIFY_TUNING): the same products reduced every tile into [1, BE];
+  `dot`: the token broadcast to 16 rows, a tensor-core dot as below.
+N > 1 with `multi_token="dot"`: a tensor-core fp32 dot (precision HIGHEST) of BN tokens (padded to >= 16 rows)
+per program, BE >= 16; `dot_gemv` picks the orientation: `dot_x` x·Wᵀ (the [BE, BK] weight tile as the
+transposed operand) or `dot_w` W·xᵀ (the weight tile as the left operand).
 The router stays fp32 (5.2 MB for Flash, +1.2 µs over a bf16 copy at 4.3 TB/s) so the logits equal the
 reference's up to fp32 summation order and the selection is the reference's (a bf16 copy would move near-ties).
 Tunings by T: `DECODE_TUNING` (T = 1: one-warp programs of one expert row split 5 ways, the best of the H200
-sweep) and `VERIFY_TUNING` (N > 1: the same programs, one token each, `multi_token="per_token"`: a weight tile's
-reads after the first come from L2; the `dot` path with BN tokens per program stays an option).
+sweep) and `VERIFY_TUNING` (N > 1: the same one-warp programs, one token each, `multi_token="per_token"`, 2
+splits: a weight tile's reads after the first come from L2; the `dot` path with BN tokens per program stays an
+option, 2× slower at T = 6 on the H200).
 
 Kernel 2 (`router_fwd_kernel_topk`), grid (N,), one program per token over its scores laid out [G, E/G]: sums
 the KS partials in split order, sigmoid, then few serial reductions: per-group top-2 sums for all groups at once
@@ -84,10 +86,11 @@ class RouterTuning:
                              "block_e >= 16 expert rows; use t1_gemv='fma' or 'fma_reduce' for fewer")
 
 
-# Best of the H200 sweeps by device time (RESULTS.md, "MoE, session 4"): T = 1 GEMV 3.1 µs + top-k 3.3 µs; the
-# same one-token programs for N > 1 (the tensor-core dot over [E, D] rows measured 14.6-27 µs at T = 6).
+# Best of the H200 sweeps by device time (RESULTS.md, "MoE, session 4"): T = 1 GEMV 3.1 µs + top-k 3.3 µs (S4
+# call 6). N > 1: one-token programs, 2 splits of 256-wide tiles (S4 call 8: GEMV 4.5 / 7.0 / 13.1 µs at T = 2 / 6
+# / 16; the tensor-core dot over [E, D] rows measured 14.6 µs at best, 15-54 µs with no split).
 DECODE_TUNING = RouterTuning(block_e=1, block_k=512, k_splits=5, num_warps=1, t1_gemv="fma_reduce")
-VERIFY_TUNING = dataclasses.replace(DECODE_TUNING, multi_token="per_token")
+VERIFY_TUNING = dataclasses.replace(DECODE_TUNING, multi_token="per_token", k_splits=2, block_k=256)
 
 
 def default_tuning(n_tokens: int) -> RouterTuning:
