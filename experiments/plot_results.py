@@ -26,8 +26,8 @@ def _load(name: str):
 
 
 def plot_moe(data, t1, v1) -> Path:
-    """Left: the MoE layer's device time per kernel at T = 1 (profiler, cold chain; the device-time sweep of
-    `bench_moe_sweep_call8.json`, else `data`'s profile) against the floor. Right: the T sweep (wall per layer in
+    """Left: the MoE layer's device time per kernel at T = 1 (profiler, cold chain; `t1`'s profile if given, else
+    `data`'s) against the floor. Right: the T sweep (wall per layer in
     the chain, device-bound from T = 2) against the floor of the experts read, with the first kernels' v1 sweep."""
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     src = t1 if t1 and "T1" in t1.get("profile", {}) else data
@@ -125,7 +125,8 @@ def _save(fig, name: str) -> Path:
 
 
 def main():
-    jobs = (("bench_moe.json", lambda d: plot_moe(d, _load("bench_moe_sweep_call8.json"), _load("bench_moe_v1.json"))),
+    # MoE: session 4's final run (S4 9: bench_moe.py --quick, its own T = 1 profile), the first kernels' sweep beside
+    jobs = (("bench_moe_s4c9.json", lambda d: plot_moe(d, None, _load("bench_moe_v1.json"))),
             ("kda_decode_verify.json", plot_kda), ("mla_profile.json", plot_mla), ("bench_decode.json", plot_slice))
     for name, plot in jobs:
         data = _load(name)
