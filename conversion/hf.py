@@ -189,7 +189,7 @@ TABLE: tuple[Rule, ...] = (
     _rule("mlp.up_proj.weight", "ffn.w_up", LINEAR, DENSE),
     _rule("mlp.down_proj.weight", "ffn.w_down", LINEAR, DENSE),
 
-    _rule("mlp.gate.weight", "ffn.router", IDENTITY, MOE),  # [E, D] kept as is (router GEMV streams whole rows)
+    _rule("mlp.gate.weight", "ffn.router", IDENTITY, MOE),  # [E, D] kept as is (router GEMV streams row segments)
     _rule(("mlp.gate.expert_bias", "mlp.gate.e_score_correction_bias"), "ffn.expert_bias", IDENTITY, MOE),
     # Gate/up not LINEAR: ling-jax keeps them in torch's [out, in], so every expert matrix is [Ie, D] (a batch-1
     # gate/up program streams whole D-rows; ling_jax/params.py); each expert's tensor is taken as is, stacked on [E].

@@ -7,8 +7,8 @@ every swept router tuning, layer vs reference at T in {1, 3, 16}, every swept tu
   - the MoE layer at T = 1 over experts tunings (router default), then over router tunings (best experts tuning;
     `--router-only`: DECODE_TUNING, no experts sweep), ranked by device time on a GPU (the T = 1 chain's wall time
     is the host's); each row also notes the router GEMV's own device time,
-  - the MoE layer (best tunings; T > 1 takes experts.VERIFY_TUNING and router.VERIFY_TUNING, the T = 1 sweeps do
-    not apply to the dot paths) at T = 1..9 and 16, and the XLA reference at T = 1 and 8,
+  - the MoE layer (best tunings; T > 1 takes experts.VERIFY_TUNING and router.default_tuning(T), the T = 1 sweeps
+    do not apply there) at T = 1..9 and 16, and the XLA reference at T = 1 and 8,
   - the profiler's per-kernel device times of the best config at T = 1 (after the sweep) and T = 6 (at the end),
     cold weights, inside the chain.
 Results are saved after each section (a timeout keeps what finished).

@@ -236,6 +236,7 @@ def toy_layers():
     global D, I, E, OUT
     OUT = "probe_moe_fused_router_toy.json"
     import probe_moe_t1
+    probe_moe_t1.TO_REPO = False  # smoke runs leave experiments/results/ alone
     D, I, E = probe_moe_t1.D, probe_moe_t1.I, probe_moe_t1.E = 256, 64, 64
     probe_moe_t1.NL = 2
     return make_layers()
@@ -269,7 +270,7 @@ def static_loops():
 
 def static_sweep(rec):
     dec = ex.DECODE_TUNING
-    rec("layer: session 3 defaults", separate())
+    rec("layer: route + experts (defaults)", separate())
     for label, tu in (("defaults", dec), ("gate/up stages 1", dataclasses.replace(dec, stages_gate_up=1)),
                       ("stages 1 both", dataclasses.replace(dec, stages_gate_up=1, stages_down=1)),
                       ("stages 1, BI 1", dataclasses.replace(dec, stages_gate_up=1, block_i=1)),
@@ -304,27 +305,27 @@ def main():
 
     if args.sweep == "static":
         static_sweep(rec)
-        write_results(OUT, results)
+        write_results(OUT, results, to_repo=not args.toy)
         return
     for keep in (True, False):
         n_bad = race_check(layers, args.race_tokens, keep)
         print(f"race check keep={keep}: {n_bad} of {args.race_tokens} tokens with different ids", flush=True)
         results[f"race_keep{keep}"] = n_bad
-    rec("route (session 3 defaults)", lambda x, lay: router_mod.route(x, lay["router"], lay["bias"], **ROUTE_KW),
+    rec("route (defaults)", lambda x, lay: router_mod.route(x, lay["router"], lay["bias"], **ROUTE_KW),
         ref_route)
     for rk in (dict(), dict(BE=4), dict(BE=4, warps=2), dict(BE=8, warps=4), dict(BE=1), dict(BK=256)):
         for keep in (True, False):
             rec(f"fused router keep={keep} {rk}", router_only(keep, **rk), ref_route)
-    rec("layer: session 3 (route + experts)", separate())
+    rec("layer: route + experts (defaults)", separate())
     rec("layer: fused router + experts", fused_layer(shared=False))
     rec("layer: fused router+shared, gate/up, down, XLA combine", fused_layer(fuse_combine=False))
     for keep in (True, False):
         rec(f"layer: fused router+shared, gate/up, down+combine keep={keep}", fused_layer(keep=keep))
     rec("layer: same, BE=4", fused_layer(BE=4))
     for st in (2, 4):
-        rec(f"layer: session 3, gate/up stages {st}",
+        rec(f"layer: route + experts, gate/up stages {st}",
             separate(dataclasses.replace(ex.DECODE_TUNING, stages_gate_up=st)))
-    write_results(OUT, results)
+    write_results(OUT, results, to_repo=not args.toy)
 
 
 if __name__ == "__main__":

@@ -117,17 +117,16 @@ def route_ed(be, ks, bk, warps, stages):
             compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=stages),
             interpret=interpret_mode(), name="router_gemv_ed")(x, w)
         g = ROUTE_KW["n_group"]
-        logits = part.sum(0)  # [1, E]: split-K partials summed in XLA (today's top-k kernel reads logits)
         return pl.pallas_call(
             functools.partial(router_mod.router_fwd_kernel_topk, topk_group=4, top_k=K, scale=2.5, norm=True),
             grid=(1,),
-            in_specs=[pl.BlockSpec((None, g, e // g), lambda i: (i, 0, 0)),
+            in_specs=[pl.BlockSpec((ks, None, g, e // g), lambda i: (0, i, 0, 0)),
                       pl.BlockSpec((g, e // g), lambda i: (0, 0))],
             out_specs=[pl.BlockSpec((1, K), lambda i: (i, 0))] * 2,
             out_shape=[jax.ShapeDtypeStruct((1, K), jnp.float32), jax.ShapeDtypeStruct((1, K), jnp.int32)],
             compiler_params=pltriton.CompilerParams(num_warps=1, num_stages=1),
             interpret=interpret_mode(), name="router_fwd_kernel_topk",
-        )(logits.reshape(1, g, e // g), lay["bias"].reshape(g, e // g))
+        )(part.reshape(ks, 1, g, e // g), lay["bias"].reshape(g, e // g))
     return f
 
 

@@ -15,8 +15,9 @@ issue `fence.acq_rel.gpu` (inline asm) whose result feeds the indices of their d
 Counters [16] int32: 0 ticket, 1 GEMV arrivals, 2 ids flag, 3..3+K slot arrivals, 15 finished programs.
 "keep": one constant zero buffer, reset by the last program to finish; "alias": XLA zero-fills a fresh one per call.
 
-Run on the GPU: `XLA_FLAGS=--xla_allow_excess_precision=false PYTHONPATH=. timeout 200 python3
-experiments/probe_moe_mega.py` (a hang would be a handshake bug: keep the timeout).
+Run on the GPU: `XLA_FLAGS=--xla_allow_excess_precision=false PYTHONPATH=. timeout 280 python3
+experiments/probe_moe_mega.py --repeat 32` (session 4's call 4; call 5: `--repeat 16 --variants 0,2,8,9`, which also
+runs the top-k + shared rows). A hang would be a handshake bug: keep the timeout.
 """
 
 from __future__ import annotations
@@ -209,7 +210,8 @@ def topk_shared_kernel(lg_ref, b_ref, x_ref, sg_ref, su_ref, wt_ref, id_ref, h_r
 
 
 def topk_shared_layer(BI=8, warps=4, BK=512):
-    """Router GEMV (router.DECODE_TUNING) | top-k + shared gate/up | routed gate/up | down | XLA combine."""
+    """Router GEMV (2 expert rows per 1-warp program, no D-split) | top-k + shared gate/up | routed gate/up | down |
+    XLA combine."""
     def f(x, lay):
         D = x.shape[1]
         E, I = lay["router"].shape[0], lay["wg"].shape[1]
@@ -260,12 +262,12 @@ def main():
     err = repeat_check(x, layers[0], mega_layer(), args.repeat)
     print(f"repeat check (keep ticket): worst rel err {err:.2e} over {args.repeat} calls", flush=True)
     results["repeat_worst_err"] = err
-    record_row(results, OUT, "layer: session 3 (route + experts)", separate(), x, layers, reference_layer)
+    record_row(results, OUT, "layer: route + experts (defaults)", separate(), x, layers, reference_layer)
     for label, kw in variants:
         record_row(results, OUT, f"mega {label}", mega_layer(**kw), x, layers, reference_layer)
     for kw in TOPK_SHARED:
         record_row(results, OUT, f"top-k + shared gate/up {kw}", topk_shared_layer(**kw), x, layers, reference_layer)
-    write_results(OUT, results)
+    write_results(OUT, results, to_repo=not args.toy)
 
 
 if __name__ == "__main__":

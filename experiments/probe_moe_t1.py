@@ -34,6 +34,7 @@ from pallas_kernels.moe import router as router_mod  # noqa: E402
 from pallas_kernels.moe.experts import ExpertsTuning, moe_experts_fused  # noqa: E402
 
 D, I, K, NL, E = 2560, 768, 8, 8, 512
+TO_REPO = True  # record_row writes its JSON into experiments/results/ (the probes' --toy runs set False)
 ROUTE_KW = dict(n_group=8, topk_group=4, top_k=K, routed_scaling_factor=2.5)
 LIMITS = dict(limit=4.0, shared_limit=5.0)
 
@@ -84,7 +85,7 @@ def record_row(results, out_name, label, fn, x, layers, check=None):
     results["rows"].append(dict(label=label, err=err, total_us=round(total, 2), kernels=ks))
     print(f"{label:48s} err {err}  total {total:6.2f} µs  " +
           "  ".join(f"{k[:30]} {v[0]}" + (f"x{v[1]:.2g}" if v[1] != 1 else "") for k, v in ks.items()), flush=True)
-    write_results(out_name, results)
+    write_results(out_name, results, to_repo=TO_REPO)
 
 
 def reference_layer(x, lay):

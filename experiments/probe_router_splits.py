@@ -27,22 +27,28 @@ from pallas_kernels.moe import router as router_mod  # noqa: E402
 
 NL = 32
 OUT = "probe_router_splits.json"
-_R, _V = router_mod.DECODE_TUNING, router_mod.RouterTuning()  # _V: the N > 1 tensor-core dot path
-SWEEPS = {  # c6: session 4's call 6 (the code then had no dot_gemv); c7: the dot orientation for T > 1
-    "c6": ([dataclasses.replace(_R, block_e=be, k_splits=ks) for be in (1, 2, 4) for ks in (1, 2, 4, 5, 8, 10)]
-           + [dataclasses.replace(_R, k_splits=5, block_k=256), dataclasses.replace(_R, block_e=2, k_splits=5, num_warps=2),
-              dataclasses.replace(_R, block_e=8, k_splits=10, num_warps=4, t1_gemv="fma")],
+RT = router_mod.RouterTuning
+# Written out (not router.DECODE_TUNING / VERIFY_TUNING, which these sweeps changed): _R6 the T = 1 default when c6
+# ran, _D the T = 1 default since, _P c8's one-token-program base, _V the N > 1 dot path's field defaults.
+_R6 = RT(block_e=2, block_k=512, num_warps=1, t1_gemv="fma_reduce")
+_D = RT(block_e=1, block_k=512, k_splits=5, num_warps=1, t1_gemv="fma_reduce")
+_P = dataclasses.replace(_D, multi_token="per_token")
+_V = RT()
+SWEEPS = {  # c6, c7, c8: session 4's calls 6, 7, 8
+    "c6": ([dataclasses.replace(_R6, block_e=be, k_splits=ks) for be in (1, 2, 4) for ks in (1, 2, 4, 5, 8, 10)]
+           + [dataclasses.replace(_R6, k_splits=5, block_k=256), dataclasses.replace(_R6, k_splits=5, num_warps=2),
+              dataclasses.replace(_R6, block_e=8, k_splits=10, num_warps=4, t1_gemv="fma")],
            {6: [dataclasses.replace(_V, k_splits=ks) for ks in (1, 4, 5, 10, 20)]}),
-    "c7": ([_R, dataclasses.replace(_R, k_splits=4), dataclasses.replace(_R, block_e=2)],
+    # the dot's orientation, tile and split for T > 1
+    "c7": ([_D, dataclasses.replace(_D, k_splits=4), dataclasses.replace(_D, block_e=2)],
            {t: [dataclasses.replace(_V, dot_gemv=dot, k_splits=ks, block_e=be, block_k=bk)
                 for dot in ("dot_x", "dot_w") for ks in (4, 10) for be in (16, 32) for bk in (64, 128)
                 if t == 6 or (ks, be, bk) in ((4, 16, 64), (10, 32, 128))] for t in (6, 16)}),
-    # c8: one token per program (the T = 1 products; tile re-reads from L2) against the best dot of c7
-    "c8": ([router_mod.VERIFY_TUNING],
-           {t: [router_mod.VERIFY_TUNING, dataclasses.replace(router_mod.VERIFY_TUNING, block_e=2),
-                dataclasses.replace(router_mod.VERIFY_TUNING, k_splits=10),
-                dataclasses.replace(router_mod.VERIFY_TUNING, k_splits=2, block_k=256),
-                dataclasses.replace(_V, dot_gemv="dot_w", k_splits=4)] for t in (2, 6, 16)}),
+    # one token per program (the T = 1 products; tile re-reads from L2) against the best dot of c7
+    "c8": ([_D],
+           {t: [_P, dataclasses.replace(_P, block_e=2), dataclasses.replace(_P, k_splits=10),
+                dataclasses.replace(_P, k_splits=2, block_k=256), dataclasses.replace(_V, dot_gemv="dot_w", k_splits=4)]
+            for t in (2, 6, 16)}),
 }
 
 

@@ -5,8 +5,8 @@ checkpoint converter and the synthetic-checkpoint writer all derive from it, so 
 
 Layout (ling-jax names; weights stored [in, out], unlike torch's [out, in], except the MoE router and the
 experts' gate and up projections, stored [out, in] as in torch, so that the router is [E, D] and every expert
-matrix is [.., Ie, D]: a batch-1 router or gate/up program then streams whole D-rows (pallas_kernels/moe/router.py,
-experts.py)):
+matrix is [.., Ie, D]: a batch-1 router or gate/up program then streams contiguous rows or D-splits of rows
+(pallas_kernels/moe/router.py, experts.py)):
 
     embed [V, D] · final_norm [D] · lm_head [D, V]
     layers[i] = {input_norm, post_norm, mixer, ffn}
@@ -106,7 +106,7 @@ def dense_specs(c: LingConfig) -> dict[str, ParamSpec]:
 def moe_specs(c: LingConfig) -> dict[str, ParamSpec]:
     D, E, Ie, Is = c.hidden_size, c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
     specs = {
-        # Router [E, D] (torch's [out, in]): a router GEMV program streams whole expert rows.
+        # Router [E, D] (torch's [out, in]): a router GEMV program streams contiguous D-splits of expert rows.
         "router": ParamSpec((E, D), (None, "embed"), FP32, init="fan_in_last"),
         "expert_bias": ParamSpec((E,), (None,), FP32, init="small"),
         # Gate/up [out, in] (torch's layout; see the module docstring): init's fan-in is the last axis.

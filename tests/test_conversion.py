@@ -309,7 +309,8 @@ def test_orbax_structure_mismatch(toy_synthetic, tmp_path):
     save_params(tmp_path / "ck", cfg, params)
     cfg_json = to_hf_dict(cfg.replace(hidden_size=64))
     (tmp_path / "ck" / "config.json").write_text(json.dumps(cfg_json))
-    with pytest.raises(CheckpointError, match=r"wrong shape \(\d+\): embed: expected \[512, 64\], found \[512, 128\]"):
+    with pytest.raises(CheckpointError, match=r"wrong shape \(\d+\): embed: expected \[512, 64\], found \[512, 128\]"
+                                              r"(.|\n)*run `ling-jax convert` on the HF checkpoint again"):
         load_params(tmp_path / "ck")
 
 

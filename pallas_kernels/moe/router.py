@@ -18,10 +18,11 @@ per program, BE >= 16; `dot_gemv` picks the orientation: `dot_x` x·Wᵀ (the [B
 transposed operand) or `dot_w` W·xᵀ (the weight tile as the left operand).
 The router stays fp32 (5.2 MB for Flash, +1.2 µs over a bf16 copy at 4.3 TB/s) so the logits equal the
 reference's up to fp32 summation order and the selection is the reference's (a bf16 copy would move near-ties).
-Tunings by T: `DECODE_TUNING` (T = 1: one-warp programs of one expert row split 5 ways, the best of the H200
-sweep) and `VERIFY_TUNING` (N > 1: the same one-warp programs, one token each, `multi_token="per_token"`, 2
-splits: a weight tile's reads after the first come from L2; the `dot` path with BN tokens per program stays an
-option, 2× slower at T = 6 on the H200).
+Tunings by T (`default_tuning`): `DECODE_TUNING` (T = 1: one-warp programs of one expert row split 5 ways, the
+best of the H200 sweep), `VERIFY_TUNING` (2 <= N <= 16: the same one-warp programs, one token each,
+`multi_token="per_token"`, 2 splits: a weight tile's reads after the first come from L2; their cost grows ~0.6 µs
+per token) and `WIDE_TUNING` (N > 16: the dot with BN tokens per program, flat at 14.6 µs over T = 2..16; 2.1× the
+per-token programs at T = 6, 1.1× at T = 16).
 
 Kernel 2 (`router_fwd_kernel_topk`), grid (N,), one program per token over its scores laid out [G, E/G]: sums
 the KS partials in split order, sigmoid, then few serial reductions: per-group top-2 sums for all groups at once
@@ -47,22 +48,23 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels.common import interpret_mode
 from pallas_kernels.common.sizes import check_pow2_fields, next_pow2
 
-# T = 1 GEMV products of a [BE, BK] weight tile with the token's [1, BK] slice, by mode (accumulator shape):
-#   fma [BE, BK] elementwise, reduced once at the end;  fma_reduce [1, BE] reduced every tile;
-#   dot [16, BE] tensor-core dot on the row broadcast to 16 rows (needs BE >= 16). N > 1 always takes `dot`.
+# Products of a one-token program (T = 1, or N > 1 with multi_token="per_token") of a [BE, BK] weight tile with
+# the token's [1, BK] slice, by mode (accumulator shape): fma [BE, BK] elementwise, reduced once at the end;
+# fma_reduce [1, BE] reduced every tile; dot [16, BE] tensor-core dot on the row broadcast to 16 rows (BE >= 16).
+# N > 1 with multi_token="dot" takes the dot over BN tokens per program.
 T1_GEMV_MODES = ("fma", "fma_reduce", "dot")
 
 
 @dataclasses.dataclass(frozen=True)
 class RouterTuning:
     # Field defaults: the tensor-core dot path for N > 1 (an option now); DECODE_TUNING / VERIFY_TUNING below.
-    block_e: int = 16  # BE: expert rows per GEMV program (>= 16 for the dot: N > 1, or t1_gemv="dot")
-    block_k: int = 64  # BK: hidden-dim chunk per GEMV step (>= 16 for the dot)
+    block_e: int = 16  # BE: expert rows per GEMV program (>= 16 for a dot)
+    block_k: int = 64  # BK: hidden-dim chunk per GEMV step (>= 16 for a dot)
     k_splits: int = 1  # KS: D-splits (partial logits summed by the top-k kernel); the largest count <= KS that
-    #                    divides D into multiples of 16 is used (KS = 5 at D = 2560: 512 each; 2 at D = 256)
+    #                    divides D into multiples of 16 is used (KS = 5 at D = 2560: 512 each; 4 at D = 256: 64)
     num_warps: int = 4  # GEMV program
     num_stages: int = 3  # GEMV program
-    t1_gemv: str = "fma"  # T = 1 products: "fma" | "fma_reduce" | "dot" (T1_GEMV_MODES)
+    t1_gemv: str = "fma"  # one-token programs' products: "fma" | "fma_reduce" | "dot" (T1_GEMV_MODES)
     dot_gemv: str = "dot_x"  # the dot's orientation: "dot_x" x·Wᵀ (weight tile transposed) | "dot_w" W·xᵀ
     multi_token: str = "dot"  # N > 1: "dot" (BN tokens per program) | "per_token" (one token per program, the
     #                           T = 1 products; the N reads of a weight tile after the first come from L2)
@@ -87,18 +89,24 @@ class RouterTuning:
 
 
 # Best of the H200 sweeps by device time (RESULTS.md, "MoE, session 4"): T = 1 GEMV 3.1 µs + top-k 3.3 µs (S4
-# call 6). N > 1: one-token programs, 2 splits of 256-wide tiles (S4 call 8: GEMV 4.5 / 7.0 / 13.1 µs at T = 2 / 6
-# / 16; the tensor-core dot over [E, D] rows measured 14.6 µs at best, 15-54 µs with no split).
+# call 6). 2 <= N <= 16: one-token programs, 2 splits, 256-wide tiles (S4 call 8: GEMV 4.5 / 7.0 / 13.1 µs at
+# T = 2 / 6 / 16, ~0.6 µs per token). N > 16: the tensor-core dot (W·xᵀ, 4 splits: 14.6 µs flat over T = 2..16, so
+# cheaper from ~T = 18 on; not measured past 16); with no split the dot took 54 µs at T = 6.
 DECODE_TUNING = RouterTuning(block_e=1, block_k=512, k_splits=5, num_warps=1, t1_gemv="fma_reduce")
 VERIFY_TUNING = dataclasses.replace(DECODE_TUNING, multi_token="per_token", k_splits=2, block_k=256)
+WIDE_TUNING = RouterTuning(dot_gemv="dot_w", k_splits=4)
+PER_TOKEN_MAX = 16  # the largest N given VERIFY_TUNING by default
 
 
 def default_tuning(n_tokens: int) -> RouterTuning:
-    return DECODE_TUNING if n_tokens == 1 else VERIFY_TUNING
+    if n_tokens == 1:
+        return DECODE_TUNING
+    return VERIFY_TUNING if n_tokens <= PER_TOKEN_MAX else WIDE_TUNING
 
 
 def _gemv_rows(x_ref, w_ref, *, BK, n_chunks, mode):
-    """Logits [BN, BE] fp32 of x_ref [BN, D] (compute dtype) · w_ref [BE, D]ᵀ (fp32 expert rows, read end to end)."""
+    """Partial logits [BN, BE] fp32 of x_ref [BN, D/KS] (compute dtype) · w_ref [BE, D/KS]ᵀ (one D-split of BE fp32
+    expert rows, read end to end)."""
     bn, be = x_ref.shape[0], w_ref.shape[0]
     if mode == "fma":
         def body_fma(c, acc):
@@ -210,14 +218,18 @@ def route(x, router, expert_bias, *, n_group, topk_group, top_k, routed_scaling_
     mode = tuning.t1_gemv if one_row else "dot"
     be = min(tuning.block_e, e)
     if mode == "dot" and be < 16:
-        raise ValueError(f"RouterTuning.block_e={tuning.block_e} at N={n} tokens: the tensor-core dot needs >= 16 "
-                         "expert rows per program; only one-token programs (T = 1, or multi_token='per_token') "
-                         "with t1_gemv 'fma'/'fma_reduce' take fewer (N > 1: use router.VERIFY_TUNING)")
+        raise ValueError(f"RouterTuning.block_e={tuning.block_e} (E={e}: {be} expert rows per program) at N={n} "
+                         "tokens: the tensor-core dot needs >= 16; only one-token programs (T = 1, or "
+                         "multi_token='per_token') with t1_gemv 'fma'/'fma_reduce' take fewer (N > 1: use "
+                         "router.VERIFY_TUNING)")
     if d % 16:
         raise ValueError(f"the Pallas router needs D={d} divisible by 16")
     ks = _split_count(d, tuning.k_splits)
     dk = d // ks
     bk = min(tuning.block_k, dk & -dk)
+    if mode == "dot" and bk < 16:
+        raise ValueError(f"RouterTuning.block_k={tuning.block_k} at N={n} tokens with the tensor-core dot: it "
+                         "needs >= 16 (one-token FMA programs take any power of two)")
     bn = 1 if one_row else min(tuning.block_n, max(16, next_pow2(n)))
     n_pad = -(-n // bn) * bn
     xp = x if n_pad == n else jnp.pad(x, ((0, n_pad - n), (0, 0)))

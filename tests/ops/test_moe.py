@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-
 import pytest
 
 import jax
@@ -223,17 +222,18 @@ def test_route_pallas(n):
         assert ids.dtype == jnp.int32 and w.dtype == jnp.float32
 
 
-@pytest.mark.parametrize("mode", ["fma", "fma_reduce", "dot"])
-def test_route_pallas_t1_modes(mode):
-    """Each T = 1 GEMV product mode (router.T1_GEMV_MODES) selects the reference's experts, random inputs and near
-    ties; fma modes at the decode block shape (BE 2, BK 512 > D: one chunk) and BK 32 (8 chunks)."""
+@pytest.mark.parametrize("mode,dot", [("fma", "dot_x"), ("fma_reduce", "dot_x"), ("dot", "dot_x"), ("dot", "dot_w")])
+def test_route_pallas_t1_modes(mode, dot):
+    """Each T = 1 GEMV product mode (router.T1_GEMV_MODES; the dot in both orientations) selects the reference's
+    experts, random inputs and near ties; fma modes with 2-row programs, BK 512 > D (one chunk) and BK 32."""
     from pallas_kernels.moe import router as router_mod
 
     be = 16 if mode == "dot" else 2
     for seed in range(4):
         x, router, bias = _router_inputs(200 + seed, 1, ties=seed % 2 == 1)
         args = (jnp.asarray(x), jnp.asarray(router), jnp.asarray(bias))
-        tu = router_mod.RouterTuning(t1_gemv=mode, block_e=be, block_k=(512, 32)[seed // 2], num_warps=1)
+        tu = router_mod.RouterTuning(t1_gemv=mode, dot_gemv=dot, block_e=be, block_k=(512, 32)[seed // 2],
+                                     num_warps=1)
         w, ids = router_mod.route(*args, **ROUTE_KW, tuning=tu)
         w_ref, ids_ref = moe.route(*args, **ROUTE_KW)
         np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids_ref))
@@ -242,16 +242,19 @@ def test_route_pallas_t1_modes(mode):
 
 @pytest.mark.parametrize("n,d,ks,used,multi", [(1, 240, 5, 5, None), (1, 240, 4, 3, None), (1, 256, 5, 4, None),
                                                 (5, 240, 16, 15, "dot_x"), (5, 256, 4, 4, "dot_w"),
-                                                (5, 240, 5, 5, "per_token")])
+                                                (40, 256, 1, 1, "dot_x"), (40, 256, 4, 4, "dot_w"),
+                                                (5, 240, 5, 5, "per_token"), (5, 240, 3, 3, "per_token_fma")])
 def test_route_pallas_k_splits(n, d, ks, used, multi):
     """D-splits: the partial logits of `used` splits (the largest count <= KS dividing D into multiples of 16)
     summed by the top-k kernel select the reference's experts, random inputs and near ties, T = 1 and N > 1
-    (both dot orientations, and one token per program)."""
+    (the dot in both orientations, over 1 and 3 blocks of 16 tokens; one token per program, fma_reduce and fma)."""
     from pallas_kernels.moe import router as router_mod
 
     assert router_mod._split_count(d, ks) == used
     if multi in (None, "per_token"):
         base = router_mod.DECODE_TUNING if multi is None else router_mod.VERIFY_TUNING
+    elif multi == "per_token_fma":
+        base = dataclasses.replace(router_mod.VERIFY_TUNING, t1_gemv="fma", block_e=4, block_k=32)
     else:
         base = dataclasses.replace(router_mod.RouterTuning(), dot_gemv=multi)
     for seed in range(2):
@@ -265,6 +268,7 @@ def test_route_pallas_k_splits(n, d, ks, used, multi):
 
 
 def test_router_tuning_errors():
+    from pallas_kernels.moe import router as router_mod
     from pallas_kernels.moe.router import RouterTuning
 
     with pytest.raises(ValueError, match=r"RouterTuning.t1_gemv='gemv' must be one of \('fma', 'fma_reduce', 'dot'\)"):
@@ -283,6 +287,9 @@ def test_router_tuning_errors():
         RouterTuning(dot_gemv="dot")
     with pytest.raises(ValueError, match=r"RouterTuning.multi_token='tokens' must be 'dot' or 'per_token'"):
         RouterTuning(multi_token="tokens")
+    x, router, bias = (jnp.asarray(a) for a in _router_inputs(0, 3))
+    with pytest.raises(ValueError, match=r"RouterTuning.block_k=8 at N=3 tokens with the tensor-core dot: it needs"):
+        router_mod.route(x, router, bias, **ROUTE_KW, tuning=RouterTuning(block_k=8))
 
 
 def test_route_pallas_bf16_input_and_hand_table():
@@ -316,13 +323,14 @@ def test_route_pallas_exact_ties():
     w_ref, ids_ref = moe.route(*args, **ROUTE_KW)
     np.testing.assert_array_equal(np.asarray(ids_ref), np_route(x, router, bias, **ROUTE_KW)[1])
     # The defaults by T (None), each T = 1 product mode with awkward blocks (BE 1 or 4, BK below or above D, one
-    # warp top-k); batched rows always take the dot GEMV (BE >= 16).
+    # warp top-k); these tunings' batched rows take the dot GEMV (multi_token="dot": BE >= 16, else an error).
     RT = router_mod.RouterTuning
     for tu in (None, RT(t1_gemv="fma", block_e=1, block_k=16), RT(t1_gemv="fma_reduce", block_e=4, block_k=1024),
                RT(t1_gemv="dot", block_e=32, block_k=16, topk_warps=1), RT(block_e=128, block_k=32, block_n=32)):
         for rows in (slice(None), slice(0, 1), slice(1, 2)):
             if rows == slice(None) and tu is not None and tu.block_e < 16:
-                with pytest.raises(ValueError, match=rf"block_e={tu.block_e} at N={n} tokens: the tensor-core dot"):
+                msg = rf"block_e={tu.block_e} \(E=512: {tu.block_e} expert rows per program\) at N={n} tokens"
+                with pytest.raises(ValueError, match=msg + ": the tensor-core dot needs >= 16"):
                     router_mod.route(args[0][rows], *args[1:], **ROUTE_KW, tuning=tu)
                 continue
             w, ids = router_mod.route(args[0][rows], *args[1:], **ROUTE_KW, tuning=tu)
@@ -455,11 +463,17 @@ def test_router_variants_lower_for_cuda(monkeypatch):
     from pallas_kernels.moe import router as router_mod
 
     sds = jax.ShapeDtypeStruct
-    # Every T = 1 product mode (the defaults by T run in test_pallas_lowers_for_cuda), awkward blocks.
+    # Every T = 1 product mode (the defaults by T run in test_pallas_lowers_for_cuda), awkward blocks and splits;
+    # the N > 1 paths: the dot in both orientations (3 and 40 tokens: WIDE_TUNING's N), one-token programs.
     RT = router_mod.RouterTuning
-    for tu in (RT(t1_gemv="fma", block_e=2, block_k=512, num_warps=1), RT(t1_gemv="fma_reduce", block_e=8),
-               RT(t1_gemv="dot", topk_warps=1, block_e=64, block_k=16), RT(t1_gemv="fma", block_e=1, block_k=1024)):
+    for n, tu in ((1, RT(t1_gemv="fma", block_e=2, block_k=512, num_warps=1)),
+                  (1, RT(t1_gemv="fma_reduce", block_e=8)),
+                  (1, RT(t1_gemv="dot", topk_warps=1, block_e=64, block_k=16)),
+                  (1, RT(t1_gemv="fma", block_e=1, block_k=1024, k_splits=10)),
+                  (1, RT(t1_gemv="dot", dot_gemv="dot_w", k_splits=4)), (3, RT()),
+                  (3, RT(dot_gemv="dot_w", k_splits=5)), (40, None), (6, router_mod.VERIFY_TUNING),
+                  (6, RT(multi_token="per_token", t1_gemv="fma", block_e=4))):
         fn = lambda x, r, b, tu=tu: router_mod.route(x, r, b, **ROUTE_KW, tuning=tu)  # noqa: E731
-        txt = lower_for_cuda(monkeypatch, [router_mod], fn, sds((1, 2560), jnp.bfloat16),
+        txt = lower_for_cuda(monkeypatch, [router_mod], fn, sds((n, 2560), jnp.bfloat16),
                              sds((512, 2560), jnp.float32), sds((512,), jnp.float32))
         assert txt.count("stablehlo.custom_call") == 2
