@@ -16,7 +16,7 @@ Products of a one-token program (T = 1, or N > 1 with `multi_token="per_token"`)
 N > 1 with `multi_token="dot"`: a tensor-core fp32 dot (precision HIGHEST) of BN tokens (padded to >= 16 rows)
 per program, BE >= 16; `dot_gemv` picks the orientation: `dot_x` x·Wᵀ (the [BE, BK] weight tile as the
 transposed operand) or `dot_w` W·xᵀ (the weight tile as the left operand).
-The router stays fp32 (5.2 MB for Flash, +1.2 µs over a bf16 copy at 4.3 TB/s) so the logits equal the
+The router stays fp32 (5.2 MB for Flash, +0.6 µs over a bf16 copy at 4.3 TB/s) so the logits equal the
 reference's up to fp32 summation order and the selection is the reference's (a bf16 copy would move near-ties).
 Tunings by T (`default_tuning`): `DECODE_TUNING` (T = 1: one-warp programs of one expert row split 5 ways, the
 best of the H200 sweep), `VERIFY_TUNING` (2 <= N <= 16: the same one-warp programs, one token each,
@@ -57,7 +57,7 @@ T1_GEMV_MODES = ("fma", "fma_reduce", "dot")
 
 @dataclasses.dataclass(frozen=True)
 class RouterTuning:
-    # Field defaults: the tensor-core dot path for N > 1 (an option now); DECODE_TUNING / VERIFY_TUNING below.
+    # Field defaults: the tensor-core dot path for N > 1; DECODE_TUNING / VERIFY_TUNING / WIDE_TUNING below.
     block_e: int = 16  # BE: expert rows per GEMV program (>= 16 for a dot)
     block_k: int = 64  # BK: hidden-dim chunk per GEMV step (>= 16 for a dot)
     k_splits: int = 1  # KS: D-splits (partial logits summed by the top-k kernel); the largest count <= KS that
