@@ -49,11 +49,26 @@ SELECT_KW = dict(topk_group=ROUTE_KW["topk_group"], top_k=K, scale=ROUTE_KW["rou
 OUT = "probe_moe_fused_router.json"
 
 
-def _signal_last(cnt_ref, idx, n_arrivals):
-    """CTA barrier (every thread's stores precede thread 0's release), then the arrival count; True for the last."""
+def _arrive(cnt_ref, idx):
+    """Release everything this program stored (CTA barrier: every thread's stores precede thread 0's acq_rel
+    atomic), then count the arrival; returns the old count."""
     if not interpret_mode():  # interpreted programs run one after another
         pltriton.debug_barrier()
-    return pltriton.atomic_add(cnt_ref, (jnp.asarray(idx, jnp.int32),), jnp.int32(1)) == n_arrivals - 1
+    return pltriton.atomic_add(cnt_ref, (jnp.asarray(idx, jnp.int32),), jnp.int32(1))
+
+
+def _gemv_logits(x_ref, w_ref, lg_ref, p, BE, BK):
+    """Program p's BE logits (rows [p·BE, (p+1)·BE) of the fp32 router w_ref [E, D], whole rows) into lg_ref
+    [G, E/G]."""
+    rows = pl.ds(pl.multiple_of(p * BE, BE), BE)
+
+    def body(c, acc):
+        ks = pl.ds(pl.multiple_of(c * BK, BK), BK)
+        return acc + jnp.sum(w_ref[rows, ks] * x_ref[0, ks].astype(jnp.float32)[None, :], axis=1)
+
+    gsz = lg_ref.shape[1]
+    lg_ref[(p * BE) // gsz, pl.ds(pl.multiple_of((p * BE) % gsz, BE), BE)] = lax.fori_loop(
+        0, x_ref.shape[1] // BK, body, jnp.zeros((BE,), jnp.float32))
 
 
 def router_kernel(x_ref, w_ref, b_ref, cnt_ref, sg_ref, su_ref, *outs, BE, BK, n_gemv, BI, shared, keep):
@@ -61,20 +76,12 @@ def router_kernel(x_ref, w_ref, b_ref, cnt_ref, sg_ref, su_ref, *outs, BE, BK, n
     # outs: logits [G, E/G] fp32, weights [1, K], ids [1, K], (h [S, 1, I] if shared), (cnt out unless keep)
     lg_ref, wt_ref, id_ref = outs[:3]
     p = pl.program_id(0)
-    gsz = lg_ref.shape[1]
 
     @pl.when(p < n_gemv)
     def _():
-        rows = pl.ds(pl.multiple_of(p * BE, BE), BE)
+        _gemv_logits(x_ref, w_ref, lg_ref, p, BE, BK)
 
-        def body(c, acc):
-            ks = pl.ds(pl.multiple_of(c * BK, BK), BK)
-            return acc + jnp.sum(w_ref[rows, ks] * x_ref[0, ks].astype(jnp.float32)[None, :], axis=1)
-
-        acc = lax.fori_loop(0, D // BK, body, jnp.zeros((BE,), jnp.float32))
-        lg_ref[(p * BE) // gsz, pl.ds(pl.multiple_of((p * BE) % gsz, BE), BE)] = acc
-
-        @pl.when(_signal_last(cnt_ref, 0, n_gemv))
+        @pl.when(_arrive(cnt_ref, 0) == n_gemv - 1)
         def _():
             lg = pltriton.load(lg_ref, volatile=True)
             w, ids = router_mod._select_topk(lg, b_ref[...], **SELECT_KW)
@@ -161,7 +168,7 @@ def down_combine_kernel(h_ref, ids_ref, w_ref, wd_ref, sd_ref, cnt_ref, part_ref
     def _():
         part_ref[K, :, cols] = expert_out(K, lambda ks: sd_ref[ks, cols])
 
-    @pl.when(_signal_last(cnt_ref, i_d, K + 1))
+    @pl.when(_arrive(cnt_ref, i_d) == K)  # the last of the K + 1 slot programs of this column block
     def _():
         routed = pltriton.load(part_ref.at[jnp.int32(0), :, cols], volatile=True)
         for s in range(1, K):

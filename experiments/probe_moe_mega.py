@@ -47,13 +47,6 @@ OUT = "probe_moe_mega.json"
 C_TICKET, C_GEMV, C_IDS, C_SLOT, C_DONE = 0, 1, 2, 3, 15
 
 
-def _arrive(cnt_ref, idx):
-    """Release everything this program stored (CTA barrier, then one acq_rel atomic); returns the old count."""
-    if not interpret_mode():
-        pltriton.debug_barrier()
-    return pltriton.atomic_add(cnt_ref, (jnp.asarray(idx, jnp.int32),), jnp.int32(1))
-
-
 def _wait(cnt_ref, idx, target):
     """Poll cnt[idx] until >= target, then an acquire fence; returns an int32 zero that depends on the fence
     (added to the indices of the loads that must see the producers' data)."""
@@ -78,7 +71,6 @@ def mega_kernel(x_ref, rt_ref, b_ref, wg_ref, wu_ref, wd_ref, sg_ref, su_ref, sd
                 with_down):
     D = x_ref.shape[1]
     E, I = rt_ref.shape[0], wg_ref.shape[1]
-    gsz = lg_ref.shape[1]
     n_gemv, n_rows, n_cols = E // BE, I // BI, D // BD
     lo_shared = n_gemv
     lo_routed = lo_shared + n_rows
@@ -93,28 +85,21 @@ def mega_kernel(x_ref, rt_ref, b_ref, wg_ref, wu_ref, wd_ref, sg_ref, su_ref, sd
 
     @pl.when(t < lo_shared)
     def _():
-        rows = pl.ds(pl.multiple_of(t * BE, BE), BE)
+        fr._gemv_logits(x_ref, rt_ref, lg_ref, t, BE, BK)
 
-        def body(c, acc):
-            ks = pl.ds(pl.multiple_of(c * BK, BK), BK)
-            return acc + jnp.sum(rt_ref[rows, ks] * x_ref[0, ks].astype(jnp.float32)[None, :], axis=1)
-
-        lg_ref[(t * BE) // gsz, pl.ds(pl.multiple_of((t * BE) % gsz, BE), BE)] = lax.fori_loop(
-            0, D // BK, body, jnp.zeros((BE,), jnp.float32))
-
-        @pl.when(_arrive(cnt_ref, C_GEMV) == n_gemv - 1)
+        @pl.when(fr._arrive(cnt_ref, C_GEMV) == n_gemv - 1)
         def _():
             lg = lg_ref[...] if interpret_mode() else pltriton.load(lg_ref, volatile=True)
             w, ids = router_mod._select_topk(lg, b_ref[...], **fr.SELECT_KW)
             wt_ref[0, :] = w
             id_ref[0, :] = ids
-            _arrive(cnt_ref, C_IDS)
+            fr._arrive(cnt_ref, C_IDS)
 
     @pl.when((t >= lo_shared) & (t < lo_routed))
     def _():
         rows = pl.ds(pl.multiple_of((t - lo_shared) * BI, BI), BI)
         h_ref[K, :, rows] = gate_up(lambda ks: sg_ref[rows, ks], lambda ks: su_ref[rows, ks], LIMITS["shared_limit"])
-        _arrive(cnt_ref, C_SLOT + K)
+        fr._arrive(cnt_ref, C_SLOT + K)
 
     @pl.when((t >= lo_routed) & (t < lo_down))
     def _():
@@ -123,7 +108,7 @@ def mega_kernel(x_ref, rt_ref, b_ref, wg_ref, wu_ref, wd_ref, sg_ref, su_ref, sd
         e = _pick(id_ref[0, pl.ds(zero, K)], s)
         rows = pl.ds(pl.multiple_of(j * BI, BI), BI)
         h_ref[s, :, rows] = gate_up(lambda ks: wg_ref[e, rows, ks], lambda ks: wu_ref[e, rows, ks], LIMITS["limit"])
-        _arrive(cnt_ref, C_SLOT + s)
+        fr._arrive(cnt_ref, C_SLOT + s)
 
     @pl.when((t >= lo_down) & with_down)
     def _():
@@ -145,7 +130,7 @@ def mega_kernel(x_ref, rt_ref, b_ref, wg_ref, wu_ref, wd_ref, sg_ref, su_ref, sd
             part_ref[K, :, cols] = out(lambda ks: sd_ref[ks, cols])
 
     if keep:  # the last program to finish leaves the counters as it found them: zero
-        @pl.when(_arrive(cnt_ref, C_DONE) == total - 1)
+        @pl.when(fr._arrive(cnt_ref, C_DONE) == total - 1)
         def _():
             cnt_ref[...] = jnp.zeros(cnt_ref.shape, jnp.int32)
 
