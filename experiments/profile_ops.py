@@ -135,6 +135,26 @@ def trace_kernels(run, n):
         return gpu_events(d)
 
 
+def split_calls(events, gap_us=20.0):
+    """The traced kernels grouped by call: calls are separated by host syncs, so the stream is split at gaps
+    > gap_us; only the calls with the most common kernel count are kept (a call cut by the trace is dropped)."""
+    calls, cur = [], [events[0]]
+    for prev, e in zip(events, events[1:]):
+        if e[1] - (prev[1] + prev[2]) < gap_us:
+            cur.append(e)
+        else:
+            calls.append(cur)
+            cur = [e]
+    calls.append(cur)
+    n_k = collections.Counter(len(c) for c in calls).most_common(1)[0][0]
+    return [c for c in calls if len(c) == n_k]
+
+
+def call_span_us(calls):
+    """Median timeline span of the calls: first kernel start to last kernel end (gaps in, overlaps once)."""
+    return statistics.median(max(e[1] + e[2] for e in c) - c[0][1] for c in calls)
+
+
 def durations_by_name(events, width=60):
     """{kernel name (first `width` characters): [durations µs]} over the traced events."""
     by_name = collections.defaultdict(list)
@@ -148,24 +168,15 @@ def profile(name, backend, n):
     events = trace_kernels(lambda: fn(*args), n)
     if not events:
         return None
-    # Calls are separated by host syncs: split the kernel stream at gaps > 20 µs, keep full-length calls.
-    calls, cur = [], [events[0]]
-    for prev, e in zip(events, events[1:]):
-        if e[1] - (prev[1] + prev[2]) < 20:
-            cur.append(e)
-        else:
-            calls.append(cur)
-            cur = [e]
-    calls.append(cur)
-    n_k = collections.Counter(len(c) for c in calls).most_common(1)[0][0]
-    calls = [c for c in calls if len(c) == n_k]
+    calls = split_calls(events)
+    n_k = len(calls[0])
     kernels = []
     for j in range(n_k):
         durs = [c[j][2] for c in calls]
         gaps = [c[j][1] - (c[j - 1][1] + c[j - 1][2]) for c in calls] if j else [0.0]
         kernels.append(dict(kernel=calls[0][j][0][:90], dur_us=round(statistics.median(durs), 2),
                             gap_before_us=round(statistics.median(gaps), 2)))
-    span = statistics.median(c[-1][1] + c[-1][2] - c[0][1] for c in calls)
+    span = call_span_us(calls)
     per = OPS_PER_CALL.get(name, 1)
     return dict(op=name, backend=backend, calls=len(calls), ops_per_call=per, span_us=round(span, 2),
                 kernel_sum_us=round(sum(k["dur_us"] for k in kernels), 2), span_us_per_op=round(span / per, 2),

@@ -39,6 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.common import interpret_mode
+from pallas_kernels.common.pdl import launch_dependents
 from pallas_kernels.common.sizes import check_pow2_fields, next_pow2
 
 MAX_TOKENS = 64  # beyond this, ownership checks over T·K ids in every program stop paying: use the reference
@@ -64,6 +65,9 @@ class ExpertsTuning:
     stages_gate_up: int = 3
     warps_down: int = 4
     stages_down: int = 3
+    # PDL (pallas_kernels/common/pdl.py): the kernel's programs first let the next kernel be admitted
+    early_launch_gate_up: bool = False  # successor: the down kernel
+    early_launch_down: bool = True  # successor: the small combine fusion (XLA)
 
     def __post_init__(self):
         check_pow2_fields(self, ("block_i",))
@@ -175,9 +179,11 @@ def _down_cols(load_h, load_d, *, BKI, n_chunks, bd, to, dt):
 
 
 def experts_fwd_kernel_gate_up(x_ref, ids_ref, wg_ref, wu_ref, sg_ref, su_ref, h_ref, *, BK, n_chunks, n_routed,
-                               limit, shared_limit, has_shared, mode):
+                               limit, shared_limit, has_shared, mode, early_launch=False):
     # x_ref [TO, D] (TO = 1 at T = 1, else TP); ids_ref [P] int32; wg_ref/wu_ref [E, I, D]; sg_ref/su_ref [I, D];
     # h_ref [TO, BI]: slot s, intermediate rows block j, after SwiGLU, compute dtype
+    if early_launch:
+        launch_dependents()
     s, j = pl.program_id(0), pl.program_id(1)
     to, bi = h_ref.shape
     e, owner = _ownership(ids_ref[...], s, n_routed)
@@ -199,9 +205,11 @@ def experts_fwd_kernel_gate_up(x_ref, ids_ref, wg_ref, wu_ref, sg_ref, su_ref, h
 
 
 def experts_fwd_kernel_down(h_ref, ids_ref, ids2_ref, w_ref, wd_ref, sd_ref, o_ref, *, BKI, n_chunks, n_routed,
-                            group, n_groups):
+                            group, n_groups, early_launch=False):
     # h_ref [S, TO, I] (after SwiGLU); ids_ref [P]; ids2_ref [TO, K]; w_ref [TO, K] fp32; wd_ref [E, I, D];
     # sd_ref [I, D]; o_ref [TO, BD] fp32: partial of group g (g = NG: the shared expert)
+    if early_launch:
+        launch_dependents()
     g, i_d = pl.program_id(0), pl.program_id(1)
     to, bd = o_ref.shape
     cols = pl.ds(pl.multiple_of(i_d * bd, bd), bd)
@@ -278,7 +286,8 @@ def moe_experts_fused(x, weights, ids, we_gate, we_up, we_down, ws_gate, ws_up, 
     whole = pl.no_block_spec
     h = pl.pallas_call(
         functools.partial(experts_fwd_kernel_gate_up, BK=bk, n_chunks=d // bk, n_routed=n_routed, limit=limit,
-                          shared_limit=shared_limit, has_shared=has_shared, mode=mode),
+                          shared_limit=shared_limit, has_shared=has_shared, mode=mode,
+                          early_launch=tuning.early_launch_gate_up),
         grid=(n_slots, i // bi),
         in_specs=[whole] * 6,
         out_specs=pl.BlockSpec((None, to, bi), lambda s, j: (s, 0, j)),
@@ -289,7 +298,7 @@ def moe_experts_fused(x, weights, ids, we_gate, we_up, we_down, ws_gate, ws_up, 
     )(x, ids_flat, we_gate, we_up, ws_gate, ws_up)
     n_groups = k  # slot groups of T slots each
     kernel = functools.partial(experts_fwd_kernel_down, BKI=bki, n_chunks=i // bki, n_routed=n_routed, group=n,
-                               n_groups=n_groups)
+                               n_groups=n_groups, early_launch=tuning.early_launch_down)
     down_inputs = [h, ids_flat, ids, weights, we_down]
     if has_shared:
         down_inputs.append(ws_down)

@@ -441,6 +441,7 @@ def lower_for_cuda(monkeypatch, modules, fn, *avals):
 @pytest.mark.parametrize("n,tu", [(1, None), (1, "fma"), (1, "dot_x"), (1, "dot_w"), (3, None), (3, "dot_w")])
 def test_pallas_lowers_for_cuda(monkeypatch, n, tu):
     """Every product mode lowers to Triton at Flash size (None: the defaults by T, experts.default_tuning)."""
+    from pallas_kernels.common import pdl
     from pallas_kernels.moe import experts as experts_mod, router as router_mod
 
     d, e, i = 2560, 512, 768
@@ -453,7 +454,7 @@ def test_pallas_lowers_for_cuda(monkeypatch, n, tu):
                                              tuning=tu and experts_mod.ExpertsTuning(**_TUNINGS[tu]))
 
     # Every expert matrix [.., I, D].
-    txt = lower_for_cuda(monkeypatch, [router_mod, experts_mod], layer, sds((n, d), bf), sds((e, d), f32),
+    txt = lower_for_cuda(monkeypatch, [router_mod, experts_mod, pdl], layer, sds((n, d), bf), sds((e, d), f32),
                          sds((e,), f32), sds((e, i, d), bf), sds((e, i, d), bf), sds((e, i, d), bf), sds((i, d), bf),
                          sds((i, d), bf), sds((i, d), bf))
     assert txt.count("stablehlo.custom_call") == 4  # router GEMV, top-k, gate/up, down
@@ -477,3 +478,25 @@ def test_router_variants_lower_for_cuda(monkeypatch):
         txt = lower_for_cuda(monkeypatch, [router_mod], fn, sds((n, 2560), jnp.bfloat16),
                              sds((512, 2560), jnp.float32), sds((512,), jnp.float32))
         assert txt.count("stablehlo.custom_call") == 2
+
+
+@pytest.mark.parametrize("gate_up,down", [(False, True), (True, True), (False, False)])
+def test_early_launch_lowers_for_cuda(monkeypatch, gate_up, down):
+    """The PDL trigger (pallas_kernels/common/pdl.py) is in exactly the experts kernels asked for."""
+    from pallas_kernels.common import pdl
+    from pallas_kernels.moe import experts as experts_mod
+
+    d, e, i = 256, 16, 64
+    bf, sds = jnp.bfloat16, jax.ShapeDtypeStruct
+    tu = dataclasses.replace(experts_mod.DECODE_TUNING, early_launch_gate_up=gate_up, early_launch_down=down)
+
+    def experts(x, w, ids, wg, wu, wd, sg, su, sd):
+        return experts_mod.moe_experts_fused(x, w, ids, wg, wu, wd, sg, su, sd, limit=4.0, shared_limit=5.0,
+                                             tuning=tu)
+
+    txt = lower_for_cuda(monkeypatch, [experts_mod, pdl], experts, sds((1, d), bf), sds((1, 8), jnp.float32),
+                         sds((1, 8), jnp.int32), *[sds((e, i, d), bf)] * 3, *[sds((i, d), bf)] * 3)
+    calls = txt.split("stablehlo.custom_call")[1:]
+    has = {name: any(name in c and "griddepcontrol.launch_dependents" in c for c in calls)
+           for name in ("experts_fwd_kernel_gate_up", "experts_fwd_kernel_down")}
+    assert has == {"experts_fwd_kernel_gate_up": gate_up, "experts_fwd_kernel_down": down}
