@@ -41,6 +41,7 @@ from bench_common import run_header, write_results  # noqa: E402
 from probe_moe_t1 import rel_err  # noqa: E402
 from profile_ops import durations_by_name, trace_kernels  # noqa: E402
 
+FULL = (512, 768, 2560, 8)  # E, I, D (Ling-3.0-flash experts), NL layers (8 x 6 GB: cold, > 60 MB L2)
 NS, M = 9, 64  # slots (8 routed + 1 shared at T = 1), wgmma rows
 SMEM_LIMIT = 227 * 1024  # H100/H200 max dynamic smem per block
 WG = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
@@ -57,6 +58,7 @@ class Cfg:
     out_dtype: object = jnp.float32
     pdl: str = "none"  # B only: "none" (no griddepcontrol), "wait" (wait first), "prefetch" (weights, wait, h)
     launch_dependents: bool = False  # griddepcontrol.launch_dependents at the start (lets a PDL successor launch)
+    ep: bool = False  # gate only: jax's plgpu.emit_pipeline (as in its ragged_dot_mgpu) instead of _pipelined
 
 
 def smem_bytes(c: Cfg) -> int:
@@ -122,10 +124,10 @@ def _store(c: Cfg, acc, o_s, dst):
 
 def _scratch(c: Cfg, trans_b):
     assert smem_bytes(c) <= SMEM_LIMIT, (c, smem_bytes(c))
-    return [plgpu.SMEM((c.stages, c.bn, c.bk) if trans_b else (c.stages, c.bk, c.bn), jnp.bfloat16,
+    return [plgpu.SMEM((M, c.bn), c.out_dtype),
+            plgpu.SMEM((c.stages, c.bn, c.bk) if trans_b else (c.stages, c.bk, c.bn), jnp.bfloat16,
                        transforms=_tiled(c.bk if trans_b else c.bn)),
             plgpu.SMEM((c.stages, M, c.bk), jnp.bfloat16, transforms=_tiled(c.bk)),
-            plgpu.SMEM((M, c.bn), c.out_dtype),
             plgpu.Barrier(num_barriers=c.stages), plgpu.Barrier(num_barriers=c.stages)]
 
 
@@ -135,12 +137,14 @@ def gate_gemv(xs, ws, ids, c: Cfg, interpret=None):
     G, (E, I, D), ns = len(ws), ws[0].shape, ids.shape[0]
     assert xs.shape == (c.xr, D) and all(w.shape == (E, I, D) for w in ws) and I % c.bn == 0
     assert D % (c.ks * c.bk) == 0 and c.bk % 64 == 0 and c.bn % 8 == 0 and c.out_rows <= c.xr
+    assert not c.ep or c.xr == M
     dk = D // c.ks
     nk = dk // c.bk
     c = dataclasses.replace(c, pdl="none")
 
     def body(ids_g, x_g, *refs):
-        w_gs, (o_g, w_s, x_s, o_s, wbar, xbar) = refs[:G], refs[G:]
+        w_gs = refs[:G]
+        o_g, o_s, w_s, x_s, wbar, xbar = refs[G:] if not c.ep else (*refs[G:], None, None, None, None)
         gs, b, kc = lax.axis_index("gs"), lax.axis_index("b"), lax.axis_index("kc")
         g, s = gs // ns, gs % ns
         if c.launch_dependents and interpret is None:
@@ -150,8 +154,25 @@ def gate_gemv(xs, ws, ids, c: Cfg, interpret=None):
         cols = lambda j: pl.ds(kc * dk + j * c.bk, c.bk)  # noqa: E731
 
         def run(w_g):
+            if c.ep:
+                return run_ep(w_g)
             acc = _pipelined(c, nk, lambda j: w_g.at[e, rows, cols(j)], lambda j: x_g.at[:, cols(j)],
                              w_s, x_s, wbar, xbar, trans_b=True)
+            _store(c, acc, o_s, o_g.at[(g * c.ks + kc) * ns + s, :, rows])
+
+        def run_ep(w_g):  # jax's own pipeline, as ragged_dot_mgpu.py uses it (its BlockSpecs, delay_release 1)
+            def scope(acc_ref):
+                plgpu.emit_pipeline(
+                    lambda _, x_smem, w_smem: plgpu.wgmma(acc_ref, x_smem, w_smem.transpose((1, 0))),
+                    grid=(nk,),
+                    in_specs=[plgpu.BlockSpec((M, c.bk), lambda k: (0, k), delay_release=1),
+                              plgpu.BlockSpec((c.bn, c.bk), lambda k: (b, k), delay_release=1)],
+                    max_concurrent_steps=c.stages,
+                )(x_g if c.ks == 1 else x_g.at[:, pl.ds(kc * dk, dk)],
+                  w_g.at[e] if c.ks == 1 else w_g.at[e, :, pl.ds(kc * dk, dk)])
+                return acc_ref[...]
+
+            acc = pl.run_scoped(scope, plgpu.ACC((M, c.bn), jnp.float32))
             _store(c, acc, o_s, o_g.at[(g * c.ks + kc) * ns + s, :, rows])
 
         if G == 1:
@@ -161,7 +182,7 @@ def gate_gemv(xs, ws, ids, c: Cfg, interpret=None):
 
     return plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((G * c.ks * ns, c.out_rows, I), c.out_dtype),
-        scratch_types=_scratch(c, True), grid=(G * ns, I // c.bn, c.ks), grid_names=("gs", "b", "kc"),
+        scratch_types=_scratch(c, True)[:1] if c.ep else _scratch(c, True), grid=(G * ns, I // c.bn, c.ks), grid_names=("gs", "b", "kc"),
         compiler_params=WG, interpret=interpret, kernel_name="mgpu_gate_gemv")(ids, xs, *ws)
 
 
@@ -173,7 +194,7 @@ def down(h, wd, ids, c: Cfg, interpret=None):
     nk = I // c.bk
     pdl = c.pdl if interpret is None else "none"  # interpret mode has no griddepcontrol
 
-    def body(ids_g, h_g, w_g, o_g, w_s, x_s, o_s, wbar, xbar):
+    def body(ids_g, h_g, w_g, o_g, o_s, w_s, x_s, wbar, xbar):
         s, n = lax.axis_index("s"), lax.axis_index("n")
         if c.launch_dependents and interpret is None:
             plgpu.griddepcontrol_launch_dependents()
@@ -223,7 +244,12 @@ Q1 = [
     ("gate+up BN64 BK128 S4 XR8", 2, _c(64, 128, 4, xr=8)),
     ("gate+up BN128 BK64 S6", 2, _c(128, 64, 6)),
     ("gate+up BN64 BK64 S5", 2, _c(64, 64, 5)),
+    ("gate emit_pipeline BN64 BK128 S4", 1, _c(64, 128, 4, ep=True)),
+    ("gate emit_pipeline BN128 BK64 S6 KS2", 1, _c(128, 64, 6, ks=2, ep=True)),
+    ("gate+up emit_pipeline BN64 BK128 S4", 2, _c(64, 128, 4, ep=True)),
 ]
+Q1_FIRST = ("gate BN64 BK128 S4", "gate BN64 BK128 S4 XR8", "gate emit_pipeline BN64 BK128 S4",
+            "gate BN128 BK64 S6 KS2", "gate+up BN64 BK128 S4")
 # Q2: A (gate GEMV writing h as bf16 rows for B's A operand) then B (down). (label, A cfg, B cfg)
 A_CHAIN = _c(64, 128, 4, out_rows=M, out_dtype=jnp.bfloat16)
 A_CHAIN8 = _c(64, 128, 4, xr=8, out_rows=8, out_dtype=jnp.bfloat16)
@@ -345,7 +371,7 @@ def toy(results):
             results["toy"].append(dict(label=label, err=err))
         except Exception as exc:
             print(f"toy {label}: {type(exc).__name__}: {str(exc)[:800]}", flush=True)
-    E, I, D = 512, 768, 2560
+    E, I, D, _ = FULL
     sd = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt)  # noqa: E731
     lay = dict(wg=sd((E, I, D)), wu=sd((E, I, D)), wd=sd((E, I, D)), ids=sd((NS,), jnp.int32))
     for label, G, c in Q1:
@@ -367,7 +393,7 @@ def _lower(label, fn, *avals):
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--toy", action="store_true", help="CPU: interpret at toy sizes + CUDA lowering")
-    p.add_argument("--n", type=int, default=10, help="traced runs per variant")
+    p.add_argument("--n", type=int, default=6, help="traced runs per variant")
     p.add_argument("--only", default="", help="comma list of label substrings to run")
     p.add_argument("--budget", type=float, default=135.0, help="start no variant after this many seconds")
     args = p.parse_args(argv)
@@ -377,12 +403,14 @@ def main(argv=None):
         write_results("probe_mgpu_toy.json", results, to_repo=False)
         return
     t_start = time.perf_counter()
-    E, I, D, NL = 512, 768, 2560, 8
+    E, I, D, NL = FULL
     x, lays = make_layers(NL, E, I, D)
     jax.block_until_ready(lays)
     print(f"weights ready ({time.perf_counter() - t_start:.1f} s)", flush=True)
     keep = lambda label: not args.only or any(s in label for s in args.only.split(","))  # noqa: E731
-    tasks = [("q1", *v) for v in Q1[:5]] + [("q2", *v) for v in Q2] + [("q1", *v) for v in Q1[5:]]
+    first = [v for v in Q1 if v[0] in Q1_FIRST]  # the most telling variants first (the budget may cut the tail)
+    tasks = ([("q1", *v) for v in first] + [("q2", *v) for v in Q2] +
+             [("q1", *v) for v in Q1 if v[0] not in Q1_FIRST])
     for kind, label, p1, p2 in tasks:
         if not keep(label):
             continue
