@@ -13,7 +13,16 @@ the activation is the wgmma A operand, a [64, BK] tile whose rows are all x (or 
 compute is free at T = 1, and row 0 of the [64, BN] accumulator is the answer -- and the weight tile is operand B:
 [BN, BK] transposed for gate/up (rows of D contiguous), [BK, BN] as is for down. With XR = 8 only 8 activation rows
 are loaded (the other 56 smem rows are never written: their garbage only reaches accumulator rows 8..63, not read).
-Each stage: one TMA for the weight tile and one for the activation tile, each on its own barrier.
+Each stage: one TMA for the weight tile and one for the activation tile, each on its own barrier. The "emit_pipeline"
+rows run the same gate product through jax's own plgpu.emit_pipeline instead, to cross-check the hand pipeline.
+PDL: a Mosaic GPU kernel that calls plgpu.griddepcontrol_wait() is launched by XLA with programmatic stream
+serialization (the `mosaic_gpu.uses_pdl` attribute, present in the lowered B kernels of the "wait"/"prefetch" rows and
+absent in "no PDL"); "+A ld": A calls griddepcontrol.launch_dependents at its start, so B may launch while A still
+runs (otherwise B launches as A's CTAs exit).
+
+Each variant is checked on layer 0 against the jnp reference (relative error, every written accumulator row), then
+profiled over NL = 8 cold layers in one jit (per-kernel device µs as probe_moe_t1.per_kernel_us; plus span per
+layer; for chains the A-start-to-B-end span and B start - A end, negative where PDL overlaps them).
 
 Run on the GPU (<= 150 s): `PYTHONPATH=.:experiments timeout 150 python3 experiments/probe_mgpu.py`.
 CPU smoke (Mosaic GPU interpret mode, toy sizes, against the jnp reference; then CUDA lowering of every variant at
@@ -214,14 +223,15 @@ def down(h, wd, ids, c: Cfg, interpret=None):
         kernel_name=f"mgpu_down_{pdl}")(ids, h, wd)
 
 
-# ---- references (fp32 accumulation of the bf16 products) ----
+# ---- references (fp32 accumulation of the bf16 products; HIGHEST: no TF32 on the GPU) ----
+HI = lax.Precision.HIGHEST
 
 def gate_ref(x, w, ids):
-    return jnp.einsum("sid,d->si", w[ids].astype(jnp.float32), x.astype(jnp.float32))
+    return jnp.einsum("sid,d->si", w[ids].astype(jnp.float32), x.astype(jnp.float32), precision=HI)
 
 
 def down_ref(h, wd, ids):
-    return jnp.einsum("si,sid->sd", h.astype(jnp.float32), wd[ids].astype(jnp.float32))
+    return jnp.einsum("si,sid->sd", h.astype(jnp.float32), wd[ids].astype(jnp.float32), precision=HI)
 
 
 # ---- variants ----
@@ -240,10 +250,12 @@ Q1 = [
     ("gate BN128 BK64 S6 KS2", 1, _c(128, 64, 6, ks=2)),
     ("gate BN64 BK256 S3 XR8", 1, _c(64, 256, 3, xr=8)),
     ("gate BN256 BK64 S3 KS4", 1, _c(256, 64, 3, ks=4)),
+    ("gate BN32 BK128 S4 XR8", 1, _c(32, 128, 4, xr=8)),  # 105 KiB: 2 CTAs per SM, 216 CTAs in one wave
     ("gate+up BN64 BK128 S4", 2, _c(64, 128, 4)),
     ("gate+up BN64 BK128 S4 XR8", 2, _c(64, 128, 4, xr=8)),
     ("gate+up BN128 BK64 S6", 2, _c(128, 64, 6)),
-    ("gate+up BN64 BK64 S5", 2, _c(64, 64, 5)),
+    ("gate+up BN64 BK64 S5", 2, _c(64, 64, 5)),  # 97 KiB: 2 CTAs per SM, 216 CTAs in one wave
+    ("gate+up BN64 BK64 S5 XR8", 2, _c(64, 64, 5, xr=8)),
     ("gate emit_pipeline BN64 BK128 S4", 1, _c(64, 128, 4, ep=True)),
     ("gate emit_pipeline BN128 BK64 S6 KS2", 1, _c(128, 64, 6, ks=2, ep=True)),
     ("gate+up emit_pipeline BN64 BK128 S4", 2, _c(64, 128, 4, ep=True)),
