@@ -269,7 +269,7 @@ def main(argv=None):
         gemv = sum(k["us_per_layer"] for k in ks if "router_fwd_kernel_gemv" in k["kernel"])
         return span, round(gemv, 2)
 
-    # At T = 1 the chain's wall slope follows the host's kernel launches, not the ~39 µs of device work (30-59 µs
+    # At T = 1 the chain's wall slope follows the host's kernel launches, not the ~37 µs of device work (30-59 µs
     # per layer over one sweep, some below the device time): the sweep ranks by device time when it has it.
     def sweep(kind, configs, make):
         best = (configs[0], 1e9)

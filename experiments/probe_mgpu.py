@@ -48,7 +48,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_common import run_header, write_results  # noqa: E402
 from probe_moe_t1 import rel_err  # noqa: E402
-from profile_ops import durations_by_name, trace_kernels  # noqa: E402
+from profile_ops import call_span_us, durations_by_name, split_calls, trace_kernels  # noqa: E402
 
 FULL = (512, 768, 2560, 8)  # E, I, D (Ling-3.0-flash experts), NL layers (8 x 6 GB: cold, > 60 MB L2)
 NS, M = 9, 64  # slots (8 routed + 1 shared at T = 1), wgmma rows
@@ -191,7 +191,8 @@ def gate_gemv(xs, ws, ids, c: Cfg, interpret=None):
 
     return plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((G * c.ks * ns, c.out_rows, I), c.out_dtype),
-        scratch_types=_scratch(c, True)[:1] if c.ep else _scratch(c, True), grid=(G * ns, I // c.bn, c.ks), grid_names=("gs", "b", "kc"),
+        scratch_types=_scratch(c, True)[:1] if c.ep else _scratch(c, True), grid=(G * ns, I // c.bn, c.ks),
+        grid_names=("gs", "b", "kc"),
         compiler_params=WG, interpret=interpret, kernel_name="mgpu_gate_gemv")(ids, xs, *ws)
 
 
@@ -314,18 +315,6 @@ def q2_check(a, b, x, lay, interpret=None):
 
 # ---- timing ----
 
-def _calls(events, gap_us=20.0):
-    """Split the traced kernel stream into calls at host-sync gaps > gap_us (as profile_ops.profile)."""
-    calls, cur = [], [events[0]]
-    for prev, e in zip(events, events[1:]):
-        if e[1] - (prev[1] + prev[2]) < gap_us:
-            cur.append(e)
-        else:
-            calls.append(cur)
-            cur = [e]
-    return calls + [cur]
-
-
 def profile_row(label, fn, xs, lays, n=10, pair=False):
     """Per-kernel median device µs over n traced runs of all layers in one jit (cold: each layer its own weights),
     as probe_moe_t1.per_kernel_us; the timeline span per call / layers; for a chain (pair) the median span from A's
@@ -336,13 +325,12 @@ def profile_row(label, fn, xs, lays, n=10, pair=False):
         raise RuntimeError("no GPU events in the trace")
     by_name = durations_by_name(events)
     ks = {k: (round(statistics.median(v), 2), len(v) / (n * len(lays))) for k, v in by_name.items()}
-    calls = [c for c in _calls(events) if len(c) == (2 if pair else 1) * len(lays)]
+    calls = [c for c in split_calls(events) if len(c) == (2 if pair else 1) * len(lays)]
     row = dict(label=label, kernels=ks, total_us=round(sum(u * p for u, p in ks.values()), 2), calls=len(calls),
-               kernels_per_call=sorted({len(c) for c in _calls(events)}))
+               kernels_per_call=sorted({len(c) for c in split_calls(events)}))
     if calls:
-        row["span_per_layer_us"] = round(statistics.median(
-            (c[-1][1] + c[-1][2] - c[0][1]) / len(lays) for c in calls), 2)
-    if pair and calls:  # events per call: A0 B0 A1 B1 ... (B's name checked below)
+        row["span_per_layer_us"] = round(call_span_us(calls) / len(lays), 2)
+    if pair and calls:  # events per call: A0 B0 A1 B1 ... (b_names shows whether the pairing held)
         ab = [(c[i], c[i + 1]) for c in calls for i in range(0, len(c), 2)]
         row["b_names"] = sorted({b[0][:40] for _, b in ab})
         row["span_ab_us"] = round(statistics.median(max(a[1] + a[2], b[1] + b[2]) - a[1] for a, b in ab), 2)
@@ -436,7 +424,8 @@ def main(argv=None):
                 row = profile_row(label, q1_fn(G, c), jnp.broadcast_to(x, (c.xr, D)), lays, args.n)
                 mb = G * NS * I * D * 2 / 1e6
                 us = sum(v[0] for k, v in row["kernels"].items() if "gate_gemv" in k) or row["total_us"]
-                row.update(err=err, mb=mb, kernel_us=us, tb_s=round(mb / us / 1e6, 2), smem_est=smem_bytes(c),
+                # MB / µs = TB/s
+                row.update(err=err, mb=mb, kernel_us=us, tb_s=round(mb / us, 2), smem_est=smem_bytes(c),
                            ctas=G * NS * I // c.bn * c.ks, cfg=dataclasses.asdict(c))
                 print(f"{label:40s} err {err:.1e}  {us:6.2f} µs  {row['tb_s']:.2f} TB/s ({mb:.1f} MB, "
                       f"{row['ctas']} CTAs, smem ~{row['smem_est'] // 1024} KiB)  span/layer "

@@ -27,7 +27,7 @@ from jax.experimental.pallas import triton as pltriton
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_common import run_header, write_results  # noqa: E402
-from profile_ops import durations_by_name, trace_kernels  # noqa: E402
+from profile_ops import call_span_us, durations_by_name, split_calls, trace_kernels  # noqa: E402
 
 from pallas_kernels.moe import reference  # noqa: E402
 from pallas_kernels.moe import router as router_mod  # noqa: E402
@@ -53,12 +53,21 @@ def make_layers():
     return jax.random.normal(jax.random.key(99), (1, D), jnp.bfloat16), layers
 
 
+def profile_layers(fn, x, layers, n=10):
+    """({kernel: (median device µs, launches per layer)}, timeline span per layer) of fn(x, lay) over every layer,
+    n traced runs. With a PDL trigger (experts.DECODE_TUNING's early_launch_down) the successor's duration includes
+    its wait, so the span, not the kernel sum, is the layer's device time."""
+    run = jax.jit(lambda x, layers: [fn(x, lay) for lay in layers])
+    events = trace_kernels(lambda: run(x, layers), n)
+    by_name = durations_by_name(events)
+    calls = n * len(layers)
+    kernels = {k: (round(statistics.median(v), 2), len(v) / calls) for k, v in by_name.items()}
+    return kernels, round(call_span_us(split_calls(events)) / len(layers), 2)
+
+
 def per_kernel_us(fn, x, layers, n=10):
     """{kernel: (median device µs, launches per layer)} of fn(x, lay) over every layer, n traced runs."""
-    run = jax.jit(lambda x, layers: [fn(x, lay) for lay in layers])
-    by_name = durations_by_name(trace_kernels(lambda: run(x, layers), n))
-    calls = n * len(layers)
-    return {k: (round(statistics.median(v), 2), len(v) / calls) for k, v in by_name.items()}
+    return profile_layers(fn, x, layers, n)[0]
 
 
 def rel_err(a, b):
@@ -68,7 +77,8 @@ def rel_err(a, b):
 
 def record_row(results, out_name, label, fn, x, layers, check=None):
     """Check fn against `check` on layer 0 (relative error; for a (weights, ids) router pair, the fraction of ids
-    that differ), profile it over all layers, print and append the row, save `results` as out_name."""
+    that differ), profile it over all layers (timeline span and kernel sum per layer), print and append the row,
+    save `results` as out_name."""
     try:
         err = None
         if check is not None:
@@ -77,13 +87,13 @@ def record_row(results, out_name, label, fn, x, layers, check=None):
                 err = float(np.mean(np.asarray(out[1]) != np.asarray(ref[1])))
             else:
                 err = rel_err(out, ref)
-        ks = per_kernel_us(fn, x, layers)
+        ks, span = profile_layers(fn, x, layers)
     except Exception as exc:  # one variant's failure must not lose the others
         print(f"{label}: {type(exc).__name__}: {str(exc)[:600]}", flush=True)
         return
     total = sum(us * per for us, per in ks.values())
-    results["rows"].append(dict(label=label, err=err, total_us=round(total, 2), kernels=ks))
-    print(f"{label:48s} err {err}  total {total:6.2f} µs  " +
+    results["rows"].append(dict(label=label, err=err, total_us=round(total, 2), span_us=span, kernels=ks))
+    print(f"{label:48s} err {err}  span {span:6.2f} µs  kernel sum {total:6.2f} µs  " +
           "  ".join(f"{k[:30]} {v[0]}" + (f"x{v[1]:.2g}" if v[1] != 1 else "") for k, v in ks.items()), flush=True)
     write_results(out_name, results, to_repo=TO_REPO)
 

@@ -117,7 +117,8 @@ def k1_kernel(x_ref, w_ref, b_ref, cnt_ref, sg_ref, su_ref, lg_ref, wt_ref, id_r
         def _():
             rows = pl.ds(pl.multiple_of((p - n_gemv) * BI, BI), BI)
             h_ref[pt.K, :, rows] = ex._gate_up_rows(
-                x_ref, lambda ks: sg_ref[rows, ks], lambda ks: su_ref[rows, ks], BK=min(512, d), n_chunks=max(1, d // 512),
+                x_ref, lambda ks: sg_ref[rows, ks], lambda ks: su_ref[rows, ks], BK=min(512, d),
+                n_chunks=max(1, d // 512),
                 bi=BI, to=1, mode="fma_reduce", limit=pt.LIMITS["shared_limit"], dt=h_ref.dtype)
 
 

@@ -48,30 +48,25 @@ EARLY_KERNELS = ("router_fwd_kernel_gemv", "router_fwd_kernel_topk", "experts_fw
 def child(early: str, n: int, dump: str | None, router_bf16: bool):
     import functools
 
+    import dataclasses
+
     import jax
     import jax.numpy as jnp
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as pltriton
 
     sys.path.insert(0, str(Path(__file__).parent))
     import probe_moe_t1 as pt
-    from profile_ops import gpu_events, trace_kernels
+    from profile_ops import call_span_us, split_calls, trace_kernels
 
     from pallas_kernels.moe import experts as ex
     from pallas_kernels.moe import router as rm
 
     if early:
+        from pallas_kernels.common.pdl import launch_dependents
+
         def launch_dependents_first(kernel):
             @functools.wraps(kernel)
             def wrapped(*refs, **kw):
-                pid = pl.program_id(0)
-                r, = pltriton.elementwise_inline_asm(
-                    "griddepcontrol.launch_dependents;\n\tmov.b32 $0, $1;", args=[pid[None]], constraints="=r,r",
-                    pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct((1,), jnp.int32)])
-
-                @pl.when(jnp.min(r) != pid)  # never true; keeps the asm
-                def _():
-                    pltriton.debug_barrier()
+                launch_dependents()
                 return kernel(*refs, **kw)
             return wrapped
 
@@ -85,29 +80,23 @@ def child(early: str, n: int, dump: str | None, router_bf16: bool):
     if router_bf16:  # the checkpoint's bf16 router kept as it is (the reference upcasts the same values)
         for lay in layers:
             lay["router"] = lay["router"].astype(jnp.bfloat16)
-    fn = pt.separate()
+    # Triggers only where --early says (DECODE_TUNING has the down kernel's own since S5 6: pinned off here).
+    fn = pt.separate(dataclasses.replace(ex.DECODE_TUNING, early_launch_down=False))
     err = pt.rel_err(jax.jit(fn)(x, layers[0]), jax.jit(pt.reference_layer)(x, layers[0]))
     run = jax.jit(lambda x, layers: [fn(x, lay) for lay in layers])
     events = trace_kernels(lambda: run(x, layers), n)
-    calls, cur = [], [events[0]]
-    for prev, e in zip(events, events[1:]):
-        if e[1] - (prev[1] + prev[2]) < 20:
-            cur.append(e)
-        else:
-            calls.append(cur)
-            cur = [e]
-    calls.append(cur)
-    n_k = collections.Counter(len(c) for c in calls).most_common(1)[0][0]
-    calls = [c for c in calls if len(c) == n_k]
+    calls = split_calls(events)
+    n_k = len(calls[0])
     nl = len(layers)
-    span = statistics.median(c[-1][1] + c[-1][2] - c[0][1] for c in calls) / nl
+    span = call_span_us(calls) / nl
     ksum = statistics.median(sum(e[2] for e in c) for c in calls) / nl
     overlap = statistics.median(sum(max(0.0, (a[1] + a[2]) - b[1]) for a, b in zip(c, c[1:])) for c in calls) / nl
     by_name = collections.defaultdict(list)
     for c in calls:
         for e in c:
             by_name[e[0][:40]].append(e[2])
-    out = dict(early=early, router_bf16=router_bf16, err=err, span_per_layer=round(span, 2), kernel_sum_per_layer=round(ksum, 2),
+    out = dict(early=early, router_bf16=router_bf16, err=err, span_per_layer=round(span, 2),
+               kernel_sum_per_layer=round(ksum, 2),
                overlap_per_layer=round(overlap, 2), kernels_per_call=n_k,
                kernels={k: round(statistics.median(v), 2) for k, v in by_name.items()})
     if dump:
@@ -134,7 +123,7 @@ def main():
     ap.add_argument("--dump-ptx", action="store_true", help="also count griddepcontrol in XLA's PTX dump")
     ap.add_argument("--out", default="probe_pdl.json")
     ap.add_argument("--n", type=int, default=10)
-    ap.add_argument("--dump", default=None)
+    ap.add_argument("--dump", default=None, help="(child) XLA dump directory to read the PTX from")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     args = ap.parse_args()
     if args.child:

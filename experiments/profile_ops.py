@@ -137,7 +137,10 @@ def trace_kernels(run, n):
 
 def split_calls(events, gap_us=20.0):
     """The traced kernels grouped by call: calls are separated by host syncs, so the stream is split at gaps
-    > gap_us; only the calls with the most common kernel count are kept (a call cut by the trace is dropped)."""
+    > gap_us; only the calls with the most common kernel count are kept (a call cut by the trace is dropped).
+    No events (no GPU, or CUPTI unavailable): no calls."""
+    if not events:
+        return []
     calls, cur = [], [events[0]]
     for prev, e in zip(events, events[1:]):
         if e[1] - (prev[1] + prev[2]) < gap_us:
@@ -151,7 +154,10 @@ def split_calls(events, gap_us=20.0):
 
 
 def call_span_us(calls):
-    """Median timeline span of the calls: first kernel start to last kernel end (gaps in, overlaps once)."""
+    """Median timeline span of the calls: first kernel start to last kernel end (gaps in, overlaps once); NaN for
+    no calls."""
+    if not calls:
+        return float("nan")
     return statistics.median(max(e[1] + e[2] for e in c) - c[0][1] for c in calls)
 
 

@@ -1,15 +1,16 @@
-"""Programmatic dependent launch (PDL, sm_90+) from inside a Pallas-Triton program.
+"""Programmatic dependent launch (PDL, CUDA sm_90+) from inside a Pallas-Triton program.
 
-XLA (jax 0.11.2) launches every Triton kernel with programmatic stream serialization and puts
-`griddepcontrol.wait` at the entry of each kernel it compiles: the next kernel may be admitted to the GPU before
-this one ends, but executes nothing before this one has completed and flushed its memory. By default the next
-kernel is admitted only when every program of this one has exited. `launch_dependents()` at the start of a
-program admits it as soon as every program of this one has started, so its launch and block distribution overlap
-this kernel's tail. It is only a scheduling hint: correctness never depends on it (the successor's entry wait
-still orders every read), and it is a no-op when a kernel is launched without PDL.
-Measured on the H200 (RESULTS.md, "MoE, session 5"): worth it before a short successor (the XLA combine after the
-experts' down kernel); harmful before a wide one (gate/up admitted during the top-k: its waiting programs cost
-more than the launch they hide).
+XLA (jax 0.11.2) compiles its kernels for sm_90 with a `griddepcontrol.wait` at their entry and launches them with
+programmatic stream serialization: such a kernel may be admitted to the GPU before its predecessor ends but executes
+nothing before the predecessor has completed and flushed its memory (XLA's InsertPDLPass; observed on the H200 in
+RESULTS.md, "MoE, session 5"). By default a successor is admitted only when every program of its predecessor has
+exited. `launch_dependents()` at the start of a program admits it as soon as every program of this kernel has
+started, so the successor's launch and block distribution overlap this kernel's tail. It is only a scheduling hint:
+the successor's entry wait still orders every read, and a successor launched without PDL (cuBLAS, collectives,
+copies) waits for this kernel as always. Emitted only for CUDA GPUs of compute capability 9.0 and up (the PTX
+instruction does not exist before Hopper; ROCm has none); a no-op interpreted.
+Measured (RESULTS.md, "MoE, session 5"): worth it before a short successor (the combine fusion after the experts'
+down kernel, −0.5 µs per T = 1 layer); harmful before a wide one (gate/up admitted to wait during the top-k).
 """
 
 from __future__ import annotations
@@ -19,14 +20,26 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from jax._src.pallas.triton import gpu_info
+
 from pallas_kernels.common.interpret import interpret_mode
 
 _ASM = "griddepcontrol.launch_dependents;\n\tmov.b32 $0, $1;"
 
 
+def supports_pdl() -> bool:
+    """Whether the Pallas-Triton target (the one pallas_call lowers for) is a CUDA GPU of compute capability >= 9.0."""
+    try:
+        arch = gpu_info.get_gpu_info().arch_name  # "9.0" for CUDA; "gfx..." for ROCm
+        return float(arch) >= 9.0
+    except ValueError:  # no GPU, or a ROCm arch name
+        return False
+
+
 def launch_dependents():
-    """Let the kernel that follows this one be admitted now (call first in the program; no-op interpreted)."""
-    if interpret_mode():
+    """Let the kernel that follows this one be admitted now (call first in the program; no-op interpreted and where
+    the target has no PDL)."""
+    if interpret_mode() or not supports_pdl():
         return
     pid = pl.program_id(0)
     echoed, = pltriton.elementwise_inline_asm(

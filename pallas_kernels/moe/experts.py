@@ -25,6 +25,8 @@ shape that streamed fastest in a read-only probe (experiments/probe_stream.py). 
 TP = max(16, 2^⌈log2 T⌉) rows and every step is a tensor-core `dot` (T = 1 broadcasts its row in-kernel).
 Tunings by T: `DECODE_TUNING` (T = 1, the best of the H200 sweeps by device time) and `VERIFY_TUNING` (T > 1,
 the dot path's defaults, not re-swept since the layout change).
+PDL: with `early_launch_down` (DECODE_TUNING) the down kernel's programs first admit its successor, the combine
+fusion, which then waits at its entry for the partials (pallas_kernels/common/pdl.py; T = 1 layer −0.5 µs).
 """
 
 from __future__ import annotations
@@ -65,9 +67,9 @@ class ExpertsTuning:
     stages_gate_up: int = 3
     warps_down: int = 4
     stages_down: int = 3
-    # PDL (pallas_kernels/common/pdl.py): the kernel's programs first let the next kernel be admitted
-    early_launch_gate_up: bool = False  # successor: the down kernel
-    early_launch_down: bool = True  # successor: the small combine fusion (XLA)
+    # PDL (pallas_kernels/common/pdl.py, sm_90+): the kernel's programs first let the next kernel be admitted
+    early_launch_gate_up: bool = False  # successor: the down kernel (no gain measured at T = 1)
+    early_launch_down: bool = False  # successor: the small XLA combine (DECODE_TUNING: on, −0.5 µs at T = 1)
 
     def __post_init__(self):
         check_pow2_fields(self, ("block_i",))
@@ -78,7 +80,8 @@ class ExpertsTuning:
             raise ValueError(f"ExpertsTuning.dot_gate_up={self.dot_gate_up!r} must be 'dot_x' or 'dot_w'")
 
 
-DECODE_TUNING = ExpertsTuning(t1_gate_up="fma_reduce", block_i=2, block_k=512, warps_gate_up=1, block_ki=256)
+DECODE_TUNING = ExpertsTuning(t1_gate_up="fma_reduce", block_i=2, block_k=512, warps_gate_up=1, block_ki=256,
+                              early_launch_down=True)
 VERIFY_TUNING = ExpertsTuning()
 
 

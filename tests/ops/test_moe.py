@@ -4,6 +4,7 @@ CPU, compiled on a GPU) against the reference, and the dispatcher's error messag
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -426,13 +427,14 @@ def test_experts_tuning_errors():
         moe_experts_fused(*args, *ws, limit=0.0, shared_limit=0.0, tuning=DECODE_TUNING)
 
 
-def lower_for_cuda(monkeypatch, modules, fn, *avals):
-    """Lower fn for CUDA on this CPU machine: the Pallas -> Triton lowering runs (catching what interpret mode
-    accepts but Triton does not, e.g. chained ref indexers) without a GPU. Returns the StableHLO text."""
+def lower_for_cuda(monkeypatch, modules, fn, *avals, gpu=None):
+    """Lower fn for CUDA on this CPU machine (for the H200, or `gpu`, a GpuVersion): the Pallas -> Triton lowering
+    runs (catching what interpret mode accepts but Triton does not, e.g. chained ref indexers) without a GPU.
+    Returns the StableHLO text."""
     from jax._src.pallas.triton import gpu_info
 
-    monkeypatch.setattr(gpu_info, "get_gpu_info", lambda *a, **k: gpu_info.get_gpu_info_from_version(
-        gpu_info.GpuVersion.H200))
+    gpu = gpu or gpu_info.GpuVersion.H200
+    monkeypatch.setattr(gpu_info, "get_gpu_info", lambda *a, **k: gpu_info.get_gpu_info_from_version(gpu))
     for m in modules:
         monkeypatch.setattr(m, "interpret_mode", lambda: False)
     return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
@@ -480,12 +482,17 @@ def test_router_variants_lower_for_cuda(monkeypatch):
         assert txt.count("stablehlo.custom_call") == 2
 
 
-@pytest.mark.parametrize("gate_up,down", [(False, True), (True, True), (False, False)])
-def test_early_launch_lowers_for_cuda(monkeypatch, gate_up, down):
-    """The PDL trigger (pallas_kernels/common/pdl.py) is in exactly the experts kernels asked for."""
+@pytest.mark.parametrize("gate_up,down,gpu", [(False, True, "H200"), (True, True, "H200"), (True, False, "H200"),
+                                              (False, False, "H200"), (True, True, "A100")])
+def test_early_launch_lowers_for_cuda(monkeypatch, gate_up, down, gpu):
+    """The PDL trigger (pallas_kernels/common/pdl.py) is in exactly the experts kernels asked for, and nowhere before
+    Hopper (no griddepcontrol instruction there)."""
+    from jax._src.pallas.triton import gpu_info
+
     from pallas_kernels.common import pdl
     from pallas_kernels.moe import experts as experts_mod
 
+    jax.clear_caches()  # the trigger is decided when a kernel is traced: no trace cached for another GPU here
     d, e, i = 256, 16, 64
     bf, sds = jnp.bfloat16, jax.ShapeDtypeStruct
     tu = dataclasses.replace(experts_mod.DECODE_TUNING, early_launch_gate_up=gate_up, early_launch_down=down)
@@ -495,8 +502,10 @@ def test_early_launch_lowers_for_cuda(monkeypatch, gate_up, down):
                                              tuning=tu)
 
     txt = lower_for_cuda(monkeypatch, [experts_mod, pdl], experts, sds((1, d), bf), sds((1, 8), jnp.float32),
-                         sds((1, 8), jnp.int32), *[sds((e, i, d), bf)] * 3, *[sds((i, d), bf)] * 3)
+                         sds((1, 8), jnp.int32), *[sds((e, i, d), bf)] * 3, *[sds((i, d), bf)] * 3,
+                         gpu=getattr(gpu_info.GpuVersion, gpu))
+    # Each custom call's text up to the next one: its own name comes first (later names are operands' locations).
     calls = txt.split("stablehlo.custom_call")[1:]
-    has = {name: any(name in c and "griddepcontrol.launch_dependents" in c for c in calls)
-           for name in ("experts_fwd_kernel_gate_up", "experts_fwd_kernel_down")}
-    assert has == {"experts_fwd_kernel_gate_up": gate_up, "experts_fwd_kernel_down": down}
+    has = {re.search(r'name = "([^"]+)"', c).group(1): "griddepcontrol.launch_dependents" in c for c in calls}
+    hopper = gpu != "A100"
+    assert has == {"experts_fwd_kernel_gate_up": gate_up and hopper, "experts_fwd_kernel_down": down and hopper}
