@@ -36,7 +36,7 @@ from jax.experimental.pallas import triton as pltriton
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_common import run_header, write_results  # noqa: E402
-from probe_moe_t1 import (D, I, K, E, LIMITS, ROUTE_KW, make_layers, per_kernel_us, record_row,  # noqa: E402
+from probe_moe_t1 import (D, I, K, E, LIMITS, ROUTE_KW, make_layers, record_row,  # noqa: E402
                           reference_layer, separate)
 
 from pallas_kernels.common import interpret_mode  # noqa: E402
@@ -55,6 +55,44 @@ def _arrive(cnt_ref, idx):
     if not interpret_mode():  # interpreted programs run one after another
         pltriton.debug_barrier()
     return pltriton.atomic_add(cnt_ref, (jnp.asarray(idx, jnp.int32),), jnp.int32(1))
+
+
+def _vload(ref):
+    """A load that sees other programs' stores (volatile; interpreted programs run one after another)."""
+    return ref[...] if interpret_mode() else pltriton.load(ref, volatile=True)
+
+
+def _split_gemv_logits(x_ref, w_ref, lg_ref, p, *, KS, BE, BK):
+    """Program p's partial logits: expert rows [b·BE, (b+1)·BE) (b = p // KS) over D-split k = p % KS of the fp32
+    router w_ref [E, D], into lg_ref[k] ([KS, G, E/G])."""
+    blk, k = p // KS, p % KS
+    dk = x_ref.shape[1] // KS
+    rows = pl.ds(pl.multiple_of(blk * BE, BE), BE)
+
+    def body(c, acc):
+        ks = pl.ds(pl.multiple_of(k * dk + c * BK, BK), BK)
+        return acc + jnp.sum(w_ref[rows, ks] * x_ref[:, ks].astype(jnp.float32), axis=1)
+
+    e0, gsz = blk * BE, lg_ref.shape[2]
+    lg_ref[k, e0 // gsz, pl.ds(pl.multiple_of(e0 % gsz, BE), BE)] = lax.fori_loop(
+        0, dk // BK, body, jnp.zeros((BE,), jnp.float32))
+
+
+def _sum_split_logits(lg_ref, KS):
+    """The KS partial logits of lg_ref [KS, G, E/G] summed in split order (one power-of-two block per load)."""
+    logits = _vload(lg_ref.at[jnp.int32(0)])
+    for j in range(1, KS):
+        logits = logits + _vload(lg_ref.at[jnp.int32(j)])
+    return logits
+
+
+def _shared_gate_up(x_ref, sg_ref, su_ref, h_ref, q, BI, BK=512):
+    """Shared expert's gate/up + SwiGLU for intermediate rows block q (BI rows) into h_ref[K] ([S, 1, I])."""
+    rows = pl.ds(pl.multiple_of(q * BI, BI), BI)
+    bk = min(BK, x_ref.shape[1])
+    h_ref[K, :, rows] = ex._gate_up_rows(
+        x_ref, lambda ks: sg_ref[rows, ks], lambda ks: su_ref[rows, ks], BK=bk, n_chunks=x_ref.shape[1] // bk,
+        bi=BI, to=1, mode="fma_reduce", limit=LIMITS["shared_limit"], dt=h_ref.dtype)
 
 
 def _gemv_logits(x_ref, w_ref, lg_ref, p, BE, BK):
@@ -90,15 +128,9 @@ def router_kernel(x_ref, w_ref, b_ref, cnt_ref, sg_ref, su_ref, *outs, BE, BK, n
             cnt_ref[0] = jnp.int32(0)
 
     if shared:
-        h_ref = outs[3]
-
         @pl.when(p >= n_gemv)
         def _():
-            rows = pl.ds(pl.multiple_of((p - n_gemv) * BI, BI), BI)
-            bks = min(512, D)
-            h_ref[K, :, rows] = ex._gate_up_rows(
-                x_ref, lambda ks: sg_ref[rows, ks], lambda ks: su_ref[rows, ks], BK=bks, n_chunks=D // bks, bi=BI,
-                to=1, mode="fma_reduce", limit=LIMITS["shared_limit"], dt=h_ref.dtype)
+            _shared_gate_up(x_ref, sg_ref, su_ref, outs[3], p - n_gemv, BI)
 
 
 def fused_route(x, router_t, bias, sg, su, cnt, *, BE=2, BK=512, warps=1, shared=False, keep=False, BI=2):

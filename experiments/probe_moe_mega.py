@@ -188,10 +188,7 @@ def topk_shared_kernel(lg_ref, b_ref, x_ref, sg_ref, su_ref, wt_ref, id_ref, h_r
 
     @pl.when(p > 0)
     def _():
-        rows = pl.ds(pl.multiple_of((p - 1) * BI, BI), BI)
-        h_ref[K, :, rows] = ex._gate_up_rows(x_ref, lambda ks: sg_ref[rows, ks], lambda ks: su_ref[rows, ks], BK=BK,
-                                             n_chunks=x_ref.shape[1] // BK, bi=BI, to=1, mode="fma_reduce",
-                                             limit=LIMITS["shared_limit"], dt=h_ref.dtype)
+        fr._shared_gate_up(x_ref, sg_ref, su_ref, h_ref, p - 1, BI, BK)
 
 
 def topk_shared_layer(BI=8, warps=4, BK=512):

@@ -38,7 +38,6 @@ import probe_moe_t1 as pt  # noqa: E402
 from bench_common import run_header, write_results  # noqa: E402
 
 from pallas_kernels.common import interpret_mode  # noqa: E402
-from pallas_kernels.moe import experts as ex  # noqa: E402
 from pallas_kernels.moe import reference  # noqa: E402
 from pallas_kernels.moe import router as router_mod  # noqa: E402
 
@@ -86,40 +85,22 @@ def k1_kernel(x_ref, w_ref, b_ref, cnt_ref, sg_ref, su_ref, lg_ref, wt_ref, id_r
     # x_ref [1, D]; w_ref [E, D] fp32; b_ref [G, E/G]; cnt_ref [1] int32 (kept at 0 between calls)
     # lg_ref [KS, G, E/G] fp32 partial logits; wt_ref/id_ref [1, K]; h_out: ([S, 1, I] compute dtype) if shared
     p = pl.program_id(0)
-    d = x_ref.shape[1]
-    dk = d // KS
-    gsz = lg_ref.shape[2]
 
     @pl.when(p < n_gemv)
     def _():
-        e, k = p // KS, p % KS
-
-        def body(c, acc):
-            ks = pl.ds(pl.multiple_of(k * dk + c * BK, BK), BK)
-            return acc + jnp.sum(w_ref[pl.ds(e, 1), ks] * x_ref[:, ks].astype(jnp.float32), axis=1)
-
-        lg_ref[k, e // gsz, pl.ds(e % gsz, 1)] = lax.fori_loop(0, dk // BK, body, jnp.zeros((1,), jnp.float32))
+        pf._split_gemv_logits(x_ref, w_ref, lg_ref, p, KS=KS, BE=1, BK=BK)
 
         @pl.when(pf._arrive(cnt_ref, 0) == n_gemv - 1)
         def _():
-            logits = pltriton.load(lg_ref.at[jnp.int32(0)], volatile=True)  # power-of-two blocks per load
-            for j in range(1, KS):
-                logits = logits + pltriton.load(lg_ref.at[jnp.int32(j)], volatile=True)
-            w, ids = TOPK[topk](logits, b_ref[...], **pf.SELECT_KW)
+            w, ids = TOPK[topk](pf._sum_split_logits(lg_ref, KS), b_ref[...], **pf.SELECT_KW)
             wt_ref[0, :] = w
             id_ref[0, :] = ids
             cnt_ref[0] = jnp.int32(0)
 
     if shared:
-        h_ref = h_out[0]
-
         @pl.when(p >= n_gemv)
         def _():
-            rows = pl.ds(pl.multiple_of((p - n_gemv) * BI, BI), BI)
-            h_ref[pt.K, :, rows] = ex._gate_up_rows(
-                x_ref, lambda ks: sg_ref[rows, ks], lambda ks: su_ref[rows, ks], BK=min(512, d),
-                n_chunks=max(1, d // 512),
-                bi=BI, to=1, mode="fma_reduce", limit=pt.LIMITS["shared_limit"], dt=h_ref.dtype)
+            pf._shared_gate_up(x_ref, sg_ref, su_ref, h_out[0], p - n_gemv, BI)
 
 
 def k1(x, lay, *, KS=5, BK=512, shared=True, topk="lean", BI=2, stages=3):

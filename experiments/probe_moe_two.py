@@ -28,7 +28,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
@@ -37,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import probe_moe_fused_router as pf  # noqa: E402
 import probe_moe_t1 as pt  # noqa: E402
 from bench_common import run_header, write_results  # noqa: E402
-from probe_moe_mega import _wait  # noqa: E402
+from probe_moe_mega import _wait, repeat_check  # noqa: E402
 
 from pallas_kernels.common import interpret_mode  # noqa: E402
 from pallas_kernels.moe import experts as ex  # noqa: E402
@@ -49,37 +48,18 @@ SYNC = 1024  # [0] K1 counter; [256, 512) K2 (slot, row split) counters; [512, 7
 C_ROWS, C_COLS = 256, 512
 
 
-def _vload(ref):
-    return ref[...] if interpret_mode() else pltriton.load(ref, volatile=True)
-
-
 def k1_kernel(x_ref, w_ref, b_ref, sg_ref, su_ref, sync_in, lg_ref, wt_ref, id_ref, h_ref, sync_ref, *, KS, BE,
               BK, n_gemv, BI):
     del sync_in  # aliased to sync_ref
     p = pl.program_id(0)
-    d = x_ref.shape[1]
-    dk = d // KS
-    gsz = lg_ref.shape[2]
 
     @pl.when(p < n_gemv)
     def _():
-        blk, k = p // KS, p % KS
-        rows = pl.ds(pl.multiple_of(blk * BE, BE), BE)
-
-        def body(c, acc):
-            ks = pl.ds(pl.multiple_of(k * dk + c * BK, BK), BK)
-            return acc + jnp.sum(w_ref[rows, ks] * x_ref[:, ks].astype(jnp.float32), axis=1)
-
-        e0 = blk * BE
-        lg_ref[k, e0 // gsz, pl.ds(pl.multiple_of(e0 % gsz, BE), BE)] = lax.fori_loop(
-            0, dk // BK, body, jnp.zeros((BE,), jnp.float32))
+        pf._split_gemv_logits(x_ref, w_ref, lg_ref, p, KS=KS, BE=BE, BK=BK)
 
         @pl.when(pf._arrive(sync_ref, 0) == n_gemv - 1)
         def _():
-            logits = _vload(lg_ref.at[jnp.int32(0)])
-            for j in range(1, KS):
-                logits = logits + _vload(lg_ref.at[jnp.int32(j)])
-            w, ids = router_mod._select_topk(logits, b_ref[...], **pf.SELECT_KW)
+            w, ids = router_mod._select_topk(pf._sum_split_logits(lg_ref, KS), b_ref[...], **pf.SELECT_KW)
             wt_ref[0, :] = w
             id_ref[0, :] = ids
             sync_ref[pl.ds(C_ROWS, 512)] = jnp.zeros((512,), jnp.int32)
@@ -87,11 +67,7 @@ def k1_kernel(x_ref, w_ref, b_ref, sg_ref, su_ref, sync_in, lg_ref, wt_ref, id_r
 
     @pl.when(p >= n_gemv)
     def _():
-        rows = pl.ds(pl.multiple_of((p - n_gemv) * BI, BI), BI)
-        bk = min(512, d)
-        h_ref[pt.K, :, rows] = ex._gate_up_rows(
-            x_ref, lambda ks: sg_ref[rows, ks], lambda ks: su_ref[rows, ks], BK=bk, n_chunks=d // bk, bi=BI, to=1,
-            mode="fma_reduce", limit=pt.LIMITS["shared_limit"], dt=h_ref.dtype)
+        pf._shared_gate_up(x_ref, sg_ref, su_ref, h_ref, p - n_gemv, BI)
 
 
 def k1(x, lay, sync, *, warps=4, KS=5, BE=4, BK=512, BI=8, stages=3):
@@ -137,9 +113,9 @@ def k2_kernel(x_ref, id_ref, wt_ref, wg_ref, wu_ref, wd_ref, sd_ref, h_in, sync_
         def _():
             routed = jnp.zeros((1, BD), jnp.float32)
             for si in range(K + 1):
-                ys = _vload(part_ref.at[jnp.int32(si), jnp.int32(0), :, cols])
+                ys = pf._vload(part_ref.at[jnp.int32(si), jnp.int32(0), :, cols])
                 for ri in range(1, NR):
-                    ys = ys + _vload(part_ref.at[jnp.int32(si), jnp.int32(ri), :, cols])
+                    ys = ys + pf._vload(part_ref.at[jnp.int32(si), jnp.int32(ri), :, cols])
                 if si < K:
                     routed = routed + pick(wt_ref, si) * ys.astype(dt).astype(jnp.float32)
                 else:
@@ -175,7 +151,7 @@ def k2_kernel(x_ref, id_ref, wt_ref, wg_ref, wu_ref, wd_ref, sd_ref, h_in, sync_
         rows = pl.ds(pl.multiple_of(r * rs, rs), rs)
         tile = wd_ref[e, rows, pl.ds(pl.multiple_of(cb * BD, BD), BD)]
         zero = _wait(sync_ref, C_ROWS + s * NR + r, rs // BI)
-        h_rows = _vload(h_ref.at[s + zero, 0, rows])
+        h_rows = pf._vload(h_ref.at[s + zero, 0, rows])
         finish_down(s, r, cb, down_product(tile, h_rows))
 
 
@@ -210,15 +186,6 @@ def k1_router_only(**kw):
     def f(x, lay):
         return k1(x, lay, jnp.zeros((SYNC,), jnp.int32), **kw)[:2]
     return f
-
-
-def repeat_check(x, lay, fn, n):
-    """n sequential calls (lax.map over different tokens) vs the reference layer: the worst relative error."""
-    xs = x[None] + 0.5 * jax.random.normal(jax.random.key(3), (n,) + x.shape, x.dtype)
-    got = jax.jit(lambda xs, lay: lax.map(lambda x: fn(x, lay), xs))(xs, lay)
-    ref = jax.jit(lambda xs, lay: lax.map(lambda x: pt.reference_layer(x, lay), xs))(xs, lay)
-    g, r = np.asarray(got, np.float64), np.asarray(ref, np.float64)
-    return float(max(np.linalg.norm(g[i] - r[i]) / np.linalg.norm(r[i]) for i in range(n)))
 
 
 VARIANTS = [  # (label, K1 kwargs, K2 kwargs)
