@@ -13,6 +13,7 @@ Prints a table and writes experiments/results/bench_decode.json.
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import json
 import re
@@ -100,18 +101,29 @@ def profile_step(params, cfg, backend: str, prompt, block: int, top: int = 25) -
             jax.block_until_ready(out)
         events = gpu_events(d)
     fam: dict[str, list[float]] = {}
-    for name, _, dur in events:
+    # With PDL a kernel admitted early counts its entry wait in its duration: "exclusive" is the part of each kernel
+    # past the end of every kernel before it (what it adds to the timeline), "after" its usual predecessor.
+    excl: dict[str, float] = {}
+    after: dict[str, collections.Counter] = {}
+    prev_key, prev_end = None, None
+    for name, ts, dur in events:
         key = re.sub(r"(_\d+)+$", "", name.split("(")[0])[:60]
         fam.setdefault(key, []).append(dur)
+        start = ts if prev_end is None else max(ts, prev_end)
+        excl[key] = excl.get(key, 0.0) + max(0.0, ts + dur - start)
+        after.setdefault(key, collections.Counter())[prev_key] += 1
+        prev_key, prev_end = key, ts + dur if prev_end is None else max(prev_end, ts + dur)
     rows = sorted(((k, sum(v) / block, len(v) / block) for k, v in fam.items()), key=lambda r: -r[1])
     span = (events[-1][1] + events[-1][2] - events[0][1]) / block if events else 0.0
     busy = sum(e[2] for e in events) / block
     print(f"\nprofile [{backend}]: {span:.1f} µs per step on the GPU timeline, {busy:.1f} µs of it in kernels, "
           f"{len(events) / block:.0f} kernels per step")
+    print("  µs/step (exclusive)   launches   kernel  <- usual predecessor")
     for k, us, n in rows[:top]:
-        print(f"  {us:8.1f} µs/step  {n:5.1f}×  {k}")
+        print(f"  {us:8.1f} ({excl[k] / block:8.1f})  {n:5.1f}×  {k}  <- {after[k].most_common(1)[0][0]}")
     return dict(backend=backend, span_us_per_step=span, busy_us_per_step=busy,
-                families=[dict(kernel=k, us_per_step=round(us, 2), per_step=n) for k, us, n in rows])
+                families=[dict(kernel=k, us_per_step=round(us, 2), exclusive_us_per_step=round(excl[k] / block, 2),
+                               per_step=n, after=after[k].most_common(1)[0][0]) for k, us, n in rows])
 
 
 def run(args) -> list[dict]:

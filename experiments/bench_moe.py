@@ -79,11 +79,11 @@ ROUTER_SWEEP = [
 
 
 def parse_tuning(base, text):
-    """`block_i=32,t1_gemv=fma,t1_gate_up=dot_w` -> base with those fields (ints, true/false, else strings)."""
+    """`block_i=32,t1_gemv=fma,t1_gate_up=dot_w` -> base with those fields (ints, true/false, none, else strings)."""
     kw = {}
     for item in filter(None, text.split(",")):
         k, v = (s.strip() for s in item.split("="))
-        kw[k] = {"true": True, "false": False}.get(v.lower(), int(v) if v.lstrip("-").isdigit() else v)
+        kw[k] = {"true": True, "false": False, "none": None}.get(v.lower(), int(v) if v.lstrip("-").isdigit() else v)
     return dataclasses.replace(base, **kw)
 
 

@@ -202,18 +202,11 @@ def router_fwd_kernel_topk(p_ref, b_ref, w_ref, i_ref, **select_kw):
     i_ref[0, :] = ids
 
 
-@functools.partial(jax.jit, static_argnames=("n_group", "topk_group", "top_k", "routed_scaling_factor",
-                                             "norm_topk_prob", "tuning"))
-def route(x, router, expert_bias, *, n_group, topk_group, top_k, routed_scaling_factor, norm_topk_prob=True,
-          tuning: RouterTuning | None = None):
-    """Same contract as `reference.route` (router [E, D] fp32); shapes already validated by the dispatcher.
-    `tuning` None: `default_tuning(N)`."""
+def gemv_partials(x, router, tuning: RouterTuning):
+    """Kernel 1: partial logits [KS, N_pad, E] fp32 of x [N, D] · router [E, D]ᵀ over the KS D-splits (N_pad: N
+    padded to the tokens per program)."""
     n, d = x.shape
     e = router.shape[0]
-    tuning = tuning or default_tuning(n)
-    for name, v in (("E", e), ("E/n_group", e // n_group), ("top_k", top_k)):
-        if v & (v - 1):
-            raise ValueError(f"the Pallas router needs power-of-two sizes: {name}={v}")
     one_row = n == 1 or tuning.multi_token == "per_token"  # one token per GEMV program
     mode = tuning.t1_gemv if one_row else "dot"
     be = min(tuning.block_e, e)
@@ -233,8 +226,7 @@ def route(x, router, expert_bias, *, n_group, topk_group, top_k, routed_scaling_
     bn = 1 if one_row else min(tuning.block_n, max(16, next_pow2(n)))
     n_pad = -(-n // bn) * bn
     xp = x if n_pad == n else jnp.pad(x, ((0, n_pad - n), (0, 0)))
-    interpret = interpret_mode()
-    partial = pl.pallas_call(
+    return pl.pallas_call(
         functools.partial(router_fwd_kernel_gemv, BK=bk, n_chunks=dk // bk,
                           mode=tuning.dot_gemv if mode == "dot" else mode),
         grid=(e // be, ks, n_pad // bn),
@@ -242,9 +234,25 @@ def route(x, router, expert_bias, *, n_group, topk_group, top_k, routed_scaling_
         out_specs=pl.BlockSpec((None, bn, be), lambda j, k, i: (k, i, j)),
         out_shape=jax.ShapeDtypeStruct((ks, n_pad, e), jnp.float32),
         compiler_params=pltriton.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
-        interpret=interpret,
+        interpret=interpret_mode(),
         name="router_fwd_kernel_gemv",
     )(xp, router)
+
+
+@functools.partial(jax.jit, static_argnames=("n_group", "topk_group", "top_k", "routed_scaling_factor",
+                                             "norm_topk_prob", "tuning"))
+def route(x, router, expert_bias, *, n_group, topk_group, top_k, routed_scaling_factor, norm_topk_prob=True,
+          tuning: RouterTuning | None = None):
+    """Same contract as `reference.route` (router [E, D] fp32); shapes already validated by the dispatcher.
+    `tuning` None: `default_tuning(N)`."""
+    n = x.shape[0]
+    e = router.shape[0]
+    tuning = tuning or default_tuning(n)
+    for name, v in (("E", e), ("E/n_group", e // n_group), ("top_k", top_k)):
+        if v & (v - 1):
+            raise ValueError(f"the Pallas router needs power-of-two sizes: {name}={v}")
+    partial = gemv_partials(x, router, tuning)
+    ks, n_pad, _ = partial.shape
     gsz = e // n_group
     w, ids = pl.pallas_call(
         functools.partial(router_fwd_kernel_topk, topk_group=topk_group, top_k=top_k,
@@ -255,7 +263,7 @@ def route(x, router, expert_bias, *, n_group, topk_group, top_k, routed_scaling_
         out_specs=[pl.BlockSpec((1, top_k), lambda i: (i, 0)), pl.BlockSpec((1, top_k), lambda i: (i, 0))],
         out_shape=[jax.ShapeDtypeStruct((n, top_k), jnp.float32), jax.ShapeDtypeStruct((n, top_k), jnp.int32)],
         compiler_params=pltriton.CompilerParams(num_warps=tuning.topk_warps, num_stages=1),
-        interpret=interpret,
+        interpret=interpret_mode(),
         name="router_fwd_kernel_topk",
     )(partial.reshape(ks, n_pad, n_group, gsz), expert_bias.reshape(n_group, gsz))
     return w, ids

@@ -509,3 +509,35 @@ def test_early_launch_lowers_for_cuda(monkeypatch, gate_up, down, gpu):
     has = {re.search(r'name = "([^"]+)"', c).group(1): "griddepcontrol.launch_dependents" in c for c in calls}
     hopper = gpu != "A100"
     assert has == {"experts_fwd_kernel_gate_up": gate_up and hopper, "experts_fwd_kernel_down": down and hopper}
+
+
+def _kernel_loads(jaxpr, kernel=None):
+    """(pallas_call name, eviction policy) of every explicit `pltriton.load` in a jaxpr, nested ones included."""
+    for eqn in jaxpr.eqns:
+        name = eqn.params["name"] if eqn.primitive.name == "pallas_call" else kernel
+        if eqn.primitive.name == "masked_load":
+            yield name, eqn.params.get("eviction_policy")
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (list, tuple)) else [v]:
+                inner = sub if hasattr(sub, "eqns") else getattr(sub, "jaxpr", None)
+                if hasattr(inner, "eqns"):
+                    yield from _kernel_loads(inner, name)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_routed_eviction_policy(n):
+    """T = 1 (DECODE_TUNING) loads the routed gate, up and down weights with an L2 evict_first policy; the shared
+    expert's loads and every load at T > 1 (VERIFY_TUNING) keep the default policy."""
+    from pallas_kernels.moe import experts as experts_mod
+
+    d, e, i = 256, 16, 64
+    bf, sds = jnp.bfloat16, jax.ShapeDtypeStruct
+
+    def experts(x, w, ids, wg, wu, wd, sg, su, sd):
+        return experts_mod.moe_experts_fused(x, w, ids, wg, wu, wd, sg, su, sd, limit=4.0, shared_limit=5.0)
+
+    jaxpr = jax.make_jaxpr(experts)(sds((n, d), bf), sds((n, 8), jnp.float32), sds((n, 8), jnp.int32),
+                                    *[sds((e, i, d), bf)] * 3, *[sds((i, d), bf)] * 3).jaxpr
+    loads = sorted(_kernel_loads(jaxpr))
+    want = [("experts_fwd_kernel_down", "evict_first")] + [("experts_fwd_kernel_gate_up", "evict_first")] * 2
+    assert loads == (want if n == 1 else [])

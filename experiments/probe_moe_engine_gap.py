@@ -1,0 +1,94 @@
+"""Probe: why the T = 1 experts kernels run slower in the engine than in the MoE bench's cold chain.
+
+In the engine (bench_decode.py --profile, session 6 call 4) gate/up takes 20.2 µs and down 13.0 µs per layer, both
+as kernel duration and as exclusive timeline time, against 18.5 / 11.1 in bench_moe.py's chain of 8 independent
+cold layers. The chain differs from a decode step in three ways tested here, one at a time, on the same 8 layers
+of Flash-size weights (probe_moe_t1.make_layers), with the production defaults:
+  chain8      the bench's chain: 8 layers per call, each on the same x (no data dependence), host sync per call;
+  dep32       32 layer calls per call (the 8 layers 4 times), each layer's input the previous layer's output: the
+              GPU stays busy for ~1.2 ms, as in a decode block;
+  dep32+proj  dep32 with an XLA projection between MoE layers (x · W, W [D, 12288] bf16, 63 MB, a different W
+              per layer: the size of a KDA layer's input projections), as attention layers sit between MoE layers.
+Per variant: median duration of each MoE kernel, its exclusive time (past the end of every earlier kernel), and
+the span per MoE layer (dep32+proj: the span includes the projections; their time is printed too).
+
+Run on the GPU: `PYTHONPATH=.:experiments python3 experiments/probe_moe_engine_gap.py` (`--toy`: CPU smoke run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+
+import jax
+import jax.numpy as jnp
+
+import probe_moe_t1 as pt
+from bench_common import run_header, write_results
+from profile_ops import split_calls, trace_kernels
+
+OUT = "probe_moe_engine_gap.json"
+
+
+def kernel_table(events, n_layers):
+    """{kernel family: (median duration µs, summed exclusive µs per MoE layer)} and the span per MoE layer."""
+    dur, excl = collections.defaultdict(list), collections.defaultdict(float)
+    prev_end = None
+    for name, ts, d in events:
+        key = name.split("(")[0].rstrip("_0123456789")[:40]
+        dur[key].append(d)
+        start = ts if prev_end is None else max(ts, prev_end)
+        excl[key] += max(0.0, ts + d - start)
+        prev_end = ts + d if prev_end is None else max(prev_end, ts + d)
+    calls = split_calls(events)
+    span = statistics.median(max(e[1] + e[2] for e in c) - c[0][1] for c in calls) / n_layers
+    n_calls = len(calls)
+    rows = {k: (round(statistics.median(v), 2), round(excl[k] / (n_calls * n_layers), 2)) for k, v in dur.items()}
+    return rows, round(span, 2)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--toy", action="store_true")
+    ap.add_argument("--n", type=int, default=10)
+    args = ap.parse_args()
+    if args.toy:
+        import probe_moe_fused_router as pf
+        x, layers = pf.toy_layers()
+    else:
+        x, layers = pt.make_layers()
+    moe = pt.separate()
+    d = x.shape[1]
+    projs = [jax.random.normal(jax.random.key(500 + l), (d, 12288 if not args.toy else 256), jnp.bfloat16) * d ** -0.5
+             for l in range(len(layers))]
+
+    def chain8(x, layers, projs):
+        return [moe(x, lay) for lay in layers]
+
+    def dep32(x, layers, projs, proj=False):
+        for _ in range(4):
+            for lay, w in zip(layers, projs):
+                if proj:  # keep x's shape: the projection's output feeds back as a residual-like mix
+                    x = x + (x @ w)[:, :d].astype(x.dtype) * 1e-3
+                x = moe(x, lay)
+        return x
+
+    variants = {"chain8": (chain8, len(layers)), "dep32": (dep32, 4 * len(layers)),
+                "dep32+proj": (lambda x, l, p: dep32(x, l, p, True), 4 * len(layers))}
+    results = {**run_header(), "rows": []}
+    for label, (fn, n_layers) in variants.items():
+        run = jax.jit(fn)
+        events = trace_kernels(lambda: run(x, layers, projs), args.n)
+        if not events:
+            print(f"{label}: no GPU events (CPU run)", flush=True)
+            continue
+        rows, span = kernel_table(events, n_layers)
+        results["rows"].append(dict(label=label, span_per_moe_layer=span, kernels=rows))
+        print(f"{label:12s} span/MoE layer {span:6.2f} µs  " + "  ".join(
+            f"{k} {v[0]} ({v[1]})" for k, v in sorted(rows.items(), key=lambda kv: -kv[1][1])), flush=True)
+        write_results(OUT, results, to_repo=not args.toy)
+
+
+if __name__ == "__main__":
+    main()
