@@ -13,7 +13,6 @@ Prints a table and writes experiments/results/bench_decode.json.
 from __future__ import annotations
 
 import argparse
-import collections
 import datetime
 import json
 import re
@@ -83,10 +82,11 @@ def kernels_per_step(params, cfg, backend: str) -> int:
 def profile_step(params, cfg, backend: str, prompt, block: int, top: int = 25) -> dict:
     """Device time of one decode step by kernel family (JAX profiler over one jitted block of `block` steps).
 
-    Families merge XLA's numbered fusions (loop_add_fusion_3 → loop_add_fusion) so the table reads per op kind.
+    Families merge XLA's numbered fusions (loop_add_fusion_3 → loop_add_fusion) so the table reads per op kind;
+    "exclusive" is each family's time not overlapped by earlier kernels (profile_ops.exclusive_by_family).
     """
     import tempfile
-    from profile_ops import gpu_events
+    from profile_ops import exclusive_by_family, gpu_events, kernel_family
 
     eos = jnp.zeros((0,), jnp.int32)
     max_len = prompt.shape[1] + 4 * block
@@ -101,18 +101,9 @@ def profile_step(params, cfg, backend: str, prompt, block: int, top: int = 25) -
             jax.block_until_ready(out)
         events = gpu_events(d)
     fam: dict[str, list[float]] = {}
-    # With PDL a kernel admitted early counts its entry wait in its duration: "exclusive" is the part of each kernel
-    # past the end of every kernel before it (what it adds to the timeline), "after" its usual predecessor.
-    excl: dict[str, float] = {}
-    after: dict[str, collections.Counter] = {}
-    prev_key, prev_end = None, None
-    for name, ts, dur in events:
-        key = re.sub(r"(_\d+)+$", "", name.split("(")[0])[:60]
-        fam.setdefault(key, []).append(dur)
-        start = ts if prev_end is None else max(ts, prev_end)
-        excl[key] = excl.get(key, 0.0) + max(0.0, ts + dur - start)
-        after.setdefault(key, collections.Counter())[prev_key] += 1
-        prev_key, prev_end = key, ts + dur if prev_end is None else max(prev_end, ts + dur)
+    for name, _, dur in events:
+        fam.setdefault(kernel_family(name), []).append(dur)
+    excl, after = exclusive_by_family(events)  # PDL: durations include early-admitted kernels' waits
     rows = sorted(((k, sum(v) / block, len(v) / block) for k, v in fam.items()), key=lambda r: -r[1])
     span = (events[-1][1] + events[-1][2] - events[0][1]) / block if events else 0.0
     busy = sum(e[2] for e in events) / block

@@ -26,25 +26,23 @@ import jax.numpy as jnp
 
 import probe_moe_t1 as pt
 from bench_common import run_header, write_results
-from profile_ops import split_calls, trace_kernels
+from profile_ops import exclusive_by_family, kernel_family, split_calls, trace_kernels
 
 OUT = "probe_moe_engine_gap.json"
 
 
 def kernel_table(events, n_layers):
-    """{kernel family: (median duration µs, summed exclusive µs per MoE layer)} and the span per MoE layer."""
-    dur, excl = collections.defaultdict(list), collections.defaultdict(float)
-    prev_end = None
-    for name, ts, d in events:
-        key = name.split("(")[0].rstrip("_0123456789")[:40]
-        dur[key].append(d)
-        start = ts if prev_end is None else max(ts, prev_end)
-        excl[key] += max(0.0, ts + d - start)
-        prev_end = ts + d if prev_end is None else max(prev_end, ts + d)
+    """{kernel family: (median duration µs, exclusive µs per MoE layer)} and the span per MoE layer, over the calls
+    split_calls keeps (a call cut by the trace is dropped from every figure)."""
     calls = split_calls(events)
+    kept = [e for c in calls for e in c]
+    dur = collections.defaultdict(list)
+    for name, _, d in kept:
+        dur[kernel_family(name)].append(d)
+    excl = exclusive_by_family(kept)[0]
     span = statistics.median(max(e[1] + e[2] for e in c) - c[0][1] for c in calls) / n_layers
-    n_calls = len(calls)
-    rows = {k: (round(statistics.median(v), 2), round(excl[k] / (n_calls * n_layers), 2)) for k, v in dur.items()}
+    n = len(calls) * n_layers
+    rows = {k: (round(statistics.median(v), 2), round(excl[k] / n, 2)) for k, v in dur.items()}
     return rows, round(span, 2)
 
 

@@ -21,6 +21,7 @@ import glob
 import gzip
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -159,6 +160,26 @@ def call_span_us(calls):
     if not calls:
         return float("nan")
     return statistics.median(max(e[1] + e[2] for e in c) - c[0][1] for c in calls)
+
+
+def kernel_family(name, width=60):
+    """A kernel's name without arguments and XLA's instance numbers: loop_add_fusion_3 -> loop_add_fusion."""
+    return re.sub(r"[_.\d]+$", "", name.split("(")[0])[:width]
+
+
+def exclusive_by_family(events):
+    """({family: exclusive µs}, {family: Counter of its predecessors' families}) over time-ordered events. With PDL
+    a kernel admitted early counts its entry wait in its duration; its exclusive time is the part past the end of
+    every earlier kernel: what it adds to the timeline."""
+    excl, after = collections.defaultdict(float), collections.defaultdict(collections.Counter)
+    prev, prev_end = None, None
+    for name, ts, dur in events:
+        key = kernel_family(name)
+        start = ts if prev_end is None else max(ts, prev_end)
+        excl[key] += max(0.0, ts + dur - start)
+        after[key][prev] += 1
+        prev, prev_end = key, ts + dur if prev_end is None else max(prev_end, ts + dur)
+    return dict(excl), dict(after)
 
 
 def durations_by_name(events, width=60):
