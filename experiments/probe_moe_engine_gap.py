@@ -12,6 +12,14 @@ of Flash-size weights (probe_moe_t1.make_layers), with the production defaults:
 Per variant: median duration of each MoE kernel, its exclusive time (past the end of every earlier kernel), and
 the span per MoE layer (dep32+proj: the span includes the projections; their time is printed too).
 
+`--weights engine` (session 6's calls 8, 9) runs the independent chain on the engine's own MoE weights instead (the
+6 MoE layers of bench_decode's slice from `ling_jax.params.init_params`), and a chain through the model's
+`ling_jax.layers.moe.moe_block` (the engine's MoE entry, per-layer clamps), to tell the engine's weights and MoE
+path apart from the rest of its step.
+
+Result (RESULTS.md, "MoE, session 6"): gate/up 18.5 µs and down 11.0-11.2 in every one of these chains, so none of
+them is the cause; the rest of the decode step and its while loop remain.
+
 Run on the GPU: `PYTHONPATH=.:experiments python3 experiments/probe_moe_engine_gap.py` (`--toy`: CPU smoke run).
 """
 
@@ -46,12 +54,35 @@ def kernel_table(events, n_layers):
     return rows, round(span, 2)
 
 
+def engine_layers(preset_name):
+    """x [1, D] and the MoE layers of bench_decode's 6-layer slice as the engine builds them (init_params, bf16),
+    keyed as probe_moe_t1's layers; and block(x, ffn, i): the model's moe_block for layer i."""
+    from bench_decode import slice_config
+    from ling_jax.layers.moe import moe_block
+    from ling_jax.params import init_params
+
+    cfg = slice_config(6, preset_name)
+    params = init_params(cfg, jax.random.key(0), jnp.bfloat16, with_mtp=False)
+    ffns = [lay["ffn"] for lay in params["layers"]]
+    names = dict(wg="we_gate", wu="we_up", wd="we_down", sg="ws_gate", su="ws_up", sd="ws_down", router="router",
+                 bias="expert_bias")
+    layers = [{k: f[v] for k, v in names.items()} | {"ffn": f} for f in ffns]
+    x = jax.random.normal(jax.random.key(99), (1, cfg.hidden_size), jnp.bfloat16)
+    # the weights come in as arguments of the jitted chain: closed over, they would be 36 GB of HLO constants
+    return x, layers, lambda x, ffn, i: moe_block(ffn, x, cfg, i, backend="pallas")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--toy", action="store_true")
     ap.add_argument("--n", type=int, default=10)
+    ap.add_argument("--weights", choices=("chain", "engine"), default="chain")
+    ap.add_argument("--variants", default="", help="comma-separated variant names (default: all)")
     args = ap.parse_args()
-    if args.toy:
+    block = None
+    if args.weights == "engine":
+        x, layers, block = engine_layers("toy" if args.toy else "ling-3.0-flash")
+    elif args.toy:
         import probe_moe_fused_router as pf
         x, layers = pf.toy_layers()
     else:
@@ -74,6 +105,11 @@ def main():
 
     variants = {"chain8": (chain8, len(layers)), "dep32": (dep32, 4 * len(layers)),
                 "dep32+proj": (lambda x, l, p: dep32(x, l, p, True), 4 * len(layers))}
+    if block is not None:  # the model's MoE entry on the engine's weights, each layer with its own clamps
+        variants = {"chain": variants["chain8"],
+                    "moe_block": (lambda x, l, p: [block(x, lay["ffn"], i) for i, lay in enumerate(l)], len(layers))}
+    only = [v for v in args.variants.split(",") if v]
+    variants = {k: v for k, v in variants.items() if not only or k in only}
     results = {**run_header(), "rows": []}
     for label, (fn, n_layers) in variants.items():
         run = jax.jit(fn)
