@@ -2,13 +2,8 @@
 # Session 6's call 4: the routed experts' L2 evict_first policy (experts.DECODE_TUNING.routed_eviction) in the
 # production bench, off and on twice each (T = 1 profile only), then the engine with the new defaults.
 # Run on the GPU from the repo root: `bash experiments/gpu_s6.sh` (about 6 minutes).
-export PYTHONPATH=.:experiments
-run() {  # label, --experts fields
-  echo "== $1 ($2)"
-  timeout 100 python3 experiments/bench_moe.py --quick --no-ts --iters 3 --experts "$2" 2>&1 \
-    | grep -E "profile T=1|check|µs/layer" | head -12
-  cp experiments/results/bench_moe.json "${OUT:-/tmp}/bench_moe_s6c4_$1.json" 2>/dev/null
-}
+source experiments/gpu_moe_t1.sh
+run() { bench_moe_t1 bench_moe_s6c4_ "$@"; }
 run none_a routed_eviction=none
 run first_a routed_eviction=evict_first
 run none_b routed_eviction=none

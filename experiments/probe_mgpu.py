@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import statistics
 import sys
 import time
@@ -198,7 +199,7 @@ def gate_gemv(xs, ws, ids, c: Cfg, interpret=None):
 
 def down(h, wd, ids, c: Cfg, interpret=None):
     """h [NS, xr, I] bf16 (every row h[s]); wd [E, I, D] bf16. Returns [NS, out_rows, D] (every row y[s])."""
-    (E, I, D), ns = wd.shape, ids.shape[0]
+    (_, I, D), ns = wd.shape, ids.shape[0]
     assert h.shape == (ns, c.xr, I) and D % c.bn == 0 and I % c.bk == 0 and c.ks == 1
     assert c.bn % 64 == 0 and c.bk % 64 == 0 and c.out_rows <= c.xr
     nk = I // c.bk
@@ -355,22 +356,21 @@ def toy(results):
     E, I, D = 16, 128, 256
     x, lays = make_layers(1, E, I, D)
     lay = lays[0]
-    for label, G, c in Q1:
-        c = dataclasses.replace(c, bn=min(c.bn, 64), ks=min(c.ks, 2), bk=min(c.bk, 128))
+
+    def toy_row(label, check):  # one variant's interpreted check; a failure is printed, the others still run
         try:
-            err = q1_check(G, c, x, lay, interpret=plgpu.InterpretGPUParams())
-            print(f"toy {label:40s} -> {c}: rel err {err:.2e}", flush=True)
-            results["toy"].append(dict(label=label, err=err))
-        except Exception as exc:
-            print(f"toy {label}: {type(exc).__name__}: {str(exc)[:800]}", flush=True)
-    for label, a, b in Q2:
-        a, b = dataclasses.replace(a, bn=64), dataclasses.replace(b, bn=64, bk=64)
-        try:
-            err = q2_check(a, b, x, lay, interpret=plgpu.InterpretGPUParams())
+            err = check(interpret=plgpu.InterpretGPUParams())
             print(f"toy {label:40s}: rel err {err:.2e}", flush=True)
             results["toy"].append(dict(label=label, err=err))
         except Exception as exc:
             print(f"toy {label}: {type(exc).__name__}: {str(exc)[:800]}", flush=True)
+
+    for label, G, c in Q1:
+        c = dataclasses.replace(c, bn=min(c.bn, 64), ks=min(c.ks, 2), bk=min(c.bk, 128))
+        toy_row(f"{label} -> {c}", functools.partial(q1_check, G, c, x, lay))
+    for label, a, b in Q2:
+        a, b = dataclasses.replace(a, bn=64), dataclasses.replace(b, bn=64, bk=64)
+        toy_row(label, functools.partial(q2_check, a, b, x, lay))
     E, I, D, _ = FULL
     sd = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt)  # noqa: E731
     lay = dict(wg=sd((E, I, D)), wu=sd((E, I, D)), wd=sd((E, I, D)), ids=sd((NS,), jnp.int32))

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 import probe_moe_t1 as pt
 from bench_common import run_header, write_results
-from profile_ops import exclusive_by_family, kernel_family, split_calls, trace_kernels
+from profile_ops import call_span_us, exclusive_by_family, kernel_family, split_calls, trace_kernels
 
 OUT = "probe_moe_engine_gap.json"
 
@@ -48,7 +48,7 @@ def kernel_table(events, n_layers):
     for name, _, d in kept:
         dur[kernel_family(name)].append(d)
     excl = exclusive_by_family(kept)[0]
-    span = statistics.median(max(e[1] + e[2] for e in c) - c[0][1] for c in calls) / n_layers
+    span = call_span_us(calls) / n_layers
     n = len(calls) * n_layers
     rows = {k: (round(statistics.median(v), 2), round(excl[k] / n, 2)) for k, v in dur.items()}
     return rows, round(span, 2)

@@ -31,11 +31,31 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+import probe_moe_fused_router as pf
 import probe_moe_t1 as pt
 from bench_common import run_header, write_results
 from pallas_kernels.common import interpret_mode
 from pallas_kernels.moe import router as router_mod
 from pallas_kernels.moe.experts import DECODE_TUNING, moe_experts_fused
+
+
+def _prefetch_tiles(ref, r0, rows, c0, width, evict):
+    """ref[r0:r0+rows, c0:c0+width] loaded with `evict` as [rows, bk] tiles, all issued first (Triton arrays are
+    powers of two: a 2560-wide span loads as 5 tiles of 512)."""
+    bk = width & -width
+    return [pltriton.load(ref.at[pl.ds(r0, rows), pl.ds(c0 + c * bk, bk)], eviction_policy=evict)
+            for c in range(width // bk)]
+
+
+def _consume(tiles, sink_ref, cond=True):
+    """Keep the prefetch loads: their sum is stored only when NaN (never for finite weights; the compiler cannot
+    know)."""
+    total = sum(jnp.sum(t.astype(jnp.float32)) for t in tiles)
+
+    @pl.when(cond & (total != total))
+    def _():
+        sink_ref[...] = jnp.full(sink_ref.shape, total)
+
 
 def topk_prefetch_kernel(p_ref, b_ref, *refs, n_pref, rows, evict, select_kw):
     # p_ref [KS, G, E/G] partial logits of the one token; b_ref [G, E/G]; refs: n_pref [R, D] matrices to prefetch,
@@ -55,15 +75,7 @@ def topk_prefetch_kernel(p_ref, b_ref, *refs, n_pref, rows, evict, select_kw):
         @pl.when((q >= m * blocks) & (q < (m + 1) * blocks))
         def _():
             r0 = pl.multiple_of((q - m * blocks) * rows, rows)
-            d = ref.shape[1]
-            bk = d & -d  # Triton arrays are powers of two: D = 2560 loads as 5 [rows, 512] tiles, all issued first
-            tiles = [pltriton.load(ref.at[pl.ds(r0, rows), pl.ds(c * bk, bk)], eviction_policy=evict)
-                     for c in range(d // bk)]
-            total = sum(jnp.sum(t.astype(jnp.float32)) for t in tiles)
-
-            @pl.when(total != total)  # never for finite weights; the compiler cannot know, so the loads stay
-            def _():
-                sink_ref[...] = jnp.full(sink_ref.shape, total)
+            _consume(_prefetch_tiles(ref, r0, rows, 0, ref.shape[1], evict), sink_ref)
 
 
 def gemv_prefetch_kernel(x_ref, w_ref, *refs, BK, n_chunks, mode, n_pref, rows, evict):
@@ -73,19 +85,13 @@ def gemv_prefetch_kernel(x_ref, w_ref, *refs, BK, n_chunks, mode, n_pref, rows, 
     j, k = pl.program_id(0), pl.program_id(1)
     dk = x_ref.shape[1]
     tiles = []
-    if pref:
-        bk = dk & -dk
+    if pref:  # issued before the GEMV's own loads, consumed after its store
         cond = j < pref[0].shape[0] // rows
         r0 = pl.multiple_of(jnp.where(cond, j, 0) * rows, rows)
-        tiles = [pltriton.load(ref.at[pl.ds(r0, rows), pl.ds(k * dk + c * bk, bk)], eviction_policy=evict)
-                 for ref in pref for c in range(dk // bk)]
+        tiles = [t for ref in pref for t in _prefetch_tiles(ref, r0, rows, k * dk, dk, evict)]
     l_ref[...] = router_mod._gemv_rows(x_ref, w_ref, BK=BK, n_chunks=n_chunks, mode=mode)
     if pref:
-        total = sum(jnp.sum(t.astype(jnp.float32)) for t in tiles)
-
-        @pl.when(cond & (total != total))  # never for finite weights; the compiler cannot know, so the loads stay
-        def _():
-            sink_ref[...] = jnp.full(sink_ref.shape, total)
+        _consume(tiles, sink_ref, cond)
 
 
 def gemv_partials_prefetch(x, router, pref, *, rows, evict):
@@ -111,16 +117,14 @@ def gemv_partials_prefetch(x, router, pref, *, rows, evict):
 
 def route_prefetch(x, router, bias, pref, *, rows, evict, warps=4, gemv_pref=(), gemv_rows=2):
     """router.route at T = 1 with the top-k launch also prefetching `pref` (a list of [R, D] arrays) into L2."""
-    kw = pt.ROUTE_KW
-    e, d = router.shape
-    ks = router_mod._split_count(d, router_mod.DECODE_TUNING.k_splits)
+    e = router.shape[0]
     partial = gemv_partials_prefetch(x, router, list(gemv_pref), rows=gemv_rows, evict=evict)
-    n_group, top_k = kw["n_group"], kw["top_k"]
+    ks = partial.shape[0]
+    n_group, top_k = pf.G, pf.SELECT_KW["top_k"]
     n_prog = 1 + sum(r.shape[0] for r in pref) // rows
-    select_kw = dict(topk_group=kw["topk_group"], top_k=top_k, scale=float(kw["routed_scaling_factor"]), norm=True)
     whole = pl.no_block_spec
     w, ids, _ = pl.pallas_call(
-        functools.partial(topk_prefetch_kernel, n_pref=len(pref), rows=rows, evict=evict, select_kw=select_kw),
+        functools.partial(topk_prefetch_kernel, n_pref=len(pref), rows=rows, evict=evict, select_kw=pf.SELECT_KW),
         grid=(n_prog,),
         in_specs=[whole] * (2 + len(pref)),
         out_specs=[whole] * 3,
@@ -205,7 +209,6 @@ def main():
     ap.add_argument("--set", choices=sorted(VARIANTS), default="s6c3")
     args = ap.parse_args()
     if args.toy:
-        import probe_moe_fused_router as pf
         OUT = "probe_moe_prefetch_toy.json"
         x, layers = pf.toy_layers()
         pt.TO_REPO = False

@@ -32,6 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+import probe_moe_fused_router as pf
 import probe_moe_t1 as pt
 from bench_common import run_header, write_results
 from pallas_kernels.common import interpret_mode
@@ -106,15 +107,13 @@ def fused_layer(cfg: Fused):
     down_tuning = dataclasses.replace(ex.DECODE_TUNING, routed_eviction=cfg.evict)
 
     def f(x, lay):
-        kw = pt.ROUTE_KW
         partial = router_mod.gemv_partials(x, lay["router"], router_mod.DECODE_TUNING)
         ks, _, e = partial.shape
-        n_group, k = kw["n_group"], kw["top_k"]
+        n_group, k = pf.G, pf.SELECT_KW["top_k"]
         d, i_dim = x.shape[1], lay["sg"].shape[0]
-        select_kw = dict(topk_group=kw["topk_group"], top_k=k, scale=float(kw["routed_scaling_factor"]), norm=True)
         whole = pl.no_block_spec
         w, ids, h = pl.pallas_call(
-            functools.partial(topk_gate_up_kernel, select_kw=select_kw, per_slot=cfg.per_slot, BR=cfg.block_r,
+            functools.partial(topk_gate_up_kernel, select_kw=pf.SELECT_KW, per_slot=cfg.per_slot, BR=cfg.block_r,
                               BK=min(cfg.block_k, d & -d), limit=pt.LIMITS["limit"],
                               shared_limit=pt.LIMITS["shared_limit"], evict=cfg.evict,
                               unroll_chunks=cfg.unroll_chunks),
@@ -156,7 +155,6 @@ def main():
     args = ap.parse_args()
     variants = VARIANTS
     if args.toy:
-        import probe_moe_fused_router as pf
         OUT = "probe_moe_topk_gate_up_toy.json"
         x, layers = pf.toy_layers()  # D 256, I 64, E 64: per_slot 2 (shared rows 4), BR 4
         pt.TO_REPO = False
