@@ -50,11 +50,15 @@ class MLADecodeTuning:
     measured error.
     """
 
-    # Defaults from compiling the variants for sm_90 offline (experiments/triton_resources.py): 182 registers, no
-    # spill, 121 KiB smem at Ling shapes; the former block_h=32, num_warps=4 spilled (255 + stack). Held queries
-    # (block_k=None) are read once; block_k=128 also fits (176 regs) but re-reads 48 KiB of query pieces per step.
+    # Defaults: the best of the H200 sweep by device time (experiments/probe_mla_tunings.py, RESULTS.md "MLA
+    # absorbed decode"): a program's cache blocks run one after another, each a chain of dependent steps (score
+    # dots, cross-warp softmax reductions, layout changes, ·V dots), so fewer, larger blocks win: block_l 64
+    # against 32 took 61 vs 83 µs at L = 32k, T = 1 (70 vs 104 at 8k, T = 6), while one bf16 piece each
+    # (q_pieces = p_pieces = 1) saved only ~5 %. Compiled for sm_90 (experiments/triton_resources.py): 185
+    # registers, no spill, 192 KiB smem (1 program per SM); block_l 128 spills. Held queries (block_k=None) are
+    # read once; block_k=128 also fits but re-reads 48 KiB of query pieces per step.
     block_h: int = 16  # BH: query rows (token, head) per program
-    block_l: int = 32  # BL: cache positions per step
+    block_l: int = 64  # BL: cache positions per step
     block_r: int | None = None  # BR: output columns per program (None = R)
     block_k: int | None = None  # BK: score-dot chunk of R with in-loop query loads (None = queries held)
     num_splits: int | None = None  # NS: None = enough programs for ~2 waves of SMs (see _num_splits)

@@ -123,7 +123,7 @@ def test_dispatch_errors():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("b,t,h,length,start", [(1, 1, 4, 48, 20), (2, 6, 4, 64, 0), (1, 3, 2, 64, 61),
-                                                (1, 16, 2, 256, 100)], ids=lambda v: str(v))
+                                                (1, 16, 2, 256, 100), (1, 2, 4, 320, 250)], ids=lambda v: str(v))
 def test_decode_pallas(b, t, h, length, start, dtype):
     """Pallas decode kernel (interpreted on CPU) vs the reference and vs the expanded attention, NaN poison."""
     case = _decode_case(2, b=b, t=t, h=h, length=length, start=start, poison=np.nan)
