@@ -36,22 +36,19 @@ SCALE = 192 ** -0.5
 
 # Most promising first: a shape's variants past its share of --budget are skipped (never the first). Registers /
 # spill stack / shared memory per program from experiments/triton_resources.py (sm_90, offline, T=1):
-#   default (block_h=16, block_l=64, queries held, num_warps=8): 185 regs, no spill, 192 KiB smem
-#   block_l=32 (the default before session 7): 182 regs, no spill, 121 KiB
-#   block_k=128 (query pieces re-read per step, ·V in column chunks): 176 regs, no spill, 97 KiB (at block_l=32)
-#   block_l=16: 172 regs, no spill, 85 KiB
-#   block_h=32, block_r=256: 178 regs, no spill, 174 KiB (scores computed twice; at block_l=32)
-#   block_h=32, block_k=64: 255 regs + 56 B spill stack, 192 KiB
+#   default (block_h=16, block_l=32, block_k=128, num_warps=4, programs_per_sm=2): 255 regs + 16 B spill stack,
+#     97 KiB smem: two programs per SM
+#   block_l=64, queries held (block_k=None), num_warps=8 (session 7's first default): 185 regs, no spill, 192 KiB
+#   block_l=32, queries held, num_warps=8 (session 2's tiling): 182 regs, no spill, 121 KiB
+#   block_l=16 (with the default's other fields): 4 warps at 2 per SM, smaller steps
 #   block_h=64 (wgmma) spills ~1 KB; block_l=128 spills; block_h=32 with held queries needs > 227 KiB smem.
-# The device-time ranking of these is experiments/probe_mla_tunings.py's (RESULTS.md, "MLA absorbed decode").
+# The device-time ranking of these is experiments/probe_mla_tunings.py's (RESULTS.md, "Session 7").
 DEFAULT_TUNINGS = ";".join([
     "default",
-    "block_l=32",
-    "block_k=128",
+    "block_l=64,block_k=None,num_warps=8,programs_per_sm=1",
+    "block_k=None,num_warps=8,programs_per_sm=1",
     "q_pieces=1,p_pieces=1",  # cheap precision (1 bf16 piece each)
-    "block_h=32,block_k=64",
     "block_l=16",
-    "block_h=32,block_r=256",
 ])
 
 

@@ -87,18 +87,17 @@ def plot_kda(data) -> Path:
 
 def plot_mla(data, before) -> Path:
     """Device µs per attention call vs L (8 distinct caches per profiled call: cold at 32k) against the floor:
-    `data` the current kernel (pallas rows), `before` the call-4 profile (XLA reference, and the kernel at
-    block_l = 32 before session 7)."""
+    `data` the current kernel and the XLA reference (S7 9), `before` the kernel as session 2 tiled it (call 4)."""
     fig, ax = plt.subplots(figsize=(6.5, 4))
     now = {(o["op"], o["backend"]): o["span_us_per_op"] for o in data["ops"]}
     old = {(o["op"], o["backend"]): o["span_us_per_op"] for o in (before or {}).get("ops", [])}
     lengths = (1024, 8192, 32768)
     for t, marker in ((1, "o"), (6, "s")):
-        for label, ops, backend, style in (("pallas", now, "pallas", "-"), ("pallas, block_l 32", old, "pallas", "--"),
-                                           ("reference (XLA)", old, "reference", ":")):
+        for label, ops, backend, style in (("pallas", now, "pallas", "-"), ("pallas, session 2", old, "pallas", "--"),
+                                           ("reference (XLA)", now, "reference", ":")):
             ys = [ops.get((f"mla_{L // 1024}k_t{t}", backend)) for L in lengths]
             if any(y is not None for y in ys):
-                ax.plot(lengths, ys, marker + style, label=f"{label}, T = {t}", alpha=0.5 if "32" in label else 1)
+                ax.plot(lengths, ys, marker + style, label=f"{label}, T = {t}", alpha=0.5 if ops is old else 1)
         floor = [(L * 576 * 2 + t * 32 * (576 + 512) * 4) / 4.3e12 * 1e6 for L in lengths]
         ax.plot(lengths, floor, "k" + ("--" if t == 1 else "-."), lw=0.8, label=f"byte floor, T = {t}")
     ax.set(xscale="log", yscale="log", xlabel="cache length L", ylabel="device µs per call",
@@ -132,7 +131,7 @@ def _save(fig, name: str) -> Path:
 def main():
     # MoE: session 4's final run (S4 9: bench_moe.py --quick, its own T = 1 profile), the first kernels' sweep beside
     jobs = (("bench_moe_s4c9.json", lambda d: plot_moe(d, None, _load("bench_moe_v1.json"))),
-            ("kda_decode_verify.json", plot_kda), ("mla_profile_s7c6.json", lambda d: plot_mla(d, _load("mla_profile.json"))), ("bench_decode.json", plot_slice))
+            ("kda_decode_verify.json", plot_kda), ("mla_profile_s7c9.json", lambda d: plot_mla(d, _load("mla_profile.json"))), ("bench_decode.json", plot_slice))
     for name, plot in jobs:
         data = _load(name)
         print(f"{name}: " + (str(plot(data)) if data else "missing, skipped"))

@@ -8,7 +8,8 @@ and ran out of its budget; the defaults were chosen by registers and spills (exp
 never by device time.
 
 Run on the GPU: `PYTHONPATH=.:experiments timeout 500 python3 experiments/probe_mla_tunings.py` (`--tunings` in
-bench_mla.py's syntax, `--ops` profile_ops' MLA op names).
+bench_mla.py's syntax, relative to the MLADecodeTuning defaults of the code run; `--ops` profile_ops' MLA op names).
+RESULTS.md's calls name the commit each ran at: the defaults and the split rule changed during session 7.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ from bench_mla import parse_tunings, short  # noqa: E402
 from pallas_kernels import mla  # noqa: E402
 
 OUT = "probe_mla_tunings.json"
-TUNINGS = ";".join(["default", "block_l=64", "block_k=128", "block_l=16", "block_h=32,block_r=256",
-                    "block_l=64,block_r=256", "block_h=32,block_r=128", "block_r=256,num_warps=4",
-                    "q_pieces=1,p_pieces=1"])
+TUNINGS = ";".join(["default", "block_l=64,block_k=None,num_warps=8,programs_per_sm=1",
+                    "block_k=None,num_warps=8,programs_per_sm=1", "block_l=64,num_stages=1",
+                    "q_pieces=1,p_pieces=1"])  # the tunings are relative to the defaults of the code run
 OPS = "mla_32k_t1,mla_8k_t1,mla_1k_t1,mla_32k_t6,mla_8k_t6"
 
 

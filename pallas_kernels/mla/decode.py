@@ -5,8 +5,10 @@ Grid (NR column blocks of BR, row blocks of BH, NS splits of the valid length, B
 of the cache [c_kv | k_rope] in blocks of BL positions, online softmax in fp32 (FlashAttention-2 §3.1.1: running
 max m_i and sum l_i), and writes the unnormalised partial o [BH, BR], m, l; `_combine` merges the NS partials in
 XLA (flash-decoding). With NR > 1 every column block recomputes the same scores (the cheap way to keep o small).
-Without a column split, the register file holds o [BH, R] fp32 plus, by default, the query pieces for the whole
-loop; `block_k` re-reads the query pieces chunk by chunk instead (they stay in L1/L2), freeing those registers.
+Without a column split, the register file holds o [BH, R] fp32 plus, with block_k=None, the query pieces for the
+whole loop; `block_k` (the default, 128) re-reads the query pieces chunk by chunk instead (they stay in L1/L2),
+freeing those registers: with 4 warps two programs then fit per SM, which is what hides the latency of each
+block's chain of dependent steps (the default's tuning note below). The split count NS is one wave of programs.
 
 Only blocks below start + T are read (the loop bounds come from the device scalar `start`); inside the last block
 the ·V operand's rows past start + T are zeroed and those scores replaced (a select) by -inf, so NaN/garbage there
@@ -50,19 +52,21 @@ class MLADecodeTuning:
     measured error.
     """
 
-    # Defaults: the best of the H200 sweep by device time (experiments/probe_mla_tunings.py, RESULTS.md "MLA
-    # absorbed decode"): a program's cache blocks run one after another, each a chain of dependent steps (score
-    # dots, cross-warp softmax reductions, layout changes, ·V dots), so fewer, larger blocks win: block_l 64
-    # against 32 took 61 vs 83 µs at L = 32k, T = 1 (70 vs 104 at 8k, T = 6), while one bf16 piece each
-    # (q_pieces = p_pieces = 1) saved only ~5 %. Compiled for sm_90 (experiments/triton_resources.py): 185
-    # registers, no spill, 192 KiB smem (1 program per SM); block_l 128 spills. Held queries (block_k=None) are
-    # read once; block_k=128 also fits but re-reads 48 KiB of query pieces per step.
+    # Defaults: the best of the H200 sweeps by device time (experiments/probe_mla_tunings.py, RESULTS.md "Session
+    # 7"). A program walks its cache blocks one after another, each a chain of dependent steps (score dots,
+    # cross-warp softmax reductions, layout changes, ·V dots) whose latency sets the time: one bf16 piece per
+    # product instead of three saved only ~5 %. What helps is hiding that latency behind a second program per SM:
+    # 4 warps with the query pieces re-read per 128-wide chunk (block_k) need 255 registers (16 B spilled) and
+    # 97 KiB of shared memory (sm_90, experiments/triton_resources.py), so two fit; against the 8-warp,
+    # block_l 64, one-per-SM tiling: 50 vs 56 µs at L = 32k, T = 1, 205 vs 250 at 32k, T = 6, 60 vs 70 at 8k,
+    # T = 6, 11.1 vs 11.8 at 1k, T = 1; 23.4 vs 21.5 at 8k, T = 1 and 17.7 vs 16.9 at 1k, T = 6 are its losses.
     block_h: int = 16  # BH: query rows (token, head) per program
-    block_l: int = 64  # BL: cache positions per step
+    block_l: int = 32  # BL: cache positions per step
     block_r: int | None = None  # BR: output columns per program (None = R)
-    block_k: int | None = None  # BK: score-dot chunk of R with in-loop query loads (None = queries held)
-    num_splits: int | None = None  # NS: None = enough programs for ~2 waves of SMs (see _num_splits)
-    num_warps: int = 8
+    block_k: int | None = 128  # BK: score-dot chunk of R with in-loop query loads (None = queries held)
+    num_splits: int | None = None  # NS: None = one wave of programs_per_sm × SMs (see _num_splits)
+    programs_per_sm: int = 2  # programs resident per SM that the default split count plans for (registers, smem)
+    num_warps: int = 4
     num_stages: int = 2
     q_pieces: int = 3
     p_pieces: int = 3
@@ -74,6 +78,8 @@ class MLADecodeTuning:
                 raise ValueError(f"MLADecodeTuning.{name}={getattr(self, name)} must be 1, 2 or 3")
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"MLADecodeTuning.num_splits={self.num_splits} must be >= 1")
+        if self.programs_per_sm < 1:
+            raise ValueError(f"MLADecodeTuning.programs_per_sm={self.programs_per_sm} must be >= 1")
 
 
 def _trunc_bf16(a):
@@ -202,16 +208,12 @@ def _n_sms() -> int:
     return (getattr(dev, "core_count", 0) or 132) if dev.platform == "gpu" else 132
 
 
-def _num_splits(length, bl, th, r, p, n_other, itemsize):
-    """Splits of the cache length: enough programs for ~2 waves of SMs (>= 1 block each when the cache is full:
-    the split is planned on the capacity L, not on start + T, which is a traced value), and beyond one wave the
-    partials' round trip (write + read of NS·TH·R fp32) kept under half of the cache bytes. At short L the
-    partials stay in L2, and filling the SMs is what counts (the old traffic-only cap gave 4 programs at L=1k)."""
-    n_sms = _n_sms()
-    by_sms = -(-2 * n_sms // n_other)
-    one_wave = -(-n_sms // n_other)
-    traffic_cap = (length * itemsize * (r + p)) // (4 * th * r * 4)
-    return max(1, min(length // bl, by_sms, max(one_wave, traffic_cap)))
+def _num_splits(length, bl, n_other, per_sm):
+    """Splits of the cache length: one wave, i.e. as many programs as the SMs hold at once (per_sm each, n_other
+    programs per split), and at most one block per split. Planned on the capacity L, not on start + T (a traced
+    value). Two waves measured slower on the H200 (RESULTS.md, "Session 7": 61 vs 57 µs at 32k, T = 1): a program
+    walks its blocks one after another, so a second wave only adds partials to combine and a tail."""
+    return max(1, min(length // bl, -(-_n_sms() * per_sm // n_other)))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "tuning"))
@@ -246,7 +248,7 @@ def mla_decode_attention(q_latent, q_rope, kv_cache, start, *, scale, tuning: ML
     nq, nqr = ql.shape[1], qr.shape[1]
     ns = tuning.num_splits
     if ns is None:
-        ns = _num_splits(length, bl, th, r, p, b * n_hb * n_r, kv_cache.dtype.itemsize)
+        ns = _num_splits(length, bl, b * n_hb * n_r, tuning.programs_per_sm)
     start_arr = jnp.reshape(start, (1,)).astype(jnp.int32)
     kernel = functools.partial(mla_decode_fwd_kernel, scale=float(scale), T=t, H=h, R=r, P=p, BL=bl, BK=bk, NS=ns,
                                NP_P=tuning.p_pieces)

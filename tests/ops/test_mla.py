@@ -182,6 +182,20 @@ def test_decode_pallas_1e30_poison_traced_start():
     assert rel_err(got, expanded_attention(case, 30, 0.2)) <= 1e-5
 
 
+def test_num_splits_plans_one_wave(monkeypatch):
+    """The default split count: programs_per_sm × SMs programs in all (one wave), never more splits than blocks."""
+    from pallas_kernels.mla import decode
+
+    monkeypatch.setattr(decode, "_n_sms", lambda: 132)
+    assert decode._num_splits(32768, 32, n_other=2, per_sm=2) == 132  # T = 1: 2 row blocks × 132 = 264 programs
+    assert decode._num_splits(32768, 32, n_other=12, per_sm=2) == 22  # T = 6: 12 row blocks
+    assert decode._num_splits(32768, 64, n_other=2, per_sm=1) == 66
+    assert decode._num_splits(1024, 32, n_other=2, per_sm=2) == 32  # capped by the 32 blocks
+    assert decode._num_splits(16, 32, n_other=2, per_sm=2) == 1
+    with pytest.raises(ValueError, match="programs_per_sm=0 must be >= 1"):
+        decode.MLADecodeTuning(programs_per_sm=0)
+
+
 def test_decode_pallas_rejects_unaligned_cache():
     case = _decode_case(0, b=1, t=1, h=2, length=37, start=5)
     with pytest.raises(ValueError, match="L=37 to be a multiple of 16"):
