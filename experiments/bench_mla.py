@@ -41,7 +41,8 @@ SCALE = 192 ** -0.5
 #   block_l=64, queries held (block_k=None), num_warps=8 (session 7's first default): 185 regs, no spill, 192 KiB
 #   block_l=32, queries held, num_warps=8 (session 2's tiling): 182 regs, no spill, 121 KiB
 #   block_l=16 (with the default's other fields): 4 warps at 2 per SM, smaller steps
-#   block_h=64 (wgmma) spills ~1 KB; block_l=128 spills; block_h=32 with held queries needs > 227 KiB smem.
+#   block_l=128 spills; block_h=32 with held queries: 174 KiB and a 32-168 B spill at block_l=32, 248 KiB (cannot
+#   launch) at block_l=64; block_h=64 (wgmma at T = 6) needs 248-272 KiB: cannot launch.
 # The device-time ranking of these is experiments/probe_mla_tunings.py's (RESULTS.md, "Session 7").
 DEFAULT_TUNINGS = ";".join([
     "default",

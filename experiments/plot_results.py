@@ -131,7 +131,9 @@ def _save(fig, name: str) -> Path:
 def main():
     # MoE: session 4's final run (S4 9: bench_moe.py --quick, its own T = 1 profile), the first kernels' sweep beside
     jobs = (("bench_moe_s4c9.json", lambda d: plot_moe(d, None, _load("bench_moe_v1.json"))),
-            ("kda_decode_verify.json", plot_kda), ("mla_profile_s7c9.json", lambda d: plot_mla(d, _load("mla_profile.json"))), ("bench_decode.json", plot_slice))
+            ("kda_decode_verify.json", plot_kda),
+            ("mla_profile_s7c9.json", lambda d: plot_mla(d, _load("mla_profile.json"))),
+            ("bench_decode.json", plot_slice))
     for name, plot in jobs:
         data = _load(name)
         print(f"{name}: " + (str(plot(data)) if data else "missing, skipped"))

@@ -7,7 +7,7 @@ Why: `bench_mla.py`'s sweep timed by the host-side slope, which cannot resolve t
 and ran out of its budget; the defaults were chosen by registers and spills (experiments/triton_resources.py),
 never by device time.
 
-Run on the GPU: `PYTHONPATH=.:experiments timeout 500 python3 experiments/probe_mla_tunings.py` (`--tunings` in
+Run on the GPU: `PYTHONPATH=.:experiments timeout 540 python3 experiments/probe_mla_tunings.py` (`--tunings` in
 bench_mla.py's syntax, relative to the MLADecodeTuning defaults of the code run; `--ops` profile_ops' MLA op names).
 RESULTS.md's calls name the commit each ran at: the defaults and the split rule changed during session 7.
 """
@@ -71,7 +71,7 @@ def main():
         results["rows"].append(dict(tuning=label, err=err, ops=spans))
         print(f"{label:40s} err {err:.2e}  " + "  ".join(f"{op[4:]} {v['span_us']:6.1f} ({v['kernel_us']})"
                                                          for op, v in spans.items()), flush=True)
-        write_results(OUT, results)
+        write_results(OUT, results, to_repo=jax.default_backend() == "gpu")  # CPU runs: no timings
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ Why: a Pallas streaming launch pays ~1.7 µs of ramp and tail beyond its bytes (
 TB/s steady + 1.7 µs per launch), and the five-launch layer streams its 106 MB of expert weights in two launches
 (gate/up 18.5 µs, down 11.1 µs) plus a 1.1 µs combine fusion. Session 5's two-launch probe (probe_moe_two.py) put
 gate/up and down in one launch but its down programs held a [64, 64] tile in registers across their wait (168
-registers: 12 programs per SM for every role). Here the down role is as light as the gate/up one (59 registers):
+registers: 12 programs per SM for every role). Here the down role carries no tile across its wait: the launch
+needs 64 registers at BR 16 (the gate/up kernel alone: 59), 94-124 with the prefetch or BR 32 (sm_90, `--regs`):
   gate/up   (K + 1)·I/BI programs, slot 0 = the shared expert, then the K routed slots: the production 2-row
             `fma_reduce` rows, h written to global, one arrival on the (slot, row split) counter.
   down      (K + 1)·NR·D/BD programs (slot, row split r of I/NR rows, BD columns): wait for the split's gate/up
@@ -16,9 +17,10 @@ registers: 12 programs per SM for every role). Here the down role is as light as
             the last column block's combiner zeroes the counters (the buffer is zero on entry and on exit).
 Programs wait only on programs with a lower grid index (dispatched earlier), as in probe_moe_two.py.
 
-Measured (RESULTS.md, "Session 7"): correct (32 sequential calls through one carried sync buffer), but at best
-35.0 µs for the one launch against 30.7 for the gate/up, down and combine launches it replaces: the 1-warp down
-role streams slower than the 4-warp tensor-core down kernel (13.4 vs 11.2 µs) and its waits add 1.8 µs.
+Measured (RESULTS.md, "Session 7"): correct (32 sequential calls through one carried sync buffer), but the layer
+spans 41.6 µs at best against 36.4-36.6 for the five-launch layer in the same calls (the one launch 35.0 µs against
+~30.7 for gate/up 18.2-18.5 + down 11.2 + the combine's ~1.1 µs of exclusive time): the 1-warp down role streams
+slower than the 4-warp tensor-core down kernel (13.4 vs 11.2 µs) and its waits add 1.8 µs.
 
 Run on the GPU: `XLA_FLAGS=--xla_allow_excess_precision=false PYTHONPATH=.:experiments timeout 400 python3
 experiments/probe_moe_experts_one.py --set s7c1` (`--set s7c2 --repeat 16`: the second call; `--toy`: CPU interpret
@@ -58,8 +60,8 @@ C_ROW, C_SC, C_COL, C_DONE = 0, 256, 768, 1000  # (slot, split) | (slot, column 
 
 
 def one_kernel(x_ref, id_ref, wt_ref, wg_ref, wu_ref, wd_ref, sg_ref, su_ref, sd_ref, sync_in, h_ref, part_ref,
-               lvl_ref, y_ref, sync_ref, *, BI, BK, BD, BR, NR, limit, shared_limit, prefetch, eviction, h_volatile, wait,
-               down_role):
+               lvl_ref, y_ref, sync_ref, *, BI, BK, BD, BR, NR, limit, shared_limit, prefetch, eviction, h_volatile,
+               wait, down_role):
     del sync_in  # aliased to sync_ref
     p = pl.program_id(0)
     n_routed = id_ref.shape[1]

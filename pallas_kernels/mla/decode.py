@@ -50,16 +50,21 @@ class MLADecodeTuning:
     q_pieces / p_pieces < 3 (bf16 cache only) drop the low bf16 pieces of the fp32 query / probabilities: cheaper,
     no longer fp32-exact (1 piece each is the usual flash-attention practice); see experiments/bench_mla.py for the
     measured error.
+    programs_per_sm is what the default split count plans for, not a launch setting: a tuning that no longer fits
+    twice per SM (8 warps, held queries, block_l 64; or a GPU with less shared memory than 2 × 97 KiB) should set
+    it to 1, or its splits make two waves.
     """
 
     # Defaults: the best of the H200 sweeps by device time (experiments/probe_mla_tunings.py, RESULTS.md "Session
     # 7"). A program walks its cache blocks one after another, each a chain of dependent steps (score dots,
-    # cross-warp softmax reductions, layout changes, ·V dots) whose latency sets the time: one bf16 piece per
-    # product instead of three saved only ~5 %. What helps is hiding that latency behind a second program per SM:
+    # cross-warp softmax reductions, layout changes, ·V dots) whose latency most likely sets the time (inferred,
+    # not profiled per instruction): one bf16 piece per product instead of three (two thirds fewer dots) was at
+    # most ~5 % faster. What helps is hiding that latency behind a second program per SM:
     # 4 warps with the query pieces re-read per 128-wide chunk (block_k) need 255 registers (16 B spilled) and
     # 97 KiB of shared memory (sm_90, experiments/triton_resources.py), so two fit; against the 8-warp,
     # block_l 64, one-per-SM tiling: 50 vs 56 µs at L = 32k, T = 1, 205 vs 250 at 32k, T = 6, 60 vs 70 at 8k,
-    # T = 6, 11.1 vs 11.8 at 1k, T = 1; 23.4 vs 21.5 at 8k, T = 1 and 17.7 vs 16.9 at 1k, T = 6 are its losses.
+    # T = 6, 11.1 vs 11.8 at 1k, T = 1; 23.4 vs 21.5 at 8k, T = 1 and 17.7 vs 16.9 at 1k, T = 6 are its losses
+    # (from the doubled split count: the same tiling at programs_per_sm 1 took 22.6 and 15.0 there).
     block_h: int = 16  # BH: query rows (token, head) per program
     block_l: int = 32  # BL: cache positions per step
     block_r: int | None = None  # BR: output columns per program (None = R)
@@ -210,7 +215,7 @@ def _n_sms() -> int:
 
 def _num_splits(length, bl, n_other, per_sm):
     """Splits of the cache length: one wave, i.e. as many programs as the SMs hold at once (per_sm each, n_other
-    programs per split), and at most one block per split. Planned on the capacity L, not on start + T (a traced
+    programs per split), and never more splits than blocks. Planned on the capacity L, not on start + T (a traced
     value). Two waves measured slower on the H200 (RESULTS.md, "Session 7": 61 vs 57 µs at 32k, T = 1): a program
     walks its blocks one after another, so a second wave only adds partials to combine and a tail."""
     return max(1, min(length // bl, -(-_n_sms() * per_sm // n_other)))

@@ -173,6 +173,17 @@ def test_decode_pallas_cheap_precision(pieces, tol):
     assert np.isfinite(np.asarray(o)).all() and err <= tol
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_pallas_default_chunked_queries(dtype):
+    """The default tuning where it re-reads the query pieces in block_k chunks (R = 256 > block_k = 128), as at
+    Ling's R = 512: several cache blocks and splits, NaN poison past start + T."""
+    case = _decode_case(8, b=1, t=2, h=4, length=160, start=120, r=256)
+    scale = 48 ** -0.5
+    o = absorbed(case, 120, scale, "pallas", jnp.dtype(dtype))
+    assert np.isfinite(np.asarray(o)).all()
+    assert rel_err(o, absorbed(case, 120, scale, "reference", jnp.dtype(dtype))) <= 1e-5
+
+
 def test_decode_pallas_1e30_poison_traced_start():
     case = _decode_case(4, b=1, t=2, h=4, length=64, start=30, poison=1e30)
     q_latent = jnp.einsum("bthd,hrd->bthr", case["q_nope"], case["w_uk"], precision="highest")
@@ -196,6 +207,23 @@ def test_num_splits_plans_one_wave(monkeypatch):
         decode.MLADecodeTuning(programs_per_sm=0)
 
 
+@pytest.mark.parametrize("per_sm,splits", [(2, 132), (1, 66)])
+def test_decode_pallas_split_count_in_lowering(monkeypatch, per_sm, splits):
+    """The kernel's partials get the one-wave split count: T = 1 at Ling shapes (2 row blocks of 16), L = 8192."""
+    from test_moe import lower_for_cuda
+
+    from pallas_kernels.mla import decode
+
+    sds = jax.ShapeDtypeStruct
+    monkeypatch.setattr(decode, "_n_sms", lambda: 132)
+    tu = decode.MLADecodeTuning(programs_per_sm=per_sm)
+    txt = lower_for_cuda(monkeypatch, [decode],
+                         lambda ql, qr, c, s: decode.mla_decode_attention(ql, qr, c, s, scale=192 ** -0.5, tuning=tu),
+                         sds((1, 1, 32, 512), jnp.float32), sds((1, 1, 32, 64), jnp.bfloat16),
+                         sds((1, 8192, 576), jnp.bfloat16), sds((), jnp.int32))
+    assert f"tensor<1x{splits}x32x512xf32>" in txt
+
+
 def test_decode_pallas_rejects_unaligned_cache():
     case = _decode_case(0, b=1, t=1, h=2, length=37, start=5)
     with pytest.raises(ValueError, match="L=37 to be a multiple of 16"):
@@ -204,7 +232,8 @@ def test_decode_pallas_rejects_unaligned_cache():
 
 @pytest.mark.parametrize("t,kw", [(1, {}), (6, {}), (1, dict(block_l=64, block_r=128, block_k=128)),
                                   (6, dict(block_h=64, block_r=256, q_pieces=1, p_pieces=1)),
-                                  (6, dict(block_h=32, num_warps=4)), (1, dict(block_k=128)),
+                                  (6, dict(block_h=32, num_warps=4)),
+                                  (1, dict(block_k=None, num_warps=8, programs_per_sm=1)),
                                   (1, dict(block_l=16, q_pieces=2, p_pieces=2, num_splits=7))],
                          ids=lambda v: str(v))
 def test_decode_pallas_lowers_for_cuda(monkeypatch, t, kw):
