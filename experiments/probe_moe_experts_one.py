@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import functools
 import re
-import statistics
 import sys
 from pathlib import Path
 
@@ -48,7 +47,6 @@ import probe_moe_fused_router as pf  # noqa: E402
 import probe_moe_t1 as pt  # noqa: E402
 from bench_common import run_header, write_results  # noqa: E402
 from probe_moe_mega import _pick, _wait  # noqa: E402
-from profile_ops import call_span_us, durations_by_name, split_calls, trace_kernels  # noqa: E402
 
 from pallas_kernels.common import interpret_mode  # noqa: E402
 from pallas_kernels.moe import experts as ex  # noqa: E402
@@ -193,16 +191,9 @@ def repeat_check_threaded(x, lay, fn, n):
     against the reference layer: the worst relative error."""
     xs = x[None] + 0.5 * jax.random.normal(jax.random.key(3), (n,) + x.shape, x.dtype)
 
-    def step(sync, x):
-        y, sync = fn(x, lay_arg, sync)
-        return sync, y
+    def run(xs, lay):  # lay is an argument, not a closure: closed-over weights would become HLO constants
+        return lax.scan(lambda sync, x: fn(x, lay, sync)[::-1], jnp.zeros((SYNC,), jnp.int32), xs)
 
-    def run(xs, lay):
-        nonlocal lay_arg
-        lay_arg = lay  # an argument, not a closure: closed-over weights would become HLO constants
-        return lax.scan(step, jnp.zeros((SYNC,), jnp.int32), xs)
-
-    lay_arg = None
     sync, got = jax.jit(run)(xs, lay)
     ref = jax.jit(lambda xs, lay: lax.map(lambda x: pt.reference_layer(x, lay), xs))(xs, lay)
     if int(jnp.abs(sync).sum()):
@@ -210,35 +201,20 @@ def repeat_check_threaded(x, lay, fn, n):
     return max(pt.rel_err(got[i], ref[i]) for i in range(n))
 
 
-def profile_chain(fn, x, layers, n=10):
-    """({kernel: (median µs, launches per layer)}, span per layer) of the chain of every layer in one jit, one sync
-    buffer zeroed once and threaded through the layers (its memset is inside the span)."""
+def threaded_chain(fn):
+    """The layers in one jit with one sync buffer zeroed once and threaded through them (its memset is inside the
+    profiled span): profile_layers' `chain` for a (x, lay, sync) -> (y, sync) layer."""
     def chain(x, layers):
         sync, ys = jnp.zeros((SYNC,), jnp.int32), []
         for lay in layers:
             y, sync = fn(x, lay, sync)
             ys.append(y)
         return ys, sync
-
-    run = jax.jit(chain)
-    events = trace_kernels(lambda: run(x, layers), n)
-    calls = n * len(layers)
-    ks = {k: (round(statistics.median(v), 2), len(v) / calls) for k, v in durations_by_name(events).items()}
-    return ks, round(call_span_us(split_calls(events)) / len(layers), 2)
+    return chain
 
 
 def record(results, label, fn, x, layers):
-    try:
-        err = pt.rel_err(jax.jit(fresh_sync(fn))(x, layers[0]), jax.jit(pt.reference_layer)(x, layers[0]))
-        ks, span = profile_chain(fn, x, layers)
-    except Exception as exc:  # one variant's failure must not lose the others
-        print(f"{label}: {type(exc).__name__}: {str(exc)[:600]}", flush=True)
-        return
-    total = sum(us * per for us, per in ks.values())
-    results["rows"].append(dict(label=label, err=err, total_us=round(total, 2), span_us=span, kernels=ks))
-    print(f"{label:44s} err {err:.3g}  span {span:6.2f} µs  kernel sum {total:6.2f} µs  " +
-          "  ".join(f"{k[:28]} {v[0]}" + (f"x{v[1]:.2g}" if v[1] != 1 else "") for k, v in ks.items()), flush=True)
-    write_results(OUT, results, to_repo=pt.TO_REPO)
+    pt.record_row(results, OUT, label, fresh_sync(fn), x, layers, pt.reference_layer, chain=threaded_chain(fn))
 
 
 VARIANTS = {  # label -> experts_one keyword arguments; "diag" labels are timing-only (wrong results)

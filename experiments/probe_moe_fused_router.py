@@ -109,6 +109,17 @@ def _gemv_logits(x_ref, w_ref, lg_ref, p, BE, BK):
         0, x_ref.shape[1] // BK, body, jnp.zeros((BE,), jnp.float32))
 
 
+def _last_arrival_topk(cnt_ref, n_gemv, wt_ref, id_ref, select):
+    """Counts this GEMV program's arrival; the last of the n_gemv runs select() -> (weights, ids) on the logits
+    they stored, publishes them and resets the counter (zero again for the next call)."""
+    @pl.when(_arrive(cnt_ref, 0) == n_gemv - 1)
+    def _():
+        w, ids = select()
+        wt_ref[0, :] = w
+        id_ref[0, :] = ids
+        cnt_ref[0] = jnp.int32(0)
+
+
 def router_kernel(x_ref, w_ref, b_ref, cnt_ref, sg_ref, su_ref, *outs, BE, BK, n_gemv, BI, shared, keep):
     # x_ref [1, D]; w_ref [E, D] fp32; b_ref [G, E/G]; cnt_ref [1] int32; sg/su [I, D]
     # outs: logits [G, E/G] fp32, weights [1, K], ids [1, K], (h [S, 1, I] if shared), (cnt out unless keep)
@@ -118,14 +129,8 @@ def router_kernel(x_ref, w_ref, b_ref, cnt_ref, sg_ref, su_ref, *outs, BE, BK, n
     @pl.when(p < n_gemv)
     def _():
         _gemv_logits(x_ref, w_ref, lg_ref, p, BE, BK)
-
-        @pl.when(_arrive(cnt_ref, 0) == n_gemv - 1)
-        def _():
-            lg = pltriton.load(lg_ref, volatile=True)
-            w, ids = router_mod._select_topk(lg, b_ref[...], **SELECT_KW)
-            wt_ref[0, :] = w
-            id_ref[0, :] = ids
-            cnt_ref[0] = jnp.int32(0)
+        _last_arrival_topk(cnt_ref, n_gemv, wt_ref, id_ref, lambda: router_mod._select_topk(
+            pltriton.load(lg_ref, volatile=True), b_ref[...], **SELECT_KW))
 
     if shared:
         @pl.when(p >= n_gemv)

@@ -53,11 +53,12 @@ def make_layers():
     return jax.random.normal(jax.random.key(99), (1, D), jnp.bfloat16), layers
 
 
-def profile_layers(fn, x, layers, n=10):
+def profile_layers(fn, x, layers, n=10, chain=None):
     """({kernel: (median device µs, launches per layer)}, timeline span per layer) of fn(x, lay) over every layer,
-    n traced runs. With a PDL trigger (experts.DECODE_TUNING's early_launch_down) the successor's duration includes
-    its wait, so the span, not the kernel sum, is the layer's device time."""
-    run = jax.jit(lambda x, layers: [fn(x, lay) for lay in layers])
+    n traced runs (`chain(x, layers)`, if given, runs them instead: e.g. threading a buffer through the layers).
+    With a PDL trigger (experts.DECODE_TUNING's early_launch_down) the successor's duration includes its wait, so
+    the span, not the kernel sum, is the layer's device time."""
+    run = jax.jit(chain or (lambda x, layers: [fn(x, lay) for lay in layers]))
     events = trace_kernels(lambda: run(x, layers), n)
     by_name = durations_by_name(events)
     calls = n * len(layers)
@@ -75,10 +76,10 @@ def rel_err(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def record_row(results, out_name, label, fn, x, layers, check=None):
+def record_row(results, out_name, label, fn, x, layers, check=None, chain=None):
     """Check fn against `check` on layer 0 (relative error; for a (weights, ids) router pair, the fraction of ids
-    that differ), profile it over all layers (timeline span and kernel sum per layer), print and append the row,
-    save `results` as out_name."""
+    that differ), profile it over all layers (timeline span and kernel sum per layer; `chain`: as profile_layers),
+    print and append the row, save `results` as out_name."""
     try:
         err = None
         if check is not None:
@@ -87,7 +88,7 @@ def record_row(results, out_name, label, fn, x, layers, check=None):
                 err = float(np.mean(np.asarray(out[1]) != np.asarray(ref[1])))
             else:
                 err = rel_err(out, ref)
-        ks, span = profile_layers(fn, x, layers)
+        ks, span = profile_layers(fn, x, layers, chain=chain)
     except Exception as exc:  # one variant's failure must not lose the others
         print(f"{label}: {type(exc).__name__}: {str(exc)[:600]}", flush=True)
         return

@@ -89,13 +89,8 @@ def k1_kernel(x_ref, w_ref, b_ref, cnt_ref, sg_ref, su_ref, lg_ref, wt_ref, id_r
     @pl.when(p < n_gemv)
     def _():
         pf._split_gemv_logits(x_ref, w_ref, lg_ref, p, KS=KS, BE=1, BK=BK)
-
-        @pl.when(pf._arrive(cnt_ref, 0) == n_gemv - 1)
-        def _():
-            w, ids = TOPK[topk](pf._sum_split_logits(lg_ref, KS), b_ref[...], **pf.SELECT_KW)
-            wt_ref[0, :] = w
-            id_ref[0, :] = ids
-            cnt_ref[0] = jnp.int32(0)
+        pf._last_arrival_topk(cnt_ref, n_gemv, wt_ref, id_ref, lambda: TOPK[topk](
+            pf._sum_split_logits(lg_ref, KS), b_ref[...], **pf.SELECT_KW))
 
     if shared:
         @pl.when(p >= n_gemv)
