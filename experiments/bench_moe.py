@@ -128,7 +128,9 @@ def moe_layer(x, lay, backend, et=None, rt=None):
                                lay["ws_up"], lay["ws_down"], limit=LIMIT, shared_limit=SHARED_LIMIT)
     if x.shape[0] > 1:  # the T = 1 sweeps' tunings; T > 1 runs experts.VERIFY_TUNING and router.VERIFY_TUNING
         et = rt = None
-    w, ids = router_mod.route(x, lay["router"], lay["expert_bias"], **ROUTE_KW, tuning=rt)
+    # The model's MoE block (ling_jax/layers/moe.py): the top-k launch prefetches the shared expert into L2.
+    w, ids = router_mod.route(x, lay["router"], lay["expert_bias"], **ROUTE_KW, tuning=rt,
+                              prefetch=(lay["ws_gate"], lay["ws_up"], lay["ws_down"]))
     return moe_experts_fused(x, w, ids, lay["we_gate"], lay["we_up"], lay["we_down"], lay["ws_gate"],
                              lay["ws_up"], lay["ws_down"], limit=LIMIT, shared_limit=SHARED_LIMIT,
                              tuning=et)

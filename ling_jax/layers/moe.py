@@ -15,6 +15,11 @@ _EXPERT_SPECS = (P(), P(), P(), P(None, TP, None), P(None, TP, None), P(None, TP
                  P(TP, None))
 
 
+def route_then_prefetch(route):
+    """route(x, router, bias, *prefetch): the arrays after the bias go to the router's `prefetch` hint."""
+    return lambda x, router, bias, *prefetch: route(x, router, bias, prefetch=prefetch)
+
+
 def moe_block(p: dict, x: jnp.ndarray, cfg: LingConfig, layer: int, *, backend: str) -> jnp.ndarray:
     """x [..., D] -> [..., D]; `layer` picks the SwiGLU clamp limits (MTP layers index past num_layers)."""
     flat = x.reshape(-1, x.shape[-1])
@@ -24,10 +29,16 @@ def moe_block(p: dict, x: jnp.ndarray, cfg: LingConfig, layer: int, *, backend: 
     limit, shared_limit = cfg.swiglu_limits(layer)
     experts = functools.partial(moe_ops.moe_experts, limit=limit, shared_limit=shared_limit, backend=backend)
     shared = (p["ws_gate"], p["ws_up"], p["ws_down"]) if "ws_gate" in p else (None, None, None)
+    prefetch = tuple(w for w in shared if w is not None)
     if backend == "pallas":
-        route = per_shard(route, (P(), P(), P()), (P(), P()))  # replicated: every device routes alike
+        # Routing is replicated (every device routes alike); its top-k launch prefetches this device's shard of
+        # the shared expert into L2 for the experts kernels (a hint; router.RouterTuning.prefetch_chunk_bytes).
+        route = per_shard(route_then_prefetch(route), (P(), P(), P()) + _EXPERT_SPECS[6:][:len(prefetch)],
+                          (P(), P()))
         specs = _EXPERT_SPECS if shared[0] is not None else _EXPERT_SPECS[:6] + (None, None, None)
         experts = per_shard(experts, specs, P(), sum_outputs=True)
-    weights, ids = route(flat, p["router"], p["expert_bias"])
+    else:
+        route = route_then_prefetch(route)
+    weights, ids = route(flat, p["router"], p["expert_bias"], *prefetch)
     y = experts(flat, weights, ids, p["we_gate"], p["we_up"], p["we_down"], *shared)
     return y.reshape(x.shape)

@@ -13,7 +13,7 @@ from pallas_kernels.moe import reference
 
 
 def route(x, router, expert_bias, *, n_group, topk_group, top_k, routed_scaling_factor, norm_topk_prob=True,
-          backend="reference"):
+          backend="reference", prefetch=()):
     """Grouped top-k sigmoid router (SPEC §2.5 steps 1-7).
 
     Args:
@@ -25,6 +25,10 @@ def route(x, router, expert_bias, *, n_group, topk_group, top_k, routed_scaling_
       routed_scaling_factor: multiplies the (renormalised) weights.
       norm_topk_prob: renormalise the selected unbiased scores to sum to 1 (eps 1e-20).
       backend: "reference" | "pallas".
+      prefetch: arrays the caller reads right after routing (the shared expert's gate, up, down). With
+        backend="pallas" and a tuning that prefetches (router.DECODE_TUNING, T = 1), the top-k launch hands their
+        bytes to L2 while it computes (pallas_kernels/common/prefetch.py). A performance hint only: no result
+        depends on it, and the reference backend has nothing to overlap it with, so it does not read them.
     Returns:
       weights [N, top_k] float32, ids [N, top_k] int32.
     """
@@ -49,13 +53,21 @@ def route(x, router, expert_bias, *, n_group, topk_group, top_k, routed_scaling_
         raise ValueError(f"{topk_group=} must be in [1, {n_group=}]")
     if not 1 <= top_k <= topk_group * (e // n_group):
         raise ValueError(f"{top_k=} must be in [1, topk_group·E/n_group = {topk_group * (e // n_group)}]")
+    prefetch = tuple(prefetch)
+    for j, a in enumerate(prefetch):
+        if not hasattr(a, "dtype") or not hasattr(a, "shape"):
+            raise ValueError(f"prefetch[{j}] is {type(a).__name__}; it must be an array (e.g. the shared expert's "
+                             "ws_gate, ws_up, ws_down)")
+        if (a.size * jnp.dtype(a.dtype).itemsize) % 16:
+            raise ValueError(f"prefetch[{j}] shape {tuple(a.shape)} {a.dtype} is not a multiple of 16 bytes, which an "
+                             "L2 bulk prefetch needs; leave it out of `prefetch`")
     kw = dict(n_group=n_group, topk_group=topk_group, top_k=top_k, routed_scaling_factor=routed_scaling_factor,
               norm_topk_prob=norm_topk_prob)
     if backend == "reference":
         return reference.route(x, router, expert_bias, **kw)
     from pallas_kernels.moe import router as router_kernel
 
-    return router_kernel.route(x, router, expert_bias, **kw)
+    return router_kernel.route(x, router, expert_bias, **kw, prefetch=prefetch)
 
 
 def moe_experts(x, weights, ids, we_gate, we_up, we_down, ws_gate=None, ws_up=None, ws_down=None, *, limit=0.0,

@@ -46,6 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.common import interpret_mode
+from pallas_kernels.common.prefetch import prefetch_l2
 from pallas_kernels.common.sizes import check_pow2_fields, next_pow2
 
 # Products of a one-token program (T = 1, or N > 1 with multi_token="per_token") of a [BE, BK] weight tile with
@@ -70,6 +71,12 @@ class RouterTuning:
     #                           T = 1 products; the N reads of a weight tile after the first come from L2)
     block_n: int = 16  # BN: tokens per GEMV program at N > 1 (>= 16: dot rows)
     topk_warps: int = 4  # warps of the top-k program (one token per program)
+    # L2 prefetch of the arrays passed as `route(..., prefetch=...)` (the shared expert, which the experts kernels
+    # read next and which does not depend on the routing): extra programs of the top-k launch each hand one chunk of
+    # this many bytes to the memory system (pallas_kernels/common/prefetch.py) while the top-k program computes.
+    # 0: off. DECODE_TUNING: 120 KiB chunks (T = 1 layer 37.0 -> 35.5 µs on the H200; RESULTS.md, "session 8").
+    prefetch_chunk_bytes: int = 0
+    prefetch_evict_last: bool = False  # L2 policy of the prefetched lines: evict_last, else evict_normal
 
     def __post_init__(self):
         check_pow2_fields(self, ("block_e", "block_k", "num_warps", "topk_warps"))
@@ -77,6 +84,9 @@ class RouterTuning:
         for name in ("num_stages", "k_splits"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RouterTuning.{name}={getattr(self, name)} must be >= 1")
+        if self.prefetch_chunk_bytes < 0 or self.prefetch_chunk_bytes % 16:
+            raise ValueError(f"RouterTuning.prefetch_chunk_bytes={self.prefetch_chunk_bytes} must be a multiple of "
+                             "16 bytes (cp.async.bulk), or 0 for no prefetch")
         if self.t1_gemv not in T1_GEMV_MODES:
             raise ValueError(f"RouterTuning.t1_gemv={self.t1_gemv!r} must be one of {T1_GEMV_MODES}")
         if self.multi_token not in ("dot", "per_token"):
@@ -92,8 +102,10 @@ class RouterTuning:
 # call 6). 2 <= N <= 16: one-token programs, 2 splits, 256-wide tiles (S4 call 8: GEMV 4.5 / 7.0 / 13.1 µs at
 # T = 2 / 6 / 16, ~0.6 µs per token). N > 16: the tensor-core dot (W·xᵀ, 4 splits: 14.6 µs flat over T = 2..16, so
 # cheaper from ~T = 18 on; not measured past 16); with no split the dot took 54 µs at T = 6.
-DECODE_TUNING = RouterTuning(block_e=1, block_k=512, k_splits=5, num_warps=1, t1_gemv="fma_reduce")
-VERIFY_TUNING = dataclasses.replace(DECODE_TUNING, multi_token="per_token", k_splits=2, block_k=256)
+DECODE_TUNING = RouterTuning(block_e=1, block_k=512, k_splits=5, num_warps=1, t1_gemv="fma_reduce",
+                             prefetch_chunk_bytes=120 * 1024)
+VERIFY_TUNING = dataclasses.replace(DECODE_TUNING, multi_token="per_token", k_splits=2, block_k=256,
+                                    prefetch_chunk_bytes=0)  # not measured at N > 1
 WIDE_TUNING = RouterTuning(dot_gemv="dot_w", k_splits=4)
 PER_TOKEN_MAX = 16  # the largest N given VERIFY_TUNING by default
 
@@ -195,11 +207,48 @@ def _split_count(d, k_splits):
     return max(k for k in range(1, k_splits + 1) if d % k == 0 and (d // k) % 16 == 0)
 
 
-def router_fwd_kernel_topk(p_ref, b_ref, w_ref, i_ref, **select_kw):
-    # p_ref [KS, G, E/G] fp32 partial logits of one token; b_ref [G, E/G] fp32; w_ref [1, K] fp32; i_ref [1, K] int32
-    w, ids = _select_topk(_sum_partials(p_ref), b_ref[...], **select_kw)
-    w_ref[0, :] = w
-    i_ref[0, :] = ids
+def router_fwd_kernel_topk(p_ref, b_ref, *refs, n_tokens, chunks, evict_last, **select_kw):
+    # p_ref [KS, G, E/G] fp32 partial logits of one token; b_ref [G, E/G] fp32; refs: the flat arrays to prefetch,
+    # then w_ref [1, K] fp32, i_ref [1, K] int32. Programs >= n_tokens only prefetch: chunks[m] = (elements per
+    # chunk, chunk count, bytes of the last chunk) of array m.
+    *pref, w_ref, i_ref = refs
+    p = pl.program_id(0)
+
+    @pl.when(p < n_tokens)
+    def _():
+        w, ids = _select_topk(_sum_partials(p_ref), b_ref[...], **select_kw)
+        w_ref[0, :] = w
+        i_ref[0, :] = ids
+
+    first = n_tokens
+    for ref, (elems, count, last_bytes) in zip(pref, chunks):
+        q = p - first
+        full = elems * ref.dtype.itemsize
+
+        @pl.when((q >= 0) & (q < count - 1))
+        def _():
+            prefetch_l2(ref, q * elems, full, evict_last=evict_last)
+
+        @pl.when(q == count - 1)
+        def _():
+            prefetch_l2(ref, q * elems, last_bytes, evict_last=evict_last)
+
+        first += count
+
+
+def _prefetch_chunks(arrays, chunk_bytes):
+    """(elements per chunk, chunk count, bytes of the last chunk) of each array, cut into chunk_bytes pieces."""
+    out = []
+    for a in arrays:
+        item = jnp.dtype(a.dtype).itemsize
+        total = a.size * item
+        if total % 16 or a.size >= 2 ** 31:
+            raise ValueError(f"a prefetched array must hold a multiple of 16 bytes (cp.async.bulk) and fewer than "
+                             f"2^31 elements; got shape {tuple(a.shape)} {a.dtype} = {total} bytes")
+        chunk = min(chunk_bytes, total)
+        count = -(-total // chunk)
+        out.append((chunk // item, count, total - (count - 1) * chunk))
+    return tuple(out)
 
 
 def gemv_partials(x, router, tuning: RouterTuning):
@@ -242,9 +291,10 @@ def gemv_partials(x, router, tuning: RouterTuning):
 @functools.partial(jax.jit, static_argnames=("n_group", "topk_group", "top_k", "routed_scaling_factor",
                                              "norm_topk_prob", "tuning"))
 def route(x, router, expert_bias, *, n_group, topk_group, top_k, routed_scaling_factor, norm_topk_prob=True,
-          tuning: RouterTuning | None = None):
+          tuning: RouterTuning | None = None, prefetch=()):
     """Same contract as `reference.route` (router [E, D] fp32); shapes already validated by the dispatcher.
-    `tuning` None: `default_tuning(N)`."""
+    `tuning` None: `default_tuning(N)`. `prefetch`: arrays the caller reads next, handed to L2 by the top-k launch
+    when `tuning.prefetch_chunk_bytes` > 0 (a hint: no result depends on it)."""
     n = x.shape[0]
     e = router.shape[0]
     tuning = tuning or default_tuning(n)
@@ -254,16 +304,20 @@ def route(x, router, expert_bias, *, n_group, topk_group, top_k, routed_scaling_
     partial = gemv_partials(x, router, tuning)
     ks, n_pad, _ = partial.shape
     gsz = e // n_group
+    pref = [a.reshape(-1) for a in prefetch] if tuning.prefetch_chunk_bytes else []
+    chunks = _prefetch_chunks(pref, tuning.prefetch_chunk_bytes)
+    tok = lambda i: jnp.minimum(i, n - 1)  # noqa: E731  (prefetch-only programs map onto the last token's blocks)
     w, ids = pl.pallas_call(
-        functools.partial(router_fwd_kernel_topk, topk_group=topk_group, top_k=top_k,
-                          scale=float(routed_scaling_factor), norm=bool(norm_topk_prob)),
-        grid=(n,),
-        in_specs=[pl.BlockSpec((ks, None, n_group, gsz), lambda i: (0, i, 0, 0)),
-                  pl.BlockSpec((n_group, gsz), lambda i: (0, 0))],
-        out_specs=[pl.BlockSpec((1, top_k), lambda i: (i, 0)), pl.BlockSpec((1, top_k), lambda i: (i, 0))],
+        functools.partial(router_fwd_kernel_topk, n_tokens=n, chunks=chunks, evict_last=tuning.prefetch_evict_last,
+                          topk_group=topk_group, top_k=top_k, scale=float(routed_scaling_factor),
+                          norm=bool(norm_topk_prob)),
+        grid=(n + sum(c for _, c, _ in chunks),),
+        in_specs=[pl.BlockSpec((ks, None, n_group, gsz), lambda i: (0, tok(i), 0, 0)),
+                  pl.BlockSpec((n_group, gsz), lambda i: (0, 0))] + [pl.no_block_spec] * len(pref),
+        out_specs=[pl.BlockSpec((1, top_k), lambda i: (tok(i), 0)), pl.BlockSpec((1, top_k), lambda i: (tok(i), 0))],
         out_shape=[jax.ShapeDtypeStruct((n, top_k), jnp.float32), jax.ShapeDtypeStruct((n, top_k), jnp.int32)],
         compiler_params=pltriton.CompilerParams(num_warps=tuning.topk_warps, num_stages=1),
         interpret=interpret_mode(),
         name="router_fwd_kernel_topk",
-    )(partial.reshape(ks, n_pad, n_group, gsz), expert_bias.reshape(n_group, gsz))
+    )(partial.reshape(ks, n_pad, n_group, gsz), expert_bias.reshape(n_group, gsz), *pref)
     return w, ids

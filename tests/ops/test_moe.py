@@ -289,9 +289,65 @@ def test_router_tuning_errors():
         RouterTuning(dot_gemv="dot")
     with pytest.raises(ValueError, match=r"RouterTuning.multi_token='tokens' must be 'dot' or 'per_token'"):
         RouterTuning(multi_token="tokens")
+    with pytest.raises(ValueError, match=r"RouterTuning.prefetch_chunk_bytes=100 must be a multiple of 16 bytes"):
+        RouterTuning(prefetch_chunk_bytes=100)
     x, router, bias = (jnp.asarray(a) for a in _router_inputs(0, 3))
     with pytest.raises(ValueError, match=r"RouterTuning.block_k=8 at N=3 tokens with the tensor-core dot: it needs"):
         router_mod.route(x, router, bias, **ROUTE_KW, tuning=RouterTuning(block_k=8))
+    with pytest.raises(ValueError, match=r"prefetch\[1\] is list; it must be an array"):
+        moe.route(x, router, bias, **ROUTE_KW, backend="pallas", prefetch=(router, [1, 2]))
+    with pytest.raises(ValueError, match=r"prefetch\[0\] shape \(3,\) bfloat16 is not a multiple of 16 bytes"):
+        moe.route(x, router, bias, **ROUTE_KW, backend="pallas", prefetch=(jnp.ones(3, jnp.bfloat16),))
+    from pallas_kernels.common.prefetch import prefetch_l2
+
+    with pytest.raises(ValueError, match=r"prefetch_l2: n_bytes=100 must be a positive multiple of 16"):
+        prefetch_l2(None, 0, 100)
+
+
+@pytest.mark.parametrize("n", [1, 5])
+def test_route_pallas_prefetch_keeps_results(n):
+    """The top-k launch's L2 prefetch programs (RouterTuning.prefetch_chunk_bytes) change no result: T = 1 and
+    N > 1 (the prefetch-only programs map onto the last token's blocks), chunks that divide the arrays, ragged last
+    chunks, and chunks larger than an array; via the dispatcher too (T = 1 prefetches by default)."""
+    from pallas_kernels.moe import router as router_mod
+
+    keys = jax.random.split(jax.random.key(5), 3)
+    arrays = (jax.random.normal(keys[0], (40, 256), jnp.bfloat16), jax.random.normal(keys[1], (3, 104), jnp.bfloat16),
+              jax.random.normal(keys[2], (7, 8), jnp.float32))  # 20480, 624 and 224 bytes
+    base = router_mod.DECODE_TUNING if n == 1 else router_mod.VERIFY_TUNING
+    for seed in range(2):
+        x, router, bias = (jnp.asarray(a) for a in _router_inputs(400 + seed, n, ties=seed == 1))
+        w_ref, ids_ref = moe.route(x, router, bias, **ROUTE_KW)
+        plain = router_mod.route(x, router, bias, **ROUTE_KW, tuning=dataclasses.replace(base, prefetch_chunk_bytes=0))
+        for chunk in (1024, 160, 120 * 1024):
+            tu = dataclasses.replace(base, prefetch_chunk_bytes=chunk)
+            w, ids = router_mod.route(x, router, bias, **ROUTE_KW, tuning=tu, prefetch=arrays)
+            np.testing.assert_array_equal(np.asarray(ids), np.asarray(plain[1]))
+            np.testing.assert_array_equal(np.asarray(w), np.asarray(plain[0]))
+        np.testing.assert_array_equal(np.asarray(plain[1]), np.asarray(ids_ref))
+        w, ids = moe.route(x, router, bias, **ROUTE_KW, backend="pallas", prefetch=arrays)
+        np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids_ref))
+        np.testing.assert_allclose(np.asarray(w), np.asarray(w_ref), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("gpu", ["H200", "A100"])
+def test_route_prefetch_lowers_for_cuda(monkeypatch, gpu):
+    """At Flash size and T = 1 the top-k launch gets one program per 120 KiB chunk of the shared expert (3 x 32)
+    and the bulk L2 prefetch instruction; before Hopper (no cp.async.bulk) the programs stay and prefetch nothing."""
+    from jax._src.pallas.triton import gpu_info
+
+    from pallas_kernels.common import prefetch
+    from pallas_kernels.moe import router as router_mod
+
+    jax.clear_caches()  # the prefetch is decided when the kernel is traced: no trace cached for another GPU here
+    sds, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    fn = lambda x, r, b, *sh: router_mod.route(x, r, b, **ROUTE_KW, prefetch=sh)  # noqa: E731
+    txt = lower_for_cuda(monkeypatch, [router_mod, prefetch], fn, sds((1, 2560), bf), sds((512, 2560), jnp.float32),
+                         sds((512,), jnp.float32), *[sds((768, 2560), bf)] * 3, gpu=getattr(gpu_info.GpuVersion, gpu))
+    topk = txt.split("stablehlo.custom_call")[2]
+    assert re.search(r'name = "([^"]+)"', topk).group(1) == "router_fwd_kernel_topk"
+    assert "grid_x = 97" in topk
+    assert ("cp.async.bulk.prefetch.L2.global.L2::cache_hint" in topk) == (gpu == "H200")
 
 
 def test_route_pallas_bf16_input_and_hand_table():

@@ -1,0 +1,90 @@
+"""Asynchronous L2 prefetch from inside a Pallas-Triton program (CUDA sm_90+: `cp.async.bulk.prefetch.L2`).
+
+`prefetch_l2(ref, start, n_bytes)` asks the memory system to bring `n_bytes` of `ref` (flat, from element `start`)
+into L2 and returns at once: no registers, no shared memory, no wait, nothing to consume, and the program may exit
+before the bytes arrive. One thread of the program issues it (the TMA unit splits the range into lines), so a
+program can hand a large range to the memory system for the cost of one instruction. This is what a prefetch that
+loads into registers cannot do: the launch that carries it then pays for every byte in its own duration (the
+register-load prefetches of `experiments/probe_moe_prefetch.py` grew their launch by as much as the next kernels
+saved; RESULTS.md, "MoE, session 6").
+
+The lines are inserted with an `evict_last` policy, so a stream loaded `evict_first` between the prefetch and the
+use does not displace them. It is a hint: the data may still come from HBM, and the result never depends on it.
+Emitted only for CUDA GPUs of compute capability 9.0 and up (as `pdl.launch_dependents`); a no-op interpreted.
+
+Constraints (PTX): the address must be 16-byte aligned and the size a multiple of 16; `prefetch_l2` checks the
+static size, and the caller the alignment of `start` (a row start of a [.., D] bf16 array with D % 8 == 0 is).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax._src import core as jax_core
+from jax._src import effects
+from jax._src.lib.mlir import ir
+from jax._src.lib.triton import dialect as tt_dialect
+from jax._src.lib.mlir.dialects import arith as arith_dialect
+from jax._src.pallas import core as pallas_core
+from jax._src.pallas.triton import lowering
+
+from pallas_kernels.common.interpret import interpret_mode
+from pallas_kernels.common.pdl import supports_pdl
+
+MAX_BYTES_PER_INSTRUCTION = 1 << 19  # ptxas takes sizes up to 2^20 - 16; larger ranges are issued in pieces
+
+
+class PrefetchEffect(effects.Effect):
+    """Keeps the (result-less) prefetch in the kernel's jaxpr; it orders nothing."""
+
+
+prefetch_effect = PrefetchEffect()
+pallas_core.kernel_local_effects.add_type(PrefetchEffect)
+effects.control_flow_allowed_effects.add_type(PrefetchEffect)
+
+l2_prefetch_p = jax_core.Primitive("l2_prefetch")
+l2_prefetch_p.multiple_results = True
+
+
+@l2_prefetch_p.def_effectful_abstract_eval
+def _l2_prefetch_abstract_eval(ref_aval, start_aval, *, n_bytes, evict_last):
+    del ref_aval, start_aval, n_bytes, evict_last
+    return (), {prefetch_effect}
+
+
+def _asm(n_bytes: int, evict_last: bool) -> str:
+    # Thread 0 of the program only: the operand is uniform, and every thread issuing it would repeat the request.
+    policy = "evict_last" if evict_last else "evict_normal"
+    lines = ["{", ".reg .pred p;", ".reg .b32 t;", ".reg .b64 pol;", "mov.u32 t, %tid.x;",
+             "setp.eq.u32 p, t, 0;", f"createpolicy.fractional.L2::{policy}.b64 pol, 1.0;"]
+    for off in range(0, n_bytes, MAX_BYTES_PER_INSTRUCTION):
+        size = min(MAX_BYTES_PER_INSTRUCTION, n_bytes - off)
+        lines.append(f"@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1+{off}], {size}, pol;")
+    lines += ["mov.u32 $0, 0;", "}"]
+    return "\n\t".join(lines)
+
+
+@lowering.register_lowering(l2_prefetch_p)
+def _l2_prefetch_lowering(ctx: lowering.LoweringRuleContext, ptr, start, *, n_bytes, evict_last):
+    i64 = ir.IntegerType.get_signless(64)
+    start = lowering._ensure_ir_value(start, ctx.avals_in[1])
+    if ir.IntegerType(start.type).width < 64:
+        start = arith_dialect.extsi(i64, start)
+    itemsize = jnp.dtype(ctx.avals_in[0].dtype).itemsize
+    offset = arith_dialect.muli(start, arith_dialect.constant(i64, ir.IntegerAttr.get(i64, itemsize)))
+    addr = arith_dialect.addi(tt_dialect.ptr_to_int(i64, ptr), offset)
+    tt_dialect.elementwise_inline_asm([ir.IntegerType.get_signless(32)], _asm(n_bytes, evict_last),
+                                      constraints="=r,l", pure=False, packed_element=1, args=[addr])
+    return []
+
+
+def prefetch_l2(ref, start, n_bytes: int, *, evict_last: bool = True) -> None:
+    """Prefetch ref's flat elements [start, start + n_bytes / itemsize) into L2 (a hint; a no-op interpreted or
+    where the target has no `cp.async.bulk`). `ref`: a whole array ref (pl.no_block_spec), not a view."""
+    n_bytes = int(n_bytes)
+    if n_bytes <= 0 or n_bytes % 16:
+        raise ValueError(f"prefetch_l2: n_bytes={n_bytes} must be a positive multiple of 16 (PTX cp.async.bulk)")
+    if getattr(ref, "transforms", ()):
+        raise ValueError("prefetch_l2 takes a whole array ref, not a view (`ref.at[...]`); pass an element offset")
+    if interpret_mode() or not supports_pdl():  # same arch gate as PDL: CUDA compute capability >= 9.0
+        return
+    l2_prefetch_p.bind(ref, jnp.asarray(start, jnp.int32), n_bytes=n_bytes, evict_last=evict_last)
