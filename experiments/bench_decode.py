@@ -7,12 +7,17 @@ labelled so. Workload as SGLang's: random prompt, greedy, EOS ignored, batch 1.
 
     python experiments/bench_decode.py --layers 6 --prompt-len 8192 --new-tokens 257 --backends reference,pallas
 
+`--tp N` shards the weights N ways over the first N devices (ling_jax/sharding.py, tensor parallel as the model
+runs it) and decodes under that mesh; its floor is then the step's bytes split N ways (N × 4.3 TB/s), a lower
+bound, as the router, norms and a few small tensors are read by every device.
+
 Prints a table and writes experiments/results/bench_decode.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import re
@@ -27,6 +32,7 @@ from ling_jax.config import KDA, MOE, preset
 from ling_jax.engine import generate as G
 from ling_jax.engine.sampling import Greedy
 from ling_jax.params import init_params, is_spec, param_specs
+from ling_jax.sharding import make_mesh, param_shardings
 
 
 
@@ -121,33 +127,45 @@ def run(args) -> list[dict]:
     cfg = slice_config(args.layers, args.preset)
     dtype = jnp.dtype(args.dtype)
     params = init_params(cfg, jax.random.key(0), dtype, with_mtp=False)
+    mesh_ctx = contextlib.nullcontext()
+    if args.tp > 1:
+        mesh = make_mesh(args.tp)
+        params = jax.device_put(params, param_shardings(cfg, mesh, with_mtp=False))
+        mesh_ctx = jax.set_mesh(mesh)
     jax.block_until_ready(params)
     prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(1, args.prompt_len))
     context = args.prompt_len + args.new_tokens
     moved = step_bytes(cfg, context)
     total = sum(moved.values())
-    floor_us = total / HBM_BYTES_PER_S * 1e6
+    floor_us = total / (HBM_BYTES_PER_S * max(args.tp, 1)) * 1e6
     full_bytes = sum(step_bytes(preset(args.preset), context).values())
     rows = []
-    for backend in args.backends.split(","):
-        kwargs = dict(max_new_tokens=args.new_tokens, sampler=Greedy(), backend=backend,
-                      block_size=args.block_size, ignore_eos=True)
-        G.generate(params, cfg, prompt, **kwargs)  # compile + warm up
-        tpots, ttfts = [], []
-        for _ in range(args.repeats):
-            res = G.generate(params, cfg, prompt, **kwargs)
-            tpots.append(res.tpot_s)
-            ttfts.append(res.ttft_s)
-        tpot_us = float(np.median(tpots)) * 1e6
-        rows.append(dict(backend=backend, layers=cfg.num_layers, tpot_us=tpot_us, ttft_ms=float(np.median(ttfts)) * 1e3,
-                         bytes_per_step=total, floor_us=floor_us, frac_of_floor=floor_us / tpot_us,
-                         kernels_per_step=kernels_per_step(params, cfg, backend),
-                         # Extrapolation, not a measurement: the full model at the slice's fraction of the floor.
-                         extrapolated_full_tpot_ms=tpot_us * full_bytes / total / 1e3))
-        if args.profile:
-            rows[-1]["profile"] = profile_step(params, cfg, backend, prompt, args.block_size)
-        print(json.dumps({k: v for k, v in rows[-1].items() if k != "profile"}), flush=True)
+    with mesh_ctx:
+        for backend in args.backends.split(","):
+            rows.append(run_backend(args, cfg, params, prompt, backend, total, floor_us, full_bytes))
     return rows, moved
+
+
+def run_backend(args, cfg, params, prompt, backend, total, floor_us, full_bytes) -> dict:
+    """Compile and warm up, then TPOT / TTFT medians over args.repeats generations (+ the profile if asked)."""
+    kwargs = dict(max_new_tokens=args.new_tokens, sampler=Greedy(), backend=backend,
+                  block_size=args.block_size, ignore_eos=True)
+    G.generate(params, cfg, prompt, **kwargs)  # compile + warm up
+    tpots, ttfts = [], []
+    for _ in range(args.repeats):
+        res = G.generate(params, cfg, prompt, **kwargs)
+        tpots.append(res.tpot_s)
+        ttfts.append(res.ttft_s)
+    tpot_us = float(np.median(tpots)) * 1e6
+    row = dict(backend=backend, layers=cfg.num_layers, tp=args.tp, tpot_us=tpot_us,
+               ttft_ms=float(np.median(ttfts)) * 1e3, bytes_per_step=total, floor_us=floor_us,
+               frac_of_floor=floor_us / tpot_us, kernels_per_step=kernels_per_step(params, cfg, backend),
+               # Extrapolation, not a measurement: the full model at the slice's fraction of the floor.
+               extrapolated_full_tpot_ms=tpot_us * full_bytes / total / 1e3)
+    if args.profile:
+        row["profile"] = profile_step(params, cfg, backend, prompt, args.block_size)
+    print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
+    return row
 
 
 def main():
@@ -161,10 +179,12 @@ def main():
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--backends", default="reference,pallas")
     parser.add_argument("--profile", action="store_true", help="per-kernel device time of a step (JAX profiler)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: weights sharded over N devices")
     parser.add_argument("--out", default="experiments/results/bench_decode.json")
     args = parser.parse_args()
     rows, moved = run(args)
-    print(f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}  slice of {args.layers} layers, "
+    print(f"device: {jax.devices()[0].device_kind} x {max(args.tp, 1)}  jax {jax.__version__}  slice of "
+          f"{args.layers} layers, "
           f"prompt {args.prompt_len}, {args.new_tokens} new tokens, block {args.block_size}")
     print("bytes per step: " + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in moved.items()))
     print(f"{'backend':10s} {'TPOT us':>9s} {'floor us':>9s} {'of floor':>9s} {'kernels':>8s} {'TTFT ms':>9s} "
