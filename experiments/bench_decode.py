@@ -126,12 +126,12 @@ def profile_step(params, cfg, backend: str, prompt, block: int, top: int = 25) -
 def run(args) -> list[dict]:
     cfg = slice_config(args.layers, args.preset)
     dtype = jnp.dtype(args.dtype)
-    params = init_params(cfg, jax.random.key(0), dtype, with_mtp=False)
-    mesh_ctx = contextlib.nullcontext()
-    if args.tp > 1:
-        mesh = make_mesh(args.tp)
-        params = jax.device_put(params, param_shardings(cfg, mesh, with_mtp=False))
-        mesh_ctx = jax.set_mesh(mesh)
+    mesh = make_mesh(args.tp) if args.tp > 1 else None
+    # Each weight made on its shards directly: made whole on one device first, then resharded, the 6-layer slice's
+    # 43 GB expert stack and its copy did not fit beside JAX's preallocation (S8 9 on nvidia-h200-x2).
+    params = init_params(cfg, jax.random.key(0), dtype, with_mtp=False,
+                         shardings=mesh and param_shardings(cfg, mesh, with_mtp=False))
+    mesh_ctx = jax.set_mesh(mesh) if mesh else contextlib.nullcontext()
     jax.block_until_ready(params)
     prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(1, args.prompt_len))
     context = args.prompt_len + args.new_tokens

@@ -21,7 +21,7 @@ down kernel's rows split over several programs per column block (s8c7).
 Every variant is checked against the reference (a prefetch changes no result: identical error expected).
 
 Result (RESULTS.md, "Session 8"): the top-k launch's extra programs prefetching the shared expert in 120 KiB chunks
-took the layer from 36.9-37.2 to 35.4-35.5 µs and went into router.DECODE_TUNING; every other placement lost. A
+took the layer from 36.9-37.2 to 35.4-35.6 µs and went into router.DECODE_TUNING; every other placement lost. A
 launch lasts until its prefetched bytes have landed, so the bytes only come free in a launch that waits on latency
 anyway (the top-k's selection, ~1.9 µs of its 3.3).
 

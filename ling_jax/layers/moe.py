@@ -29,7 +29,7 @@ def moe_block(p: dict, x: jnp.ndarray, cfg: LingConfig, layer: int, *, backend: 
     limit, shared_limit = cfg.swiglu_limits(layer)
     experts = functools.partial(moe_ops.moe_experts, limit=limit, shared_limit=shared_limit, backend=backend)
     shared = (p["ws_gate"], p["ws_up"], p["ws_down"]) if "ws_gate" in p else (None, None, None)
-    prefetch = tuple(w for w in shared if w is not None)
+    prefetch = shared if shared[0] is not None else ()
     if backend == "pallas":
         # Routing is replicated (every device routes alike); its top-k launch prefetches this device's shard of
         # the shared expert into L2 for the experts kernels (a hint; router.RouterTuning.prefetch_chunk_bytes).

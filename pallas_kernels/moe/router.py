@@ -80,7 +80,8 @@ class RouterTuning:
     # L2 prefetch of the arrays passed as `route(..., prefetch=...)` (the shared expert, which the experts kernels
     # read next and which does not depend on the routing): extra programs of the top-k launch each hand one chunk of
     # this many bytes to the memory system (pallas_kernels/common/prefetch.py) while the top-k program computes.
-    # 0: off. DECODE_TUNING: 120 KiB chunks (T = 1 layer 37.0 -> 35.5 µs on the H200; RESULTS.md, "session 8").
+    # 0: off. DECODE_TUNING: 120 KiB chunks (T = 1 layer 37.1-37.3 -> 35.8-35.9 µs on the H200; RESULTS.md,
+    # "Session 8").
     prefetch_chunk_bytes: int = 0
     # L2 policy of the prefetched lines: evict_last, else evict_normal (the default: the routed stream is evict_first
     # anyway, evict_last measured the same, 35.80 µs against 35.83-35.92, and would leave 11.8 MB per layer marked
@@ -94,8 +95,8 @@ class RouterTuning:
             if getattr(self, name) < 1:
                 raise ValueError(f"RouterTuning.{name}={getattr(self, name)} must be >= 1")
         if self.prefetch_chunk_bytes < 0 or self.prefetch_chunk_bytes % 16:
-            raise ValueError(f"RouterTuning.prefetch_chunk_bytes={self.prefetch_chunk_bytes} must be a multiple of "
-                             "16 bytes (cp.async.bulk), or 0 for no prefetch")
+            raise ValueError(f"RouterTuning.prefetch_chunk_bytes={self.prefetch_chunk_bytes} must be a non-negative "
+                             "multiple of 16 bytes (cp.async.bulk), or 0 for no prefetch")
         if self.t1_gemv not in T1_GEMV_MODES:
             raise ValueError(f"RouterTuning.t1_gemv={self.t1_gemv!r} must be one of {T1_GEMV_MODES}")
         if self.multi_token not in ("dot", "per_token"):
@@ -108,9 +109,10 @@ class RouterTuning:
 
 
 # Best of the H200 sweeps by device time (RESULTS.md, "MoE, session 4"): T = 1 GEMV 3.1 µs + top-k 3.3 µs (S4
-# call 6). 2 <= N <= 16: one-token programs, 2 splits, 256-wide tiles (S4 call 8: GEMV 4.5 / 7.0 / 13.1 µs at
-# T = 2 / 6 / 16, ~0.6 µs per token). N > 16: the tensor-core dot (W·xᵀ, 4 splits: 14.6 µs flat over T = 2..16, so
-# cheaper from ~T = 18 on; not measured past 16); with no split the dot took 54 µs at T = 6.
+# call 6; the top-k launch takes 3.7-3.8 µs since it also prefetches the shared expert, session 8). 2 <= N <= 16:
+# one-token programs, 2 splits, 256-wide tiles (S4 call 8: GEMV 4.5 / 7.0 / 13.1 µs at T = 2 / 6 / 16, ~0.6 µs
+# per token). N > 16: the tensor-core dot (W·xᵀ, 4 splits: 14.6 µs flat over T = 2..16, so cheaper from ~T = 18
+# on; not measured past 16); with no split the dot took 54 µs at T = 6.
 DECODE_TUNING = RouterTuning(block_e=1, block_k=512, k_splits=5, num_warps=1, t1_gemv="fma_reduce",
                              prefetch_chunk_bytes=120 * 1024)
 VERIFY_TUNING = dataclasses.replace(DECODE_TUNING, multi_token="per_token", k_splits=2, block_k=256,
@@ -313,7 +315,7 @@ def route(x, router, expert_bias, *, n_group, topk_group, top_k, routed_scaling_
     partial = gemv_partials(x, router, tuning)
     ks, n_pad, _ = partial.shape
     gsz = e // n_group
-    pref = [a.reshape(-1) for a in prefetch] if tuning.prefetch_chunk_bytes else []
+    pref = [a.reshape(-1) for a in prefetch if a.size] if tuning.prefetch_chunk_bytes else []
     chunks = _prefetch_chunks(pref, tuning.prefetch_chunk_bytes)
     tok = lambda i: jnp.minimum(i, n - 1)  # noqa: E731  (prefetch-only programs map onto the last token's blocks)
     w, ids = pl.pallas_call(

@@ -289,7 +289,7 @@ def test_router_tuning_errors():
         RouterTuning(dot_gemv="dot")
     with pytest.raises(ValueError, match=r"RouterTuning.multi_token='tokens' must be 'dot' or 'per_token'"):
         RouterTuning(multi_token="tokens")
-    with pytest.raises(ValueError, match=r"RouterTuning.prefetch_chunk_bytes=100 must be a multiple of 16 bytes"):
+    with pytest.raises(ValueError, match=r"RouterTuning.prefetch_chunk_bytes=100 must be a non-negative multiple of 16 bytes"):
         RouterTuning(prefetch_chunk_bytes=100)
     x, router, bias = (jnp.asarray(a) for a in _router_inputs(0, 3))
     with pytest.raises(ValueError, match=r"RouterTuning.block_k=8 at N=3 tokens with the tensor-core dot: it needs"):
@@ -308,7 +308,7 @@ def test_router_tuning_errors():
 def test_route_pallas_prefetch_keeps_results(n):
     """The top-k launch's L2 prefetch programs (RouterTuning.prefetch_chunk_bytes) change no result: T = 1 and
     N > 1 (the prefetch-only programs map onto the last token's blocks), chunks that divide the arrays, ragged last
-    chunks, and chunks larger than an array; via the dispatcher too (T = 1 prefetches by default)."""
+    chunks, chunks larger than an array and an empty array; via the dispatcher too (T = 1 prefetches by default)."""
     from pallas_kernels.moe import router as router_mod
 
     keys = jax.random.split(jax.random.key(5), 3)
@@ -325,29 +325,50 @@ def test_route_pallas_prefetch_keeps_results(n):
             np.testing.assert_array_equal(np.asarray(ids), np.asarray(plain[1]))
             np.testing.assert_array_equal(np.asarray(w), np.asarray(plain[0]))
         np.testing.assert_array_equal(np.asarray(plain[1]), np.asarray(ids_ref))
-        w, ids = moe.route(x, router, bias, **ROUTE_KW, backend="pallas", prefetch=arrays)
+        w, ids = moe.route(x, router, bias, **ROUTE_KW, backend="pallas", prefetch=arrays + (jnp.zeros((0, 8)),))
         np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids_ref))
         np.testing.assert_allclose(np.asarray(w), np.asarray(w_ref), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("gpu", ["H200", "A100"])
-def test_route_prefetch_lowers_for_cuda(monkeypatch, gpu):
-    """At Flash size and T = 1 the top-k launch gets one program per 120 KiB chunk of the shared expert (3 x 32)
-    and the bulk L2 prefetch instruction; before Hopper (no cp.async.bulk) the programs stay and prefetch nothing."""
+@pytest.mark.parametrize("gpu,evict_last", [("H200", False), ("H200", True), ("A100", False)])
+def test_route_prefetch_lowers_for_cuda(monkeypatch, gpu, evict_last):
+    """Through the dispatcher at Flash size and T = 1, the top-k launch gets one program per 120 KiB chunk of the
+    shared expert (3 x 32) and the bulk L2 prefetch instruction with the tuning's policy; before Hopper (no
+    cp.async.bulk) the programs stay and prefetch nothing."""
     from jax._src.pallas.triton import gpu_info
 
     from pallas_kernels.common import prefetch
     from pallas_kernels.moe import router as router_mod
 
     jax.clear_caches()  # the prefetch is decided when the kernel is traced: no trace cached for another GPU here
+    monkeypatch.setattr(router_mod, "DECODE_TUNING",
+                        dataclasses.replace(router_mod.DECODE_TUNING, prefetch_evict_last=evict_last))
     sds, bf = jax.ShapeDtypeStruct, jnp.bfloat16
-    fn = lambda x, r, b, *sh: router_mod.route(x, r, b, **ROUTE_KW, prefetch=sh)  # noqa: E731
+    fn = lambda x, r, b, *sh: moe.route(x, r, b, **ROUTE_KW, backend="pallas", prefetch=sh)  # noqa: E731
     txt = lower_for_cuda(monkeypatch, [router_mod, prefetch], fn, sds((1, 2560), bf), sds((512, 2560), jnp.float32),
                          sds((512,), jnp.float32), *[sds((768, 2560), bf)] * 3, gpu=getattr(gpu_info.GpuVersion, gpu))
     topk = txt.split("stablehlo.custom_call")[2]
     assert re.search(r'name = "([^"]+)"', topk).group(1) == "router_fwd_kernel_topk"
     assert "grid_x = 97" in topk
-    assert ("cp.async.bulk.prefetch.L2.global.L2::cache_hint" in topk) == (gpu == "H200")
+    policy = "evict_last" if evict_last else "evict_normal"
+    assert (f"createpolicy.fractional.L2::{policy}" in topk) == (gpu == "H200")
+    assert ("cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1+0], 122880, pol;" in topk) == (gpu == "H200")
+
+
+def test_prefetch_chunks_and_asm():
+    """Chunking of the prefetched arrays (elements per chunk, chunks, bytes of the last one) and the emitted PTX:
+    ranges above one instruction's 2^20 - 16 byte limit are issued in 512 KiB pieces from the same address."""
+    from pallas_kernels.common.prefetch import _asm
+    from pallas_kernels.moe.router import _prefetch_chunks
+
+    arrays = (jnp.zeros((3, 104), jnp.bfloat16), jnp.zeros((768, 2560), jnp.bfloat16), jnp.zeros((7, 8), jnp.float32))
+    assert _prefetch_chunks(arrays, 160) == ((80, 4, 144), (80, 24576, 160), (40, 2, 64))
+    assert _prefetch_chunks(arrays[1:2], 120 * 1024) == ((61440, 32, 122880),)
+    assert _prefetch_chunks(arrays[:1], 4096) == ((312, 1, 624),)  # one chunk smaller than chunk_bytes
+    asm = _asm((1 << 20) + 48, evict_last=False)
+    assert re.findall(r"\[\$1\+(\d+)\], (\d+), pol;", asm) == [("0", "524288"), ("524288", "524288"),
+                                                                   ("1048576", "48")]
+    assert "L2::evict_normal" in asm and "setp.eq.u32 p, t, 0;" in asm
 
 
 def test_route_pallas_bf16_input_and_hand_table():
