@@ -5,14 +5,13 @@ into L2: no registers, no shared memory, nothing to consume. One thread of the p
 splits the range into lines), so a program hands a large range to the memory system for a few instructions, where a
 prefetch by loads keeps warps and registers busy until the data is back (`experiments/probe_moe_prefetch.py`).
 Measured on the H200 (RESULTS.md, "Session 8"): a launch that issues prefetches lasts about until their bytes have
-landed (its duration grows with the bytes it prefetches), and one program's prefetches moved 0.3-0.5 TB/s, so spread a
-large range over many programs and issue it from a launch whose duration is set by latency anyway (the MoE
+landed (its duration grows with the bytes it prefetches), and one program's prefetches moved 0.3-0.5 TB/s, so
+spread a large range over many programs and issue it from a launch whose duration is set by latency anyway (the MoE
 router's top-k).
 
-The lines are inserted with an `evict_last` policy (`evict_last=False`: `evict_normal`, which the MoE router
-uses), so a stream loaded
-`evict_first` between the prefetch and the use does not displace them. It is a hint: the data may still come from
-HBM, and the result never depends on it.
+The lines are inserted with an `evict_last` policy (`evict_last=False`: `evict_normal`, which the MoE router uses),
+so a stream loaded `evict_first` between the prefetch and the use does not displace them. It is a hint: the data
+may still come from HBM, and the result never depends on it.
 Emitted only for CUDA GPUs of compute capability 9.0 and up (as `pdl.launch_dependents`); a no-op interpreted.
 
 Constraints (PTX): the address must be 16-byte aligned and the size a multiple of 16; `prefetch_l2` checks the
