@@ -32,7 +32,6 @@ no-ops; it checks the plumbing and the results).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import math
@@ -523,22 +522,8 @@ VARIANTS = {
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--toy", action="store_true", help="CPU smoke run: small sizes, interpret mode")
-    ap.add_argument("--layers", type=int, default=8, help="cold layers in the chain (8: 48 GB of experts)")
-    ap.add_argument("--only", default="", help="';'-separated labels to run (default: all)")
-    ap.add_argument("--set", choices=sorted(VARIANTS), default="s8c7")
-    args = ap.parse_args()
-    if args.toy:
-        out = "probe_moe_bulk_prefetch_toy.json"
-        x, layers = pf.toy_layers()
-        pt.TO_REPO = False
-    else:
-        pt.NL = args.layers
-        out = f"probe_moe_bulk_prefetch_{args.set}.json"
-        x, layers = pt.make_layers()
+    args, out, x, layers, only = pf.chain_probe_setup("probe_moe_bulk_prefetch", VARIANTS, "s8c7", only_sep=";")
     results = {**run_header(), "layers": len(layers), "rows": []}
-    only = [s.strip() for s in args.only.split(";") if s.strip()]
     for label, fn in VARIANTS[args.set]():
         if only and label not in only:
             continue

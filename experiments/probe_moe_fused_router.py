@@ -276,6 +276,30 @@ def race_check(layers, n_tok, keep):
     return int(np.sum(np.any(np.asarray(got) != np.asarray(ref), axis=-1)))
 
 
+def chain_probe_setup(prefix, sets, default, only_sep=","):
+    """The command line of the probes that time named sets of T = 1 layer variants over the cold chain:
+    -> (args, results file name, x, layers, labels from --only). --toy: toy sizes, interpreted, nothing written into
+    experiments/results/."""
+    import probe_moe_t1
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--toy", action="store_true", help="CPU smoke run: small sizes, interpret mode")
+    ap.add_argument("--layers", type=int, default=8, help="cold layers in the chain (8: 48 GB of experts)")
+    ap.add_argument("--only", default="", help=f"{only_sep!r}-separated labels to run (default: all)")
+    ap.add_argument("--set", choices=sorted(sets), default=default)
+    args = ap.parse_args()
+    if args.toy:
+        x, layers = toy_layers()
+        return args, f"{prefix}_toy.json", x, layers, _only(args.only, only_sep)
+    probe_moe_t1.NL = args.layers
+    x, layers = probe_moe_t1.make_layers()
+    return args, f"{prefix}_{args.set}.json", x, layers, _only(args.only, only_sep)
+
+
+def _only(text, sep):
+    return [s.strip() for s in text.split(sep) if s.strip()]
+
+
 def toy_layers():
     global D, I, E, OUT
     OUT = "probe_moe_fused_router_toy.json"

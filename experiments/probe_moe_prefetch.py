@@ -22,7 +22,6 @@ Run on the GPU: `PYTHONPATH=.:experiments python3 experiments/probe_moe_prefetch
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 
@@ -202,28 +201,13 @@ VARIANTS = {
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--toy", action="store_true", help="CPU smoke run: small sizes, interpret mode")
-    ap.add_argument("--layers", type=int, default=8, help="cold layers in the chain (8: 48 GB of experts)")
-    ap.add_argument("--only", default="", help="comma-separated labels to run (default: all)")
-    ap.add_argument("--set", choices=sorted(VARIANTS), default="s6c3")
-    args = ap.parse_args()
-    if args.toy:
-        OUT = "probe_moe_prefetch_toy.json"
-        x, layers = pf.toy_layers()
-        pt.TO_REPO = False
-    else:
-        pt.NL = args.layers
-        OUT = f"probe_moe_prefetch_{args.set}.json"
-        x, layers = pt.make_layers()
+    args, OUT, x, layers, only = pf.chain_probe_setup("probe_moe_prefetch", VARIANTS, "s6c3")
     for l, lay in enumerate(layers):  # separate arrays: slices of one would be copied before each launch
         for j in range(3):
             lay[f"decoy{j}"] = jax.random.normal(jax.random.key(1000 + 3 * l + j), lay["sg"].shape, jnp.bfloat16)
         lay["router_bf16"] = lay["router"].astype(jnp.bfloat16)  # a bf16 checkpoint's router as stored
     results = {**run_header(), "layers": len(layers), "rows": []}
-    variants = VARIANTS[args.set]()
-    only = [s.strip() for s in args.only.split(",") if s.strip()]
-    for label, fn in variants:
+    for label, fn in VARIANTS[args.set]():
         if only and label not in only:
             continue
         bf16 = "bf16 router" in label  # checked against the reference on the same (bf16-valued) router

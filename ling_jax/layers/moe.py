@@ -23,9 +23,9 @@ def route_then_prefetch(route):
 def moe_block(p: dict, x: jnp.ndarray, cfg: LingConfig, layer: int, *, backend: str) -> jnp.ndarray:
     """x [..., D] -> [..., D]; `layer` picks the SwiGLU clamp limits (MTP layers index past num_layers)."""
     flat = x.reshape(-1, x.shape[-1])
-    route = functools.partial(
+    route = route_then_prefetch(functools.partial(
         moe_ops.route, n_group=cfg.n_group, topk_group=cfg.topk_group, top_k=cfg.num_experts_per_tok,
-        routed_scaling_factor=cfg.routed_scaling_factor, norm_topk_prob=cfg.norm_topk_prob, backend=backend)
+        routed_scaling_factor=cfg.routed_scaling_factor, norm_topk_prob=cfg.norm_topk_prob, backend=backend))
     limit, shared_limit = cfg.swiglu_limits(layer)
     experts = functools.partial(moe_ops.moe_experts, limit=limit, shared_limit=shared_limit, backend=backend)
     shared = (p["ws_gate"], p["ws_up"], p["ws_down"]) if "ws_gate" in p else (None, None, None)
@@ -33,12 +33,9 @@ def moe_block(p: dict, x: jnp.ndarray, cfg: LingConfig, layer: int, *, backend: 
     if backend == "pallas":
         # Routing is replicated (every device routes alike); its top-k launch prefetches this device's shard of
         # the shared expert into L2 for the experts kernels (a hint; router.RouterTuning.prefetch_chunk_bytes).
-        route = per_shard(route_then_prefetch(route), (P(), P(), P()) + _EXPERT_SPECS[6:][:len(prefetch)],
-                          (P(), P()))
+        route = per_shard(route, (P(), P(), P()) + _EXPERT_SPECS[6:][:len(prefetch)], (P(), P()))
         specs = _EXPERT_SPECS if shared[0] is not None else _EXPERT_SPECS[:6] + (None, None, None)
         experts = per_shard(experts, specs, P(), sum_outputs=True)
-    else:
-        route = route_then_prefetch(route)
     weights, ids = route(flat, p["router"], p["expert_bias"], *prefetch)
     y = experts(flat, weights, ids, p["we_gate"], p["we_up"], p["we_down"], *shared)
     return y.reshape(x.shape)
