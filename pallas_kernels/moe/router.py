@@ -32,7 +32,8 @@ kept experts (argmax returns the first maximum) and the K weights in one [K, E] 
 lower index, exactly as `lax.top_k`. ~14 serial reductions instead of ~50 (per-group and per-pick loops before).
 The GEMV stays out of this program: one program cannot stream 5 MB fast, and folding the top-k into the GEMV
 kernel's last program (an arrival counter) was slower (RESULTS.md, "MoE, session 4").
-Prefetch (`route(..., prefetch=arrays)`, `RouterTuning.prefetch_chunk_bytes`; on in DECODE_TUNING): the top-k
+Prefetch (`route(..., prefetch=arrays)`, `RouterTuning.prefetch_chunk_bytes`; on in DECODE_TUNING and
+VERIFY_TUNING, off in WIDE_TUNING, not measured there): the top-k
 launch gets one more program per chunk of the given arrays (the shared expert's gate, up and down, which the
 experts kernels read next and which do not depend on the routing); each hands its chunk to L2 with one bulk
 prefetch (pallas_kernels/common/prefetch.py) while the top-k program computes with HBM otherwise idle. T = 1 MoE
@@ -115,8 +116,9 @@ class RouterTuning:
 # on; not measured past 16); with no split the dot took 54 µs at T = 6.
 DECODE_TUNING = RouterTuning(block_e=1, block_k=512, k_splits=5, num_warps=1, t1_gemv="fma_reduce",
                              prefetch_chunk_bytes=120 * 1024)
-VERIFY_TUNING = dataclasses.replace(DECODE_TUNING, multi_token="per_token", k_splits=2, block_k=256,
-                                    prefetch_chunk_bytes=0)  # not measured at N > 1
+# The shared-expert prefetch stays on for 2 <= N <= 16: MoE layer span at T = 2 77.36 -> 76.93 µs (two runs each),
+# T = 6 unchanged within noise (171.8 -> 171.7; RESULTS.md, "Session 9", S9 6).
+VERIFY_TUNING = dataclasses.replace(DECODE_TUNING, multi_token="per_token", k_splits=2, block_k=256)
 WIDE_TUNING = RouterTuning(dot_gemv="dot_w", k_splits=4)
 PER_TOKEN_MAX = 16  # the largest N given VERIFY_TUNING by default
 
