@@ -11,8 +11,8 @@ every swept router tuning, layer vs reference at T in {1, 3, 16}, every swept tu
     do not apply there) at T = 1..9 and 16, and the XLA reference at T = 1 and 8,
   - the profiler's per-kernel device times of the best config at T = 1 (after the sweep) and at `--profile-ts`
     (default T = 6; at the end), cold weights, inside the chain.
-`--verify-router FIELDS` replaces fields of router.VERIFY_TUNING for every T > 1 (e.g. the shared-expert prefetch,
-`prefetch_chunk_bytes=122880`, off there by default).
+`--verify-router FIELDS` replaces fields of router.VERIFY_TUNING for every T > 1 (e.g. `prefetch_chunk_bytes=0`:
+the shared-expert prefetch off, on there by default since session 9).
 Results are saved after each section (a timeout keeps what finished).
 Weights are cold: NL = 8 layers of experts (6.0 GB each, 48 GB) and routers, used in rotation, so a layer's
 weights were last touched >= 7 layers (>= 0.7 GB) earlier, far past the 60 MB L2.
@@ -193,7 +193,7 @@ def main(argv=None):
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--profile-ts", default="6", help="T values > 1 profiled at the end (T = 1 is after the sweep)")
     ap.add_argument("--verify-router", default="",
-                    help="T > 1: router.VERIFY_TUNING with these fields (e.g. prefetch_chunk_bytes=122880)")
+                    help="T > 1: router.VERIFY_TUNING with these fields (e.g. prefetch_chunk_bytes=0)")
     ap.add_argument("--toy", action="store_true", help="tiny sizes, to check the script on CPU")
     args = ap.parse_args(argv)
     global D, E, I, VERIFY_ROUTER

@@ -33,12 +33,12 @@ lower index, exactly as `lax.top_k`. ~14 serial reductions instead of ~50 (per-g
 The GEMV stays out of this program: one program cannot stream 5 MB fast, and folding the top-k into the GEMV
 kernel's last program (an arrival counter) was slower (RESULTS.md, "MoE, session 4").
 Prefetch (`route(..., prefetch=arrays)`, `RouterTuning.prefetch_chunk_bytes`; on in DECODE_TUNING and
-VERIFY_TUNING, off in WIDE_TUNING, not measured there): the top-k
-launch gets one more program per chunk of the given arrays (the shared expert's gate, up and down, which the
-experts kernels read next and which do not depend on the routing); each hands its chunk to L2 with one bulk
-prefetch (pallas_kernels/common/prefetch.py) while the top-k program computes with HBM otherwise idle. T = 1 MoE
-layer 37.1-37.3 -> 35.8-35.9 µs on the H200 (RESULTS.md, "Session 8"). Programs past the N tokens only prefetch;
-their block indices map onto the last token's blocks, which they neither read nor write.
+VERIFY_TUNING, off in WIDE_TUNING, not measured there): the top-k launch gets one more program per chunk of the
+given arrays (the shared expert's gate, up and down, which the experts kernels read next and which do not depend on
+the routing); each hands its chunk to L2 with one bulk prefetch (pallas_kernels/common/prefetch.py) while the top-k
+programs compute with HBM otherwise idle. MoE layer on the H200: T = 1 37.1-37.3 -> 35.8-35.9 µs (RESULTS.md,
+"Session 8"), T = 2 77.4 -> 76.9 µs ("Session 9"). Programs past the N tokens only prefetch; their block indices
+map onto the last token's blocks, which they neither read nor write.
 """
 
 from __future__ import annotations

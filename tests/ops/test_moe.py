@@ -355,6 +355,26 @@ def test_route_prefetch_lowers_for_cuda(monkeypatch, gpu, evict_last):
     assert ("cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1+0], 122880, pol;" in topk) == (gpu == "H200")
 
 
+@pytest.mark.parametrize("n,grid", [(2, 98), (17, 17)])
+def test_route_prefetch_by_token_count(monkeypatch, n, grid):
+    """At 2 <= N <= 16 (router.VERIFY_TUNING) the top-k launch prefetches the shared expert too: N top-k programs
+    + 96 prefetch programs; past 16 tokens (WIDE_TUNING) none."""
+    from jax._src.pallas.triton import gpu_info
+
+    from pallas_kernels.common import prefetch
+    from pallas_kernels.moe import router as router_mod
+
+    jax.clear_caches()
+    sds, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    fn = lambda x, r, b, *sh: moe.route(x, r, b, **ROUTE_KW, backend="pallas", prefetch=sh)  # noqa: E731
+    txt = lower_for_cuda(monkeypatch, [router_mod, prefetch], fn, sds((n, 2560), bf), sds((512, 2560), jnp.float32),
+                         sds((512,), jnp.float32), *[sds((768, 2560), bf)] * 3, gpu=gpu_info.GpuVersion.H200)
+    topk = [c for c in txt.split("stablehlo.custom_call")[1:]
+            if re.search(r'name = "([^"]+)"', c).group(1) == "router_fwd_kernel_topk"][0]
+    assert f"grid_x = {grid}" in topk
+    assert ("cp.async.bulk.prefetch.L2" in topk) == (n <= router_mod.PER_TOKEN_MAX)
+
+
 def test_prefetch_chunks_and_asm():
     """Chunking of the prefetched arrays (elements per chunk, chunks, bytes of the last one) and the emitted PTX:
     ranges above one instruction's 2^20 - 16 byte limit are issued in 512 KiB pieces from the same address."""
