@@ -7,12 +7,14 @@ every swept router tuning, layer vs reference at T in {1, 3, 16}, every swept tu
   - the MoE layer at T = 1 over experts tunings (router default), then over router tunings (best experts tuning;
     `--router-only`: DECODE_TUNING, no experts sweep), ranked by device time on a GPU (the T = 1 chain's wall time
     is the host's); each row also notes the router GEMV's own device time,
-  - the MoE layer (best tunings; T > 1 takes experts.VERIFY_TUNING and router.default_tuning(T), the T = 1 sweeps
+  - the MoE layer (best tunings; T > 1 takes experts.default_tuning(T) and router.default_tuning(T), the T = 1 sweeps
     do not apply there) at T = 1..9 and 16, and the XLA reference at T = 1 and 8,
   - the profiler's per-kernel device times of the best config at T = 1 (after the sweep) and at `--profile-ts`
     (default T = 6; at the end), cold weights, inside the chain.
-`--verify-router FIELDS` replaces fields of router.VERIFY_TUNING for every T > 1 (e.g. `prefetch_chunk_bytes=0`:
-the shared-expert prefetch off, on there by default since session 9).
+`--verify-router FIELDS` / `--verify-experts FIELDS`: every T > 1 runs router.VERIFY_TUNING / experts.VERIFY_TUNING
+with these fields replaced instead of the default by T (e.g. `prefetch_chunk_bytes=0`: the shared-expert prefetch
+off, on there by default since session 9; `verify_gate_up=fma_tokens,block_i=2,warps_gate_up=1`: per-token FMA
+gate/up programs).
 Results are saved after each section (a timeout keeps what finished).
 Weights are cold: NL = 8 layers of experts (6.0 GB each, 48 GB) and routers, used in rotation, so a layer's
 weights were last touched >= 7 layers (>= 0.7 GB) earlier, far past the 60 MB L2.
@@ -40,13 +42,13 @@ import numpy as np
 from bench_common import HBM_BYTES_PER_S, print_table, run_header, slope_per_call, write_results
 from pallas_kernels import moe
 from pallas_kernels.moe import router as router_mod
-from pallas_kernels.moe.experts import DECODE_TUNING, ExpertsTuning, moe_experts_fused
+from pallas_kernels.moe.experts import DECODE_TUNING, VERIFY_TUNING, ExpertsTuning, moe_experts_fused
 from pallas_kernels.moe.router import DECODE_TUNING as ROUTER_DECODE, RouterTuning
 
 D, E, I, K = 2560, 512, 768, 8
 ROUTE_KW = dict(n_group=8, topk_group=4, top_k=K, routed_scaling_factor=2.5)
 HBM = HBM_BYTES_PER_S
-VERIFY_ROUTER = None  # --verify-router
+VERIFY_ROUTER = VERIFY_EXPERTS = None  # --verify-router, --verify-experts
 LIMIT, SHARED_LIMIT = 4.0, 5.0  # layer 35's clamps (both clamps on: the costlier epilogue)
 
 # Every expert matrix is [.., I, D]: a gate/up program streams BI whole rows of D (BK-wide tiles), a down program
@@ -129,8 +131,8 @@ def moe_layer(x, lay, backend, et=None, rt=None):
         w, ids = moe.route(x, lay["router"], lay["expert_bias"], **ROUTE_KW)
         return moe.moe_experts(x, w, ids, lay["we_gate"], lay["we_up"], lay["we_down"], lay["ws_gate"],
                                lay["ws_up"], lay["ws_down"], limit=LIMIT, shared_limit=SHARED_LIMIT)
-    if x.shape[0] > 1:  # the T = 1 sweeps' tunings; T > 1 runs experts.VERIFY_TUNING and router.default_tuning(T)
-        et, rt = None, VERIFY_ROUTER  # (--verify-router: router.VERIFY_TUNING with some fields replaced)
+    if x.shape[0] > 1:  # the T = 1 sweeps' tunings; T > 1 runs experts/router.default_tuning(T)
+        et, rt = VERIFY_EXPERTS, VERIFY_ROUTER  # (--verify-*: the VERIFY_TUNINGs with some fields replaced)
     # The model's MoE block (ling_jax/layers/moe.py): the top-k launch prefetches the shared expert into L2.
     w, ids = router_mod.route(x, lay["router"], lay["expert_bias"], **ROUTE_KW, tuning=rt,
                               prefetch=(lay["ws_gate"], lay["ws_up"], lay["ws_down"]))
@@ -194,11 +196,15 @@ def main(argv=None):
     ap.add_argument("--profile-ts", default="6", help="T values > 1 profiled at the end (T = 1 is after the sweep)")
     ap.add_argument("--verify-router", default="",
                     help="T > 1: router.VERIFY_TUNING with these fields (e.g. prefetch_chunk_bytes=0)")
+    ap.add_argument("--verify-experts", default="",
+                    help="T > 1: experts.VERIFY_TUNING with these fields (e.g. verify_gate_up=fma_tokens,block_i=2)")
     ap.add_argument("--toy", action="store_true", help="tiny sizes, to check the script on CPU")
     args = ap.parse_args(argv)
-    global D, E, I, VERIFY_ROUTER
+    global D, E, I, VERIFY_ROUTER, VERIFY_EXPERTS
     if args.verify_router:
         VERIFY_ROUTER = parse_tuning(router_mod.VERIFY_TUNING, args.verify_router)
+    if args.verify_experts:
+        VERIFY_EXPERTS = parse_tuning(VERIFY_TUNING, args.verify_experts)
     if args.toy:
         D, E, I = 256, 64, 128
     header = run_header()
@@ -307,6 +313,7 @@ def main(argv=None):
         rt_best = sweep("sweep_rtr", ROUTER_SWEEP, lambda c: (et_best, c))
     results["best_experts_tuning"], results["best_router_tuning"] = str(et_best), str(rt_best)
     results["verify_router_tuning"] = str(VERIFY_ROUTER or "router.default_tuning(T)")
+    results["verify_experts_tuning"] = str(VERIFY_EXPERTS or "experts.default_tuning(T)")
     print(f"best: {short(et_best)} {short(rt_best)}  [{time.time() - t_start:.0f}s]", flush=True)
     save = lambda: write_results("bench_moe.json", results, to_repo=not args.toy)  # noqa: E731
     save()

@@ -21,10 +21,13 @@ by each token's routing weight in fp32 and writes a fp32 partial; program row NG
 XLA sums the NG partials (fp32), rounds once and adds the shared output in the compute dtype: one small fusion.
 
 Products (GATE_UP_MODES): at T = 1 the gate/up default is `fma_reduce` with tiny programs (2 rows, 1 warp): the
-shape that streamed fastest in a read-only probe (experiments/probe_stream.py). Otherwise tokens are padded to
-TP = max(16, 2^⌈log2 T⌉) rows and every step is a tensor-core `dot` (T = 1 broadcasts its row in-kernel).
-Tunings by T: `DECODE_TUNING` (T = 1, the best of the H200 sweeps by device time) and `VERIFY_TUNING` (T > 1,
-the dot path's defaults, not re-swept since the layout change).
+shape that streamed fastest in a read-only probe (experiments/probe_stream.py). At T > 1 tokens are padded to
+TP = max(16, 2^⌈log2 T⌉) rows and every step is a tensor-core `dot` (`verify_gate_up="dot"`; T = 1 can broadcast
+its row in-kernel), or (`verify_gate_up="fma_tokens"`) the T = 1 shape of programs reduces each weight tile against
+the T real tokens one by one (VERIFY_GATE_UP_MODES).
+Tunings by T (`default_tuning`): `DECODE_TUNING` (T = 1, the best of the H200 sweeps by device time),
+`FMA_TOKENS_TUNING` (2 <= T <= FMA_TOKENS_MAX, per-token FMAs) and `VERIFY_TUNING` (larger T, the dot path's
+defaults, not re-swept since the layout change).
 PDL: with `early_launch_down` (DECODE_TUNING) the down kernel's programs first admit its successor, the combine
 fusion, which then waits at its entry for the partials (pallas_kernels/common/pdl.py; T = 1 layer −0.5 µs).
 L2: DECODE_TUNING loads the routed weights with an `evict_first` policy (`routed_eviction`), as each is read once
@@ -54,6 +57,10 @@ MAX_TOKENS = 64  # beyond this, ownership checks over T·K ids in every program 
 #   dot_x [TP, BI] = x·Wᵀ (weight tile as the transposed operand);  dot_w [BI, TP] = W·xᵀ (weight tile as the
 #   row-major left operand). The dots pad the tokens to TP >= 16 rows (T = 1 broadcasts its row).
 GATE_UP_MODES = ("fma", "fma_reduce", "dot_x", "dot_w")
+# T > 1 gate/up: "dot" (tensor-core dots over the tokens padded to TP >= 16 rows, orientation `dot_gate_up`) or
+# "fma_tokens" (a program's [BI, BK] weight tile, read once, times each real token's slice: T FMA reductions per tile,
+# no padded rows; for small T, with the T = 1 path's tiny programs).
+VERIFY_GATE_UP_MODES = ("dot", "fma_tokens")
 EVICTION_POLICIES = (None, "evict_first", "evict_last")
 
 
@@ -70,7 +77,8 @@ class ExpertsTuning:
     block_d: int = 64  # BD: output columns per down program
     block_ki: int = 128  # BKI: intermediate rows per down step (capped at the largest power of two dividing I)
     t1_gate_up: str = "fma"  # T = 1 gate/up products: "fma" | "fma_reduce" | "dot_x" | "dot_w" (GATE_UP_MODES)
-    dot_gate_up: str = "dot_x"  # T > 1 gate/up products: "dot_x" | "dot_w"
+    dot_gate_up: str = "dot_x"  # T > 1 tensor-core gate/up products: "dot_x" | "dot_w"
+    verify_gate_up: str = "dot"  # T > 1 gate/up: "dot" | "fma_tokens" (VERIFY_GATE_UP_MODES)
     warps_gate_up: int = 4
     stages_gate_up: int = 3
     warps_down: int = 4
@@ -91,6 +99,9 @@ class ExpertsTuning:
             raise ValueError(f"ExpertsTuning.t1_gate_up={self.t1_gate_up!r} must be one of {GATE_UP_MODES}")
         if self.dot_gate_up not in ("dot_x", "dot_w"):
             raise ValueError(f"ExpertsTuning.dot_gate_up={self.dot_gate_up!r} must be 'dot_x' or 'dot_w'")
+        if self.verify_gate_up not in VERIFY_GATE_UP_MODES:
+            raise ValueError(f"ExpertsTuning.verify_gate_up={self.verify_gate_up!r} must be one of "
+                             f"{VERIFY_GATE_UP_MODES}")
         if self.routed_eviction not in EVICTION_POLICIES:
             raise ValueError(f"ExpertsTuning.routed_eviction={self.routed_eviction!r} must be one of "
                              f"{EVICTION_POLICIES}")
@@ -99,10 +110,20 @@ class ExpertsTuning:
 DECODE_TUNING = ExpertsTuning(t1_gate_up="fma_reduce", block_i=2, block_k=512, warps_gate_up=1, block_ki=256,
                               early_launch_down=True, routed_eviction="evict_first")
 VERIFY_TUNING = ExpertsTuning()
+# 2 <= T <= FMA_TOKENS_MAX: the T = 1 shape of gate/up programs (2 rows, 1 warp) with per-token FMA reductions, each
+# weight tile read once for every token, instead of tensor-core dots over 16 padded token rows. H200 (RESULTS.md,
+# "Session 9", S9 10): T = 2 layer span 76.3 -> 66.6 µs (gate/up 45.0 -> 35.0); at T = 4 the T FMA passes per tile
+# cost more than the padding (119.4 -> 136.0 µs), at T = 8 far more (211.8 -> 365.3). T = 3 was timed by wall slope
+# only (112.1 -> 102.9 µs, spreads ±2-3), so it keeps the dots until a device-time measurement says otherwise.
+FMA_TOKENS_MAX = 2
+FMA_TOKENS_TUNING = dataclasses.replace(VERIFY_TUNING, verify_gate_up="fma_tokens", block_i=2, warps_gate_up=1,
+                                        block_k=256, routed_eviction="evict_first")
 
 
 def default_tuning(n_tokens: int) -> ExpertsTuning:
-    return DECODE_TUNING if n_tokens == 1 else VERIFY_TUNING
+    if n_tokens == 1:
+        return DECODE_TUNING
+    return FMA_TOKENS_TUNING if n_tokens <= FMA_TOKENS_MAX else VERIFY_TUNING
 
 
 def _dot(a, b):
@@ -171,9 +192,14 @@ def _ownership(ids_flat, s, n_routed):
     return e, (s < n_routed) & (e >= 0) & (earlier == 0)
 
 
-def _gate_up_rows(x_ref, load_g, load_u, *, BK, n_chunks, bi, to, mode, limit, dt):
+def _gate_up_rows(x_ref, load_g, load_u, *, BK, n_chunks, bi, to, mode, limit, dt, n_tok=1):
     """SwiGLU(x·W_gateᵀ, x·W_upᵀ) for BI intermediate rows: x_ref [TO, D]; load_g/load_u(ks) -> [BI, BK] weight
-    tiles of one expert; -> [TO, BI] in dt (each product rounded to dt before SwiGLU, as the reference)."""
+    tiles of one expert; -> [TO, BI] in dt (each product rounded to dt before SwiGLU, as the reference).
+    mode "fma_tokens": only the first n_tok rows of x are tokens (the rest padding, left zero)."""
+    if mode == "fma_tokens":
+        return _gate_up_rows_tokens(x_ref, load_g, load_u, BK=BK, n_chunks=n_chunks, bi=bi, to=to, limit=limit,
+                                    dt=dt, n_tok=n_tok)
+
     def body(c, carry):
         ks = pl.ds(pl.multiple_of(c * BK, BK), BK)
         xs = x_ref[:, ks]
@@ -182,6 +208,26 @@ def _gate_up_rows(x_ref, load_g, load_u, *, BK, n_chunks, bi, to, mode, limit, d
     init = _gu_init(mode, bi, BK, max(16, to))
     acc_g, acc_u = lax.fori_loop(0, n_chunks, body, (init, init))
     return _swiglu(_gu_result(mode, acc_g, to).astype(dt), _gu_result(mode, acc_u, to).astype(dt), limit)
+
+
+def _gate_up_rows_tokens(x_ref, load_g, load_u, *, BK, n_chunks, bi, to, limit, dt, n_tok):
+    """_gate_up_rows for T > 1 by FMAs: each [BI, BK] weight tile is loaded once and reduced against each of the
+    n_tok tokens' [1, BK] slices (loaded one by one: a [TO, BK] block would not fit one warp's registers)."""
+    rows = lax.broadcasted_iota(jnp.int32, (to, bi), 0)
+
+    def body(c, carry):
+        ks = pl.ds(pl.multiple_of(c * BK, BK), BK)
+        wg, wu = load_g(ks).astype(jnp.float32), load_u(ks).astype(jnp.float32)
+        acc_g, acc_u = carry
+        for t in range(n_tok):
+            xt = x_ref[pl.ds(t, 1), ks].astype(jnp.float32)  # [1, BK]
+            acc_g = acc_g + jnp.where(rows == t, jnp.sum(wg * xt, axis=1)[None, :], 0.0)
+            acc_u = acc_u + jnp.where(rows == t, jnp.sum(wu * xt, axis=1)[None, :], 0.0)
+        return acc_g, acc_u
+
+    init = jnp.zeros((to, bi), jnp.float32)
+    acc_g, acc_u = lax.fori_loop(0, n_chunks, body, (init, init))
+    return _swiglu(acc_g.astype(dt), acc_u.astype(dt), limit)  # padded rows: SwiGLU(0, 0) = 0
 
 
 def _down_cols(load_h, load_d, *, BKI, n_chunks, bd, to, dt):
@@ -198,7 +244,7 @@ def _down_cols(load_h, load_d, *, BKI, n_chunks, bd, to, dt):
 
 
 def experts_fwd_kernel_gate_up(x_ref, ids_ref, wg_ref, wu_ref, sg_ref, su_ref, h_ref, *, BK, n_chunks, n_routed,
-                               limit, shared_limit, has_shared, mode, early_launch=False, eviction=None):
+                               limit, shared_limit, has_shared, mode, early_launch=False, eviction=None, n_tok=1):
     # x_ref [TO, D] (TO = 1 at T = 1, else TP); ids_ref [P] int32; wg_ref/wu_ref [E, I, D]; sg_ref/su_ref [I, D];
     # h_ref [TO, BI]: slot s, intermediate rows block j, after SwiGLU, compute dtype
     if early_launch:
@@ -210,7 +256,7 @@ def experts_fwd_kernel_gate_up(x_ref, ids_ref, wg_ref, wu_ref, sg_ref, su_ref, h
 
     def compute(load_g, load_u, lim):
         h_ref[...] = _gate_up_rows(x_ref, load_g, load_u, BK=BK, n_chunks=n_chunks, bi=bi, to=to, mode=mode,
-                                   limit=lim, dt=h_ref.dtype)
+                                   limit=lim, dt=h_ref.dtype, n_tok=n_tok)
 
     # One indexer per load (the Triton lowering takes no `ref.at[e][...]` chains).
     @pl.when(owner)
@@ -285,10 +331,14 @@ def moe_experts_fused(x, weights, ids, we_gate, we_up, we_down, ws_gate, ws_up, 
         raise ValueError(f"the Pallas experts kernel needs D={d} and I={i} divisible by 16")
     bi = min(tuning.block_i, i & -i)
     bk = min(tuning.block_k, d & -d)
-    mode = tuning.t1_gate_up if n == 1 else tuning.dot_gate_up
+    if n == 1:
+        mode = tuning.t1_gate_up
+    else:
+        mode = tuning.dot_gate_up if tuning.verify_gate_up == "dot" else tuning.verify_gate_up
     if mode.startswith("dot") and bi < 16:
         raise ValueError(f"ExpertsTuning.block_i={tuning.block_i} with gate/up mode {mode!r} at T={n}: tensor-core "
-                         "dots need >= 16 rows; only the T = 1 FMA modes take fewer (T > 1: use VERIFY_TUNING)")
+                         "dots need >= 16 rows; only the FMA modes take fewer (T = 1: t1_gate_up 'fma' or "
+                         "'fma_reduce'; T > 1: verify_gate_up='fma_tokens'), or use VERIFY_TUNING")
     tp = max(16, next_pow2(n))
     to = 1 if n == 1 else tp
     if to != n:
@@ -305,7 +355,7 @@ def moe_experts_fused(x, weights, ids, we_gate, we_up, we_down, ws_gate, ws_up, 
     h = pl.pallas_call(
         functools.partial(experts_fwd_kernel_gate_up, BK=bk, n_chunks=d // bk, n_routed=n_routed, limit=limit,
                           shared_limit=shared_limit, has_shared=has_shared, mode=mode,
-                          early_launch=tuning.early_launch_gate_up, eviction=tuning.routed_eviction),
+                          early_launch=tuning.early_launch_gate_up, eviction=tuning.routed_eviction, n_tok=n),
         grid=(n_slots, i // bi),
         in_specs=[whole] * 6,
         out_specs=pl.BlockSpec((None, to, bi), lambda s, j: (s, 0, j)),

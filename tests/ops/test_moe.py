@@ -439,7 +439,7 @@ def test_route_pallas_exact_ties():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("limits", [(0.0, 0.0), (4.0, 5.0)], ids=["noclamp", "clamp"])
-@pytest.mark.parametrize("n", [1, 3, 6, 16])
+@pytest.mark.parametrize("n", [1, 2, 3, 6, 16])
 def test_experts_pallas(n, limits, dtype):
     """Fused experts kernel (interpreted on CPU) vs the reference; tokens share experts (each read once)."""
     dtype = jnp.dtype(dtype)
@@ -460,12 +460,13 @@ _TUNINGS = {  # every gate/up product mode (experts.GATE_UP_MODES)
     "dot_x": dict(_SMALL, t1_gate_up="dot_x", block_d=16),  # T = 1 broadcast to 16 rows, tensor-core dots
     "dot_w": dict(_SMALL, t1_gate_up="dot_w", dot_gate_up="dot_w"),  # the weight tile as the left operand
     "dot": dict(_SMALL, block_i=32, block_d=16),  # T > 1, x·Wᵀ
+    "fma_tokens": dict(_SMALL, verify_gate_up="fma_tokens", block_i=2, warps_gate_up=1),  # T > 1, per-token FMAs
 }
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("n,tu", [(1, "fma"), (1, "fma_reduce_bi2"), (1, "dot_x"), (1, "dot_w"), (3, "dot"),
-                                  (3, "dot_w"), (16, "dot")])
+                                  (3, "dot_w"), (16, "dot"), (2, "fma_tokens"), (5, "fma_tokens")])
 def test_experts_pallas_tunings(n, tu, dtype):
     """ExpertsTuning variants (product form, rows per program, multi-chunk loops) vs the reference, clamps on."""
     from pallas_kernels.moe.experts import ExpertsTuning, moe_experts_fused
@@ -478,7 +479,7 @@ def test_experts_pallas_tunings(n, tu, dtype):
     assert rel_err(y, y_ref) <= (1e-5 if dtype == jnp.float32 else 2e-2)
 
 
-@pytest.mark.parametrize("n,tu", [(1, "fma"), (1, "fma_reduce_bi2"), (1, "dot_x"), (3, "dot")])
+@pytest.mark.parametrize("n,tu", [(1, "fma"), (1, "fma_reduce_bi2"), (1, "dot_x"), (3, "dot"), (3, "fma_tokens")])
 def test_experts_pallas_repeated_ids_in_a_token(n, tu):
     """The router never repeats an expert within a token, but moe_experts accepts any ids in [0, E): a repeat must
     count twice (gate/up writes h once, for the expert's first slot; the down kernel reads it from there and gives
@@ -518,6 +519,8 @@ def test_experts_tuning_errors():
         ExpertsTuning(t1_gate_up="fma2")
     with pytest.raises(ValueError, match="dot_gate_up='fma' must be 'dot_x' or 'dot_w'"):
         ExpertsTuning(dot_gate_up="fma")
+    with pytest.raises(ValueError, match=r"verify_gate_up='fma' must be one of \('dot', 'fma_tokens'\)"):
+        ExpertsTuning(verify_gate_up="fma")
     with pytest.raises(ValueError, match=r"block_d=8 must be a power of two >= 16"):
         ExpertsTuning(block_d=8)
     with pytest.raises(ValueError, match=r"routed_eviction='evict_next' must be one of"):
@@ -540,7 +543,8 @@ def lower_for_cuda(monkeypatch, modules, fn, *avals, gpu=None):
     return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("n,tu", [(1, None), (1, "fma"), (1, "dot_x"), (1, "dot_w"), (3, None), (3, "dot_w")])
+@pytest.mark.parametrize("n,tu", [(1, None), (1, "fma"), (1, "dot_x"), (1, "dot_w"), (2, None), (3, None),
+                                  (3, "dot_w"), (9, "fma_tokens")])
 def test_pallas_lowers_for_cuda(monkeypatch, n, tu):
     """Every product mode lowers to Triton at Flash size (None: the defaults by T, experts.default_tuning)."""
     from pallas_kernels.common import pdl
