@@ -13,8 +13,8 @@ every swept router tuning, layer vs reference at T in {1, 3, 16}, every swept tu
     (default T = 6; at the end), cold weights, inside the chain.
 `--verify-router FIELDS` / `--verify-experts FIELDS`: every T > 1 runs router.VERIFY_TUNING / experts.VERIFY_TUNING
 with these fields replaced instead of the default by T (e.g. `prefetch_chunk_bytes=0`: the shared-expert prefetch
-off, on there by default since session 9; `verify_gate_up=fma_tokens,block_i=2,warps_gate_up=1`: per-token FMA
-gate/up programs).
+off, on there by default since session 9; `verify_gate_up=fma_tokens,block_i=2,warps_gate_up=1,block_k=256,
+routed_eviction=evict_first`: experts.FMA_TOKENS_TUNING, the T = 2 default, at every T).
 Results are saved after each section (a timeout keeps what finished).
 Weights are cold: NL = 8 layers of experts (6.0 GB each, 48 GB) and routers, used in rotation, so a layer's
 weights were last touched >= 7 layers (>= 0.7 GB) earlier, far past the 60 MB L2.
@@ -197,14 +197,16 @@ def main(argv=None):
     ap.add_argument("--verify-router", default="",
                     help="T > 1: router.VERIFY_TUNING with these fields (e.g. prefetch_chunk_bytes=0)")
     ap.add_argument("--verify-experts", default="",
-                    help="T > 1: experts.VERIFY_TUNING with these fields (e.g. verify_gate_up=fma_tokens,block_i=2)")
+                    help="T > 1: experts.VERIFY_TUNING with these fields (e.g. verify_gate_up=fma_tokens,block_i=2,"
+                         "warps_gate_up=1)")
     ap.add_argument("--toy", action="store_true", help="tiny sizes, to check the script on CPU")
     args = ap.parse_args(argv)
     global D, E, I, VERIFY_ROUTER, VERIFY_EXPERTS
-    if args.verify_router:
-        VERIFY_ROUTER = parse_tuning(router_mod.VERIFY_TUNING, args.verify_router)
-    if args.verify_experts:
-        VERIFY_EXPERTS = parse_tuning(VERIFY_TUNING, args.verify_experts)
+    VERIFY_ROUTER = parse_tuning(router_mod.VERIFY_TUNING, args.verify_router) if args.verify_router else None
+    VERIFY_EXPERTS = parse_tuning(VERIFY_TUNING, args.verify_experts) if args.verify_experts else None
+    profile_ts = [int(t) for t in filter(None, args.profile_ts.split(","))]
+    if any(t < 2 for t in profile_ts):
+        ap.error(f"--profile-ts {args.profile_ts}: T values > 1 (T = 1 is profiled after the sweep)")
     if args.toy:
         D, E, I = 256, 64, 128
     header = run_header()
@@ -247,7 +249,7 @@ def main(argv=None):
     check_router(None, 512)
     for rt in ROUTER_SWEEP if not args.quick else [parse_tuning(ROUTER_DECODE, args.router)]:
         check_router(rt, 64)
-    for t in (1, 3, 16):
+    for t in (1, 2, 3, 16):  # T = 2: experts.FMA_TOKENS_TUNING; T = 3, 16: VERIFY_TUNING (or --verify-* overrides)
         x = xs_for(t)[0]
         err = rel_err(moe_layer(x, lay, "pallas"), moe_layer(x, lay, "reference"))
         results["checks"][f"moe_T{t}_rel_err_bf16"] = err
@@ -341,7 +343,7 @@ def main(argv=None):
     # 2) Full MoE layer with the best tunings over T, and the XLA reference at T = 1 and 8.
     for t in [] if args.no_ts else [int(v) for v in args.ts.split(",")]:
         nbytes, distinct = floor_bytes(t)
-        if t in (3, 6):  # the best tunings, compiled, at T > 1 (tensor-core dot path)
+        if t in (3, 6):  # compiled, at T > 1 (the defaults by T, or the --verify-* overrides: the sweeps are T = 1)
             x = xs_for(t)[0]
             err = rel_err(moe_layer(x, lay, "pallas", et_best, rt_best), moe_layer(x, lay, "reference"))
             results["checks"][f"moe_T{t}_best_tunings_rel_err_bf16"] = err
@@ -356,8 +358,8 @@ def main(argv=None):
         save()
 
     if not args.no_ts:
-        for t in filter(None, args.profile_ts.split(",")):
-            prof(int(t))
+        for t in profile_ts:
+            prof(t)
 
     write_results("bench_moe.json", results, to_repo=not args.toy)
     print_table(results["rows"], ["kind", "backend", "T", "us", "floor_us", "GBps", "pct_of_4p3TBps",

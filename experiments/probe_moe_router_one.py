@@ -10,8 +10,8 @@ production selection (`router._select_topk`) at full speed; the prefetch program
 GEMV programs. One launch latency and one ramp instead of two; the selection then overlaps the prefetch's tail.
 
 Result (RESULTS.md, "Session 9", S9 5): dropped. The one launch took 8.3-8.6 µs with the prefetch (every shape;
-8 warps 9.2) against 6.6 for GEMV + top-k, and 5.7 without it, plus a 0.9 µs copy that zeroes the counter every
-layer: the prefetch no longer hides behind a selection (it competes with the GEMV's reads, and the selection waits
+8 warps 9.2) against 6.6 for GEMV + top-k; without the prefetch 5.7 (the router alone) to 6.45 (in the layer),
+plus a 0.9 µs copy that zeroes the counter every layer: the prefetch no longer hides behind a selection (it competes with the GEMV's reads, and the selection waits
 for the last GEMV program). Correct: ids identical to the reference over 64 sequential calls.
 
 Run on the GPU: `PYTHONPATH=.:experiments python3 experiments/probe_moe_router_one.py --set s9c5`; `--toy`: a CPU

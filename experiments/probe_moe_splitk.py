@@ -53,27 +53,21 @@ from pallas_kernels.moe import experts as ex
 from pallas_kernels.moe import router as router_mod
 
 TU = ex.DECODE_TUNING
-_SEM = {"relaxed": False}
-_orig_atomic_rmw = tlow._atomic_rmw
-
-
-def _atomic_rmw_sem(op, ptr, val, mask=None, semantic=tt_dialect.MemSemantic.ACQUIRE_RELEASE,
-                    sync_scope=tt_dialect.MemSyncScope.GPU):
-    if _SEM["relaxed"]:
-        semantic = tt_dialect.MemSemantic.RELAXED
-    return _orig_atomic_rmw(op, ptr, val, mask=mask, semantic=semantic, sync_scope=sync_scope)
-
-
-tlow._atomic_rmw = _atomic_rmw_sem
-
-
 @contextlib.contextmanager
 def relaxed_atomics(on):
-    _SEM["relaxed"] = on
+    """Pallas-Triton atomics lowered with relaxed order while inside (Pallas' lowering asks acq_rel); jax's lowering
+    helper is patched only for the duration."""
+    orig = tlow._atomic_rmw
+
+    def relaxed(op, ptr, val, mask=None, semantic=None, sync_scope=tt_dialect.MemSyncScope.GPU):
+        return orig(op, ptr, val, mask=mask, semantic=tt_dialect.MemSemantic.RELAXED, sync_scope=sync_scope)
+
+    if on:
+        tlow._atomic_rmw = relaxed
     try:
         yield
     finally:
-        _SEM["relaxed"] = False
+        tlow._atomic_rmw = orig
 
 
 def topk_zero_kernel(p_ref, b_ref, *refs, d, **kw):

@@ -57,9 +57,10 @@ MAX_TOKENS = 64  # beyond this, ownership checks over T·K ids in every program 
 #   dot_x [TP, BI] = x·Wᵀ (weight tile as the transposed operand);  dot_w [BI, TP] = W·xᵀ (weight tile as the
 #   row-major left operand). The dots pad the tokens to TP >= 16 rows (T = 1 broadcasts its row).
 GATE_UP_MODES = ("fma", "fma_reduce", "dot_x", "dot_w")
-# T > 1 gate/up: "dot" (tensor-core dots over the tokens padded to TP >= 16 rows, orientation `dot_gate_up`) or
-# "fma_tokens" (a program's [BI, BK] weight tile, read once, times each real token's slice: T FMA reductions per tile,
-# no padded rows; for small T, with the T = 1 path's tiny programs).
+# T > 1 gate/up: "dot" (tensor-core dots over the tokens padded to TP = max(16, 2^⌈log2 T⌉) rows, orientation
+# `dot_gate_up`) or "fma_tokens" (a program's [BI, BK] weight tile, read once, times each real token's slice: T FMA
+# reductions per tile and none for the padded rows, which x and h keep; for small T, with the T = 1 path's tiny
+# programs).
 VERIFY_GATE_UP_MODES = ("dot", "fma_tokens")
 EVICTION_POLICIES = (None, "evict_first", "evict_last")
 
@@ -71,7 +72,7 @@ def _load(ref, idx, eviction):
 
 @dataclasses.dataclass(frozen=True)
 class ExpertsTuning:
-    # Field defaults = VERIFY_TUNING (T > 1); DECODE_TUNING below overrides the gate/up shape and the down chunk.
+    # Field defaults = VERIFY_TUNING (T > FMA_TOKENS_MAX); DECODE_TUNING and FMA_TOKENS_TUNING below override some.
     block_i: int = 16  # BI: intermediate rows per gate/up program (>= 16 for the dot modes)
     block_k: int = 256  # BK: hidden-dim chunk per gate/up step
     block_d: int = 64  # BD: output columns per down program
@@ -115,6 +116,8 @@ VERIFY_TUNING = ExpertsTuning()
 # "Session 9", S9 10): T = 2 layer span 76.3 -> 66.6 µs (gate/up 45.0 -> 35.0); at T = 4 the T FMA passes per tile
 # cost more than the padding (119.4 -> 136.0 µs), at T = 8 far more (211.8 -> 365.3). T = 3 was timed by wall slope
 # only (112.1 -> 102.9 µs, spreads ±2-3), so it keeps the dots until a device-time measurement says otherwise.
+# Measured as a whole: the routed down weights load `evict_first` here too, and the router prefetched the shared
+# expert (router.VERIFY_TUNING); neither part was timed alone at T = 2.
 FMA_TOKENS_MAX = 2
 FMA_TOKENS_TUNING = dataclasses.replace(VERIFY_TUNING, verify_gate_up="fma_tokens", block_i=2, warps_gate_up=1,
                                         block_k=256, routed_eviction="evict_first")

@@ -116,7 +116,7 @@ class RouterTuning:
 # on; not measured past 16); with no split the dot took 54 µs at T = 6.
 DECODE_TUNING = RouterTuning(block_e=1, block_k=512, k_splits=5, num_warps=1, t1_gemv="fma_reduce",
                              prefetch_chunk_bytes=120 * 1024)
-# The shared-expert prefetch stays on for 2 <= N <= 16: MoE layer span at T = 2 77.36 -> 76.93 µs (two runs each),
+# The shared-expert prefetch is on for 2 <= N <= 16 too (off before session 9): MoE layer span at T = 2 77.36 -> 76.93 µs (two runs each),
 # T = 6 unchanged within noise (171.8 -> 171.7; RESULTS.md, "Session 9", S9 6).
 VERIFY_TUNING = dataclasses.replace(DECODE_TUNING, multi_token="per_token", k_splits=2, block_k=256)
 WIDE_TUNING = RouterTuning(dot_gemv="dot_w", k_splits=4)

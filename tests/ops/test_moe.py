@@ -564,6 +564,10 @@ def test_pallas_lowers_for_cuda(monkeypatch, n, tu):
                          sds((e,), f32), sds((e, i, d), bf), sds((e, i, d), bf), sds((e, i, d), bf), sds((i, d), bf),
                          sds((i, d), bf), sds((i, d), bf))
     assert txt.count("stablehlo.custom_call") == 4  # router GEMV, top-k, gate/up, down
+    if tu is None:  # the defaults by T: 2-row gate/up programs at T = 1 and 2 (FMAs), 16-row ones from T = 3 (dots)
+        gate_up = [c for c in txt.split("stablehlo.custom_call")[1:]
+                   if re.search(r'name = "([^"]+)"', c).group(1) == "experts_fwd_kernel_gate_up"][0]
+        assert f"grid_y = {i // (2 if n <= 2 else 16)}" in gate_up
 
 
 def test_router_variants_lower_for_cuda(monkeypatch):
