@@ -85,7 +85,7 @@ def kernels_per_step(params, cfg, backend: str) -> int:
     return count
 
 
-def profile_step(params, cfg, backend: str, prompt, block: int, top: int = 25) -> dict:
+def profile_step(params, cfg, backend: str, prompt, block: int, top: int = 25, device=None) -> dict:
     """Device time of one decode step by kernel family (JAX profiler over one jitted block of `block` steps).
 
     Families merge XLA's numbered fusions (loop_add_fusion_3 → loop_add_fusion) so the table reads per op kind;
@@ -105,7 +105,7 @@ def profile_step(params, cfg, backend: str, prompt, block: int, top: int = 25) -
         with jax.profiler.trace(d, create_perfetto_trace=True):
             loop, out, _ = G.decode_block(params, loop, eos, cfg, Greedy(), **kw)
             jax.block_until_ready(out)
-        events = gpu_events(d)
+        events = gpu_events(d, device)  # TP: GPU `device`'s timeline only (every shard runs the same kernels)
     fam: dict[str, list[float]] = {}
     for name, _, dur in events:
         fam.setdefault(kernel_family(name), []).append(dur)
@@ -163,7 +163,7 @@ def run_backend(args, cfg, params, prompt, backend, total, floor_us, full_bytes)
                # Extrapolation, not a measurement: the full model at the slice's fraction of the floor.
                extrapolated_full_tpot_ms=tpot_us * full_bytes / total / 1e3)
     if args.profile:
-        row["profile"] = profile_step(params, cfg, backend, prompt, args.block_size)
+        row["profile"] = profile_step(params, cfg, backend, prompt, args.block_size, device=0 if mesh else None)
     print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
     return row
 

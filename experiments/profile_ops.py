@@ -112,14 +112,17 @@ OPS = {
 OPS_PER_CALL = {name: MLA_CACHES for name in OPS if name.startswith("mla_")}  # op instances per profiled call
 
 
-def gpu_events(trace_dir):
-    """(name, ts µs, dur µs) of every event on a GPU stream in the Perfetto trace, in time order."""
+def gpu_events(trace_dir, device=None):
+    """(name, ts µs, dur µs) of every event on a GPU stream in the Perfetto trace, in time order; `device`: only
+    GPU number `device`'s (a sharded step runs on every GPU at once, so their merged timelines would count each kernel
+    once per device)."""
     path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True))[-1]
     with gzip.open(path) as f:
         trace = json.load(f)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-    gpu_pids = {p for p, n in procs.items() if "/device:GPU" in n}
+    want = re.compile(r"/device:GPU" if device is None else rf"/device:GPU:{int(device)}\b")
+    gpu_pids = {p for p, n in procs.items() if want.search(n)}
     out = [(e["name"], float(e["ts"]), float(e.get("dur", 0))) for e in events
            if e.get("ph") == "X" and e.get("pid") in gpu_pids]
     return sorted(out, key=lambda e: e[1])
