@@ -163,7 +163,8 @@ def run_backend(args, cfg, params, prompt, backend, total, floor_us, full_bytes)
                # Extrapolation, not a measurement: the full model at the slice's fraction of the floor.
                extrapolated_full_tpot_ms=tpot_us * full_bytes / total / 1e3)
     if args.profile:
-        row["profile"] = profile_step(params, cfg, backend, prompt, args.block_size, device=0 if mesh else None)
+        row["profile"] = profile_step(params, cfg, backend, prompt, args.block_size,
+                                      device=0 if args.tp > 1 else None)
     print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
     return row
 
