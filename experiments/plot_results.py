@@ -2,7 +2,7 @@
 
     python experiments/plot_results.py
 
-Writes experiments/results/{moe_vs_T,kda_decode_verify,mla_decode,decode_slice}.png. Every number plotted is a row of
+Writes experiments/results/{moe_vs_T,moe_verify_T,kda_decode_verify,mla_decode,decode_slice}.png. Every number plotted is a row of
 experiments/RESULTS.md; this script only draws them.
 """
 
@@ -55,6 +55,24 @@ def plot_moe(data, t1, v1) -> Path:
     b.legend(fontsize=7)
     fig.suptitle(f"MoE, Ling-3.0-flash shape, {data['device']}")
     return _save(fig, "moe_vs_T.png")
+
+
+def plot_moe_verify(dot, fma) -> Path:
+    """MoE layer device time (profiler timeline span per layer, cold chain) at T = 1, 2, 4, 8 with the T > 1 gate/up
+    as tensor-core dots over 16 padded rows or as per-token FMAs (session 9, S9 10), against the byte floor of the
+    experts read."""
+    fig, a = plt.subplots(figsize=(6, 4))
+    floors = {r["T"]: r["floor_us"] for r in dot["rows"] if r["backend"] == "pallas"}
+    for src, style, label in ((dot, "o-", "gate/up: tensor-core dots (T >= 3 default)"),
+                              (fma, "s-", "gate/up: per-token FMAs (T = 2 default)")):
+        spans = sorted((int(k[1:].split("_")[0]), v) for k, v in src["profile"].items() if k.endswith("_span_us_per_layer"))
+        a.plot([t for t, _ in spans], [v for _, v in spans], style, label=label)
+    ts = sorted(t for t in floors if t in (1, 2, 4, 8))
+    a.plot(ts, [floors[t] for t in ts], "k--", label="byte floor of the experts read (4.3 TB/s)")
+    a.set(xlabel="tokens per call T", ylabel="µs per MoE layer (timeline span)", xticks=[1, 2, 4, 8],
+          title=f"MoE layer at small T, {dot['device']} (S9 10)")
+    a.legend(fontsize=7)
+    return _save(fig, "moe_verify_T.png")
 
 
 def plot_kda(data) -> Path:
@@ -131,6 +149,7 @@ def _save(fig, name: str) -> Path:
 def main():
     # MoE: session 4's final run (S4 9: bench_moe.py --quick, its own T = 1 profile), the first kernels' sweep beside
     jobs = (("bench_moe_s4c9.json", lambda d: plot_moe(d, None, _load("bench_moe_v1.json"))),
+            ("bench_moe_s9c10_dot.json", lambda d: plot_moe_verify(d, _load("bench_moe_s9c10_fma256.json"))),
             ("kda_decode_verify.json", plot_kda),
             ("mla_profile_s7c9.json", lambda d: plot_mla(d, _load("mla_profile.json"))),
             ("bench_decode.json", plot_slice))
