@@ -132,11 +132,8 @@ VARIANTS = {
 def main():
     args, out, x, layers, only = pf.chain_probe_setup("probe_moe_panels", VARIANTS, "s9c8", only_sep=";")
     results = {**run_header(), "layers": len(layers), "rows": []}
-    for label, fn, check in VARIANTS[args.set]():
-        if only and label not in only:
-            continue
-        chain = ps.dependent_chain(fn) if label.startswith("dep:") else None
-        pt.record_row(results, out, label, fn, x, layers, check, chain=chain)
+    ps.record_variants(results, out, x, layers, only,
+                       [(label, fn, check, False) for label, fn, check in VARIANTS[args.set]()])
     write_results(out, results, to_repo=not args.toy)
 
 

@@ -11,8 +11,8 @@ GEMV programs. One launch latency and one ramp instead of two; the selection the
 
 Result (RESULTS.md, "Session 9", S9 5): dropped. The one launch took 8.3-8.6 µs with the prefetch (every shape;
 8 warps 9.2) against 6.6 for GEMV + top-k; without the prefetch 5.7 (the router alone) to 6.45 (in the layer),
-plus a 0.9 µs copy that zeroes the counter every layer: the prefetch no longer hides behind a selection (it competes with the GEMV's reads, and the selection waits
-for the last GEMV program). Correct: ids identical to the reference over 64 sequential calls.
+plus a 0.9 µs copy that zeroes the counter every layer: the prefetch no longer hides behind a selection (it
+competes with the GEMV's reads, and the selection waits for the last GEMV program). Correct: ids identical to the reference over 64 sequential calls.
 
 Run on the GPU: `PYTHONPATH=.:experiments python3 experiments/probe_moe_router_one.py --set s9c5`; `--toy`: a CPU
 smoke run in interpret mode.
@@ -32,7 +32,6 @@ import probe_moe_splitk as ps
 import probe_moe_t1 as pt
 from bench_common import run_header, write_results
 from pallas_kernels.common import interpret_mode
-from pallas_kernels.common.prefetch import prefetch_l2
 from pallas_kernels.moe import experts as ex
 from pallas_kernels.moe import router as router_mod
 
@@ -54,20 +53,7 @@ def router_one_kernel(x_ref, w_ref, b_ref, cnt_ref, *refs, KS, BE, BK, n_gemv, c
             wt_ref[0, :] = w
             id_ref[0, :] = ids
 
-    first = n_gemv
-    for ref, (elems, count, last_bytes) in zip(pref, chunks):
-        q = p - first
-        full = elems * ref.dtype.itemsize
-
-        @pl.when((q >= 0) & (q < count - 1))
-        def _():
-            prefetch_l2(ref, q * elems, full, evict_last=False)
-
-        @pl.when(q == count - 1)
-        def _():
-            prefetch_l2(ref, q * elems, last_bytes, evict_last=False)
-
-        first += count
+    router_mod.issue_prefetch_chunks(pref, chunks, p - n_gemv, evict_last=False)
 
 
 def route_one(x, lay, *, BE=4, KS=5, BK=512, warps=4, prefetch=True, chunk_bytes=120 * 1024):
@@ -139,12 +125,9 @@ VARIANTS = {
 def main():
     args, out, x, layers, only = pf.chain_probe_setup("probe_moe_router_one", VARIANTS, "s9c5", only_sep=";")
     results = {**run_header(), "layers": len(layers), "rows": []}
-    for label, fn, check in VARIANTS[args.set]():
-        if only and label not in only:
-            continue
-        chain = ps.dependent_chain(fn) if label.startswith("dep:") else None
-        ref = pt.reference_layer if check == "layer" else ref_route
-        pt.record_row(results, out, label, fn, x, layers, ref, chain=chain)
+    refs = {"layer": pt.reference_layer, "route": ref_route}
+    ps.record_variants(results, out, x, layers, only,
+                       [(label, fn, refs[check], False) for label, fn, check in VARIANTS[args.set]()])
     if not only:  # many sequential calls through the XLA-zeroed counter: ids identical to the reference router
         import numpy as np
         f, r = jax.jit(route_only()), jax.jit(ref_route)

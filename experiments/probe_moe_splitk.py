@@ -255,6 +255,17 @@ def dependent_chain(fn):
     return chain
 
 
+def record_variants(results, out, x, layers, only, rows):
+    """Check and time each (label, layer fn, reference fn, relaxed atomics) row not excluded by --only (labels
+    starting "dep:" over the dependent chain), recording into `results` / `out` (probe_moe_t1.record_row)."""
+    for label, fn, check, relaxed in rows:
+        if only and label not in only:
+            continue
+        chain = dependent_chain(fn) if label.startswith("dep:") else None
+        with relaxed_atomics(relaxed):
+            pt.record_row(results, out, label, fn, x, layers, check, chain=chain)
+
+
 # (label, layer fn, relaxed atomics); labels starting "dep:" time the dependent chain
 VARIANTS = {
     # As run in S9 1: rows 4-13 failed there (the top-k's zero store of a [2560] array, not a power of two; fixed
@@ -321,12 +332,8 @@ VARIANTS = {
 def main():
     args, out, x, layers, only = pf.chain_probe_setup("probe_moe_splitk", VARIANTS, "s9c4", only_sep=";")
     results = {**run_header(), "layers": len(layers), "rows": []}
-    for label, fn, relaxed in VARIANTS[args.set]():
-        if only and label not in only:
-            continue
-        chain = dependent_chain(fn) if label.startswith("dep:") else None
-        with relaxed_atomics(relaxed):
-            pt.record_row(results, out, label, fn, x, layers, pt.reference_layer, chain=chain)
+    record_variants(results, out, x, layers, only,
+                    [(label, fn, pt.reference_layer, relaxed) for label, fn, relaxed in VARIANTS[args.set]()])
     write_results(out, results, to_repo=not args.toy)
 
 

@@ -233,9 +233,13 @@ def router_fwd_kernel_topk(p_ref, b_ref, *refs, n_tokens, chunks, evict_last, **
         w_ref[0, :] = w
         i_ref[0, :] = ids
 
-    first = n_tokens
+    issue_prefetch_chunks(pref, chunks, p - n_tokens, evict_last)
+
+
+def issue_prefetch_chunks(pref, chunks, q, evict_last):
+    """In a program of a launch with one program per chunk (`_prefetch_chunks(pref, ...)`, the arrays' chunks in
+    order): hand chunk q to L2 (q outside [0, number of chunks): nothing)."""
     for ref, (elems, count, last_bytes) in zip(pref, chunks):
-        q = p - first
         full = elems * ref.dtype.itemsize
 
         @pl.when((q >= 0) & (q < count - 1))
@@ -246,7 +250,7 @@ def router_fwd_kernel_topk(p_ref, b_ref, *refs, n_tokens, chunks, evict_last, **
         def _():
             prefetch_l2(ref, q * elems, last_bytes, evict_last=evict_last)
 
-        first += count
+        q = q - count
 
 
 def _prefetch_chunks(arrays, chunk_bytes):
