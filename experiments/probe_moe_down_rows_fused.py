@@ -1,0 +1,269 @@
+"""Probe: the T = 1 down projection over whole W_down rows, the combine done in the same launch.
+
+The production down kernel (`experts.experts_fwd_kernel_down`, W_down stored [E, I, D]) has 360 four-warp programs
+(slot, 64 output columns) that read a 128-byte stripe of each of the expert's 768 rows, then an XLA fusion sums the
+9 fp32 partials (~0.9 µs of its own). Its bytes stream at ~3.0 TB/s (10.6 µs for 31.5 MB), where gate/up's one-warp
+programs over whole rows reach ~3.7 (RESULTS.md, "Session 9"); the same stripes read from L2 still took 7.8 µs
+(S8 3). Here W_down is read as torch stores it, [E, D, I]: a program owns BD output rows d and, for each of the 8
+routed slots and the shared expert, reads their BD whole rows (BD·1.5 KB, contiguous), reduces them against h of
+that slot by FMAs (gate/up's one-warp shape), rounds each expert's output to the compute dtype, weights it in fp32
+and writes the layer's output: one launch, no partials, no combine fusion.
+
+Triton does not pipeline these FMA loops (RESULTS.md, session 6), so the bytes a program has in flight are the
+loads it issues together: `slots_per_step` slots' rows (all three 256-column chunks of each). `slots_per_step` 8
+issues the program's whole input at once (registers permitting).
+
+Variants:
+- "rows fused BD b, w warps, s slots/step": the above (W_down memory read as [E, D, I]).
+- "rows per slot BD b + XLA combine": grid (9 slots, D / BD), each program one expert's BD rows, fp32 partials, the
+  production combine fusion: the row layout without the fused combine.
+- "stripe panels": the production down kernel with W_down stored as column panels [E, D / 64, I, 64], so each
+  program's stripe is one contiguous 96 KB block.
+
+Timing without extra copies: each layer's W_down memory is read in the variant's layout (the values differ per
+interpretation, the access pattern is each layout's own); each variant is checked against the reference on the
+weights as it reads them (layer 0, re-laid-out for the check only).
+
+Run on the GPU: `PYTHONPATH=.:experiments python3 experiments/probe_moe_down_rows_fused.py --set s10c1`; `--toy`:
+a CPU smoke run in interpret mode.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+import probe_moe_fused_router as pf
+import probe_moe_panels as pp
+import probe_moe_splitk as ps
+import probe_moe_t1 as pt
+from bench_common import run_header, write_results
+from pallas_kernels.common import interpret_mode
+from pallas_kernels.moe import experts as ex
+from pallas_kernels.moe import router as router_mod
+
+TU = ex.DECODE_TUNING
+F32 = jnp.float32
+
+
+def gate_up_h(x, ids, lay):
+    """The production T = 1 gate/up launch (routed + shared) -> h [K + 1, 1, I]."""
+    d, (i, k) = x.shape[1], (lay["sg"].shape[0], ids.shape[1])
+    bi, bk = TU.block_i, min(TU.block_k, d)
+    return pl.pallas_call(
+        functools.partial(ex.experts_fwd_kernel_gate_up, BK=bk, n_chunks=d // bk, n_routed=k,
+                          limit=pt.LIMITS["limit"], shared_limit=pt.LIMITS["shared_limit"], has_shared=True,
+                          mode=TU.t1_gate_up, eviction=TU.routed_eviction),
+        grid=(k + 1, i // bi), in_specs=[pl.no_block_spec] * 6,
+        out_specs=pl.BlockSpec((None, 1, bi), lambda s, j: (s, 0, j)),
+        out_shape=jax.ShapeDtypeStruct((k + 1, 1, i), x.dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=TU.warps_gate_up, num_stages=TU.stages_gate_up),
+        interpret=interpret_mode(), name="experts_fwd_kernel_gate_up",
+    )(x, ids.reshape(-1), lay["wg"], lay["wu"], lay["sg"], lay["su"])
+
+
+def _rows_out(h_ref, s, load, *, BKI, n_chunks, dt):
+    """One expert's output for the program's BD rows: [BD] fp32 holding values rounded to dt (as the reference)."""
+    acc = None
+    for c in range(n_chunks):  # written out: the expert's whole rows are loaded together
+        ks = pl.ds(c * BKI, BKI)
+        part = jnp.sum(load(ks).astype(F32) * h_ref[s, :, ks].astype(F32), axis=1)
+        acc = part if acc is None else acc + part
+    return acc.astype(dt).astype(F32)
+
+
+def down_rows_fused_kernel(h_ref, ids_ref, w_ref, wd_ref, sd_ref, y_ref, *, BKI, n_chunks, n_routed, sps,
+                           shared_first, eviction):
+    # h_ref [K + 1, 1, I]; ids_ref [K] int32; w_ref [K] fp32; wd_ref [E, D, I]; sd_ref [D, I]; y_ref [1, BD]
+    bd = y_ref.shape[1]
+    dt = y_ref.dtype
+    rows = pl.ds(pl.multiple_of(pl.program_id(0) * bd, bd), bd)
+    ids, wts = ids_ref[...], w_ref[...]
+    i_k = lax.iota(jnp.int32, n_routed)
+    out = functools.partial(_rows_out, h_ref, BKI=BKI, n_chunks=n_chunks, dt=dt)
+
+    def routed(s):
+        e = jnp.sum(jnp.where(i_k == s, ids, 0))
+        w_s = jnp.sum(jnp.where(i_k == s, wts, 0.0))
+        return w_s * out(s, lambda ks: ex._load(wd_ref, (e, rows, ks), eviction))
+
+    def step(q, tot):
+        for u in range(sps):
+            tot = tot + routed(q * sps + u)
+        return tot
+
+    shared = out(n_routed, lambda ks: sd_ref[rows, ks]) if shared_first else None
+    if sps == n_routed:
+        tot = step(jnp.int32(0), jnp.zeros((bd,), F32))
+    else:
+        tot = lax.fori_loop(0, n_routed // sps, step, jnp.zeros((bd,), F32))
+    if shared is None:
+        shared = out(n_routed, lambda ks: sd_ref[rows, ks])
+    y_ref[...] = (tot.astype(dt) + shared.astype(dt))[None, :]
+
+
+def down_rows_fused(h, w, ids, wd_rows, sd_rows, *, bd, warps, sps, shared_first=False, eviction=TU.routed_eviction):
+    k, _, i = h.shape
+    k -= 1
+    d = sd_rows.shape[0]
+    bki = min(256, i & -i)
+    return pl.pallas_call(
+        functools.partial(down_rows_fused_kernel, BKI=bki, n_chunks=i // bki, n_routed=k, sps=sps,
+                          shared_first=shared_first, eviction=eviction),
+        grid=(d // bd,), in_specs=[pl.no_block_spec] * 5,
+        out_specs=pl.BlockSpec((1, bd), lambda j: (0, j)), out_shape=jax.ShapeDtypeStruct((1, d), h.dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=1),
+        interpret=interpret_mode(), name="experts_fwd_kernel_down_rows_fused",
+    )(h, ids.reshape(-1), w.reshape(-1), wd_rows, sd_rows)
+
+
+def down_rows_slot_kernel(h_ref, ids_ref, w_ref, wd_ref, sd_ref, o_ref, *, BKI, n_chunks, n_routed, eviction):
+    # grid (K + 1, D / BD); o_ref [1, BD] fp32 partial of slot s (s = K: the shared expert, unweighted)
+    s = pl.program_id(0)
+    bd = o_ref.shape[1]
+    rows = pl.ds(pl.multiple_of(pl.program_id(1) * bd, bd), bd)
+    out = functools.partial(_rows_out, h_ref, BKI=BKI, n_chunks=n_chunks, dt=wd_ref.dtype)
+    i_k = lax.iota(jnp.int32, n_routed)
+
+    @pl.when(s < n_routed)
+    def _():
+        e = jnp.sum(jnp.where(i_k == s, ids_ref[...], 0))
+        w_s = jnp.sum(jnp.where(i_k == s, w_ref[...], 0.0))
+        o_ref[...] = (w_s * out(s, lambda ks: ex._load(wd_ref, (e, rows, ks), eviction)))[None, :]
+
+    @pl.when(s == n_routed)
+    def _():
+        o_ref[...] = out(s, lambda ks: sd_ref[rows, ks])[None, :]
+
+
+def down_rows_slots(h, w, ids, wd_rows, sd_rows, *, bd, warps):
+    k, _, i = h.shape
+    k -= 1
+    d = sd_rows.shape[0]
+    bki = min(256, i & -i)
+    parts = pl.pallas_call(
+        functools.partial(down_rows_slot_kernel, BKI=bki, n_chunks=i // bki, n_routed=k, eviction=TU.routed_eviction),
+        grid=(k + 1, d // bd), in_specs=[pl.no_block_spec] * 5,
+        out_specs=pl.BlockSpec((None, 1, bd), lambda s, j: (s, 0, j)),
+        out_shape=jax.ShapeDtypeStruct((k + 1, 1, d), F32),
+        compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=1),
+        interpret=interpret_mode(), name="experts_fwd_kernel_down_rows",
+    )(h, ids.reshape(-1), w.reshape(-1), wd_rows, sd_rows)
+    return jnp.sum(parts[:k], axis=0).astype(h.dtype) + parts[k].astype(h.dtype)
+
+
+def down_panels_kernel(h_ref, ids_ref, w_ref, wd_ref, sd_ref, o_ref, *, BKI, n_chunks, n_routed, eviction):
+    # wd_ref [E, D / BD, I, BD]; sd_ref [D / BD, I, BD]; grid (K + 1, D / BD); o_ref [1, BD] fp32 partial
+    s, j = pl.program_id(0), pl.program_id(1)
+    bd = o_ref.shape[1]
+    whole = pl.ds(0, bd)
+    i_k = lax.iota(jnp.int32, n_routed)
+
+    def out(load):
+        return ex._down_cols(lambda ks: h_ref[s, :, ks], load, BKI=BKI, n_chunks=n_chunks, bd=bd, to=1,
+                             dt=wd_ref.dtype)
+
+    @pl.when(s < n_routed)
+    def _():
+        e = jnp.sum(jnp.where(i_k == s, ids_ref[...], 0))
+        w_s = jnp.sum(jnp.where(i_k == s, w_ref[...], 0.0))
+        o_ref[...] = w_s * out(lambda ks: ex._load(wd_ref, (e, j, ks, whole), eviction))
+
+    @pl.when(s == n_routed)
+    def _():
+        o_ref[...] = out(lambda ks: sd_ref[j, ks, whole])
+
+
+def down_panels(h, w, ids, wd_p, sd_p):
+    k, _, i = h.shape
+    k -= 1
+    n_p, _, bd = sd_p.shape
+    bki = min(TU.block_ki, i & -i)
+    parts = pl.pallas_call(
+        functools.partial(down_panels_kernel, BKI=bki, n_chunks=i // bki, n_routed=k, eviction=TU.routed_eviction),
+        grid=(k + 1, n_p), in_specs=[pl.no_block_spec] * 5,
+        out_specs=pl.BlockSpec((None, 1, bd), lambda s, j: (s, 0, j)),
+        out_shape=jax.ShapeDtypeStruct((k + 1, 1, n_p * bd), F32),
+        compiler_params=pltriton.CompilerParams(num_warps=TU.warps_down, num_stages=TU.stages_down),
+        interpret=interpret_mode(), name="experts_fwd_kernel_down_panels",
+    )(h, ids.reshape(-1), w.reshape(-1), wd_p, sd_p)
+    return jnp.sum(parts[:k], axis=0).astype(h.dtype) + parts[k].astype(h.dtype)
+
+
+def as_rows(w):
+    """The memory of w [.., I, D] read as [.., D, I] (a reshape: no data moves)."""
+    *lead, i, d = w.shape
+    return w.reshape(*lead, d, i)
+
+
+def _route(x, lay):
+    return router_mod.route(x, lay["router"], lay["bias"], **pt.ROUTE_KW, prefetch=(lay["sg"], lay["su"], lay["sd"]))
+
+
+def rows_layer(fused=True, **kw):
+    def f(x, lay):
+        w, ids = _route(x, lay)
+        h = gate_up_h(x, ids, lay)
+        down = down_rows_fused if fused else down_rows_slots
+        return down(h, w, ids, as_rows(lay["wd"]), as_rows(lay["sd"]), **kw)
+    return f
+
+
+def rows_reference(x, lay):
+    """The reference layer on W_down as the row variants read it ([.., D, I] memory, logically [.., I, D])."""
+    logical = {n: jnp.swapaxes(as_rows(lay[n]), -1, -2) for n in ("wd", "sd")}
+    return pt.reference_layer(x, {**lay, **logical})
+
+
+def panels_layer(x, lay):
+    bd = min(TU.block_d, x.shape[1])
+    w, ids = _route(x, lay)
+    h = gate_up_h(x, ids, lay)
+    return down_panels(h, w, ids, pp.as_panels(lay["wd"], bd), pp.as_panels(lay["sd"], bd))
+
+
+def panels_reference(x, lay):
+    bd = min(TU.block_d, x.shape[1])
+    logical = {n: pp.panels_to_rows(pp.as_panels(lay[n], bd)) for n in ("wd", "sd")}
+    return pt.reference_layer(x, {**lay, **logical})
+
+
+def _fused(bd, warps, sps, **kw):
+    return (f"dep: rows fused BD {bd}, {warps} warps, {sps} slots/step" + "".join(f", {k} {v}" for k, v in kw.items()),
+            rows_layer(bd=bd, warps=warps, sps=sps, **kw), rows_reference)
+
+
+VARIANTS = {
+    "s10c1": lambda: [
+        ("dep: production layer", ps.prod_layer, pt.reference_layer),
+        _fused(2, 1, 1),
+        _fused(4, 1, 1),
+        _fused(4, 1, 2),
+        _fused(2, 1, 8),
+        _fused(8, 2, 1),
+        _fused(8, 2, 2),
+        _fused(16, 4, 2),
+        _fused(4, 1, 2, shared_first=True),
+        ("dep: rows per slot BD 4 + XLA combine", rows_layer(fused=False, bd=4, warps=1), rows_reference),
+        ("dep: rows per slot BD 8, 2 warps + XLA combine", rows_layer(fused=False, bd=8, warps=2), rows_reference),
+        ("dep: stripe panels", panels_layer, panels_reference),
+        ("dep: production layer again", ps.prod_layer, pt.reference_layer),
+    ],
+}
+
+
+def main():
+    args, out, x, layers, only = pf.chain_probe_setup("probe_moe_down_rows_fused", VARIANTS, "s10c1", only_sep=";")
+    results = {**run_header(), "layers": len(layers), "rows": []}
+    ps.record_variants(results, out, x, layers, only,
+                       [(label, fn, check, False) for label, fn, check in VARIANTS[args.set]()])
+    write_results(out, results, to_repo=not args.toy)
+
+
+if __name__ == "__main__":
+    main()
