@@ -67,25 +67,31 @@ def gate_up_h(x, ids, lay):
     )(x, ids.reshape(-1), lay["wg"], lay["wu"], lay["sg"], lay["su"])
 
 
-def _rows_out(h_ref, s, load, *, BKI, n_chunks, dt):
-    """One expert's output for the program's BD rows: [BD] fp32 holding values rounded to dt (as the reference)."""
+def _rows_out(h_ref, s, load, *, BKI, n_chunks, dt, reduce_once=False):
+    """One expert's output for the program's BD rows: [BD] fp32 holding values rounded to dt (as the reference).
+    reduce_once: the chunks' products summed elementwise, one cross-lane reduction per expert instead of one per
+    chunk."""
     acc = None
     for c in range(n_chunks):  # written out: the expert's whole rows are loaded together
         ks = pl.ds(c * BKI, BKI)
-        part = jnp.sum(load(ks).astype(F32) * h_ref[s, :, ks].astype(F32), axis=1)
+        part = load(ks).astype(F32) * h_ref[s, :, ks].astype(F32)
+        if not reduce_once:
+            part = jnp.sum(part, axis=1)
         acc = part if acc is None else acc + part
+    if reduce_once:
+        acc = jnp.sum(acc, axis=1)
     return acc.astype(dt).astype(F32)
 
 
 def down_rows_fused_kernel(h_ref, ids_ref, w_ref, wd_ref, sd_ref, y_ref, *, BKI, n_chunks, n_routed, sps,
-                           shared_first, eviction):
+                           shared_first, eviction, reduce_once):
     # h_ref [K + 1, 1, I]; ids_ref [K] int32; w_ref [K] fp32; wd_ref [E, D, I]; sd_ref [D, I]; y_ref [1, BD]
     bd = y_ref.shape[1]
     dt = y_ref.dtype
     rows = pl.ds(pl.multiple_of(pl.program_id(0) * bd, bd), bd)
     ids, wts = ids_ref[...], w_ref[...]
     i_k = lax.iota(jnp.int32, n_routed)
-    out = functools.partial(_rows_out, h_ref, BKI=BKI, n_chunks=n_chunks, dt=dt)
+    out = functools.partial(_rows_out, h_ref, BKI=BKI, n_chunks=n_chunks, dt=dt, reduce_once=reduce_once)
 
     def routed(s):
         e = jnp.sum(jnp.where(i_k == s, ids, 0))
@@ -107,19 +113,40 @@ def down_rows_fused_kernel(h_ref, ids_ref, w_ref, wd_ref, sd_ref, y_ref, *, BKI,
     y_ref[...] = (tot.astype(dt) + shared.astype(dt))[None, :]
 
 
-def down_rows_fused(h, w, ids, wd_rows, sd_rows, *, bd, warps, sps, shared_first=False, eviction=TU.routed_eviction):
+def down_rows_fused(h, w, ids, wd_rows, sd_rows, *, bd, warps, sps=8, shared_first=False, eviction=TU.routed_eviction,
+                    reduce_once=False, gather=False):
     k, _, i = h.shape
     k -= 1
     d = sd_rows.shape[0]
     bki = min(256, i & -i)
     return pl.pallas_call(
+        functools.partial(down_rows_gather_kernel, BKI=bki, n_chunks=i // bki, n_routed=k, eviction=eviction)
+        if gather else
         functools.partial(down_rows_fused_kernel, BKI=bki, n_chunks=i // bki, n_routed=k, sps=sps,
-                          shared_first=shared_first, eviction=eviction),
+                          shared_first=shared_first, eviction=eviction, reduce_once=reduce_once),
         grid=(d // bd,), in_specs=[pl.no_block_spec] * 5,
         out_specs=pl.BlockSpec((1, bd), lambda j: (0, j)), out_shape=jax.ShapeDtypeStruct((1, d), h.dtype),
         compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=1),
         interpret=interpret_mode(), name="experts_fwd_kernel_down_rows_fused",
     )(h, ids.reshape(-1), w.reshape(-1), wd_rows, sd_rows)
+
+
+def down_rows_gather_kernel(h_ref, ids_ref, w_ref, wd_ref, sd_ref, y_ref, *, BKI, n_chunks, n_routed, eviction):
+    # As down_rows_fused_kernel, each chunk's loads for all K routed experts in one gather: wd_ref[ids, rows, ks]
+    # -> [K, BD, BKI] (one load op, its K·BD·BKI·2 bytes issued together).
+    bd = y_ref.shape[1]
+    dt = y_ref.dtype
+    rows = pl.ds(pl.multiple_of(pl.program_id(0) * bd, bd), bd)
+    ids, wts = ids_ref[...], w_ref[...]
+    acc = None
+    for c in range(n_chunks):
+        ks = pl.ds(c * BKI, BKI)
+        w_t = ex._load(wd_ref, (ids, rows, ks), eviction).astype(F32)  # [K, BD, BKI]
+        part = jnp.sum(w_t * h_ref[pl.ds(0, n_routed), :, ks].astype(F32), axis=2)  # [K, BD]
+        acc = part if acc is None else acc + part
+    routed = jnp.sum(wts[:, None] * acc.astype(dt).astype(F32), axis=0)
+    shared = _rows_out(h_ref, n_routed, lambda ks: sd_ref[rows, ks], BKI=BKI, n_chunks=n_chunks, dt=dt)
+    y_ref[...] = (routed.astype(dt) + shared.astype(dt))[None, :]
 
 
 def down_rows_slot_kernel(h_ref, ids_ref, w_ref, wd_ref, sd_ref, o_ref, *, BKI, n_chunks, n_routed, eviction):
@@ -233,7 +260,7 @@ def panels_reference(x, lay):
     return pt.reference_layer(x, {**lay, **logical})
 
 
-def _fused(bd, warps, sps, **kw):
+def _fused(bd, warps, sps=8, **kw):
     return (f"dep: rows fused BD {bd}, {warps} warps, {sps} slots/step" + "".join(f", {k} {v}" for k, v in kw.items()),
             rows_layer(bd=bd, warps=warps, sps=sps, **kw), rows_reference)
 
@@ -254,11 +281,26 @@ VARIANTS = {
         ("dep: stripe panels", panels_layer, panels_reference),
         ("dep: production layer again", ps.prod_layer, pt.reference_layer),
     ],
+    "s10c2": lambda: [
+        ("dep: production layer", ps.prod_layer, pt.reference_layer),
+        _fused(2, 1),
+        _fused(2, 1, reduce_once=True),
+        _fused(1, 1),
+        _fused(1, 1, reduce_once=True),
+        _fused(4, 1, reduce_once=True),
+        _fused(2, 1, eviction=None),
+        _fused(2, 1, 4),
+        _fused(1, 1, gather=True),
+        _fused(2, 1, gather=True),
+        _fused(4, 2, gather=True),
+        _fused(2, 1, gather=True, eviction=None),
+        ("dep: production layer again", ps.prod_layer, pt.reference_layer),
+    ],
 }
 
 
 def main():
-    args, out, x, layers, only = pf.chain_probe_setup("probe_moe_down_rows_fused", VARIANTS, "s10c1", only_sep=";")
+    args, out, x, layers, only = pf.chain_probe_setup("probe_moe_down_rows_fused", VARIANTS, "s10c2", only_sep=";")
     results = {**run_header(), "layers": len(layers), "rows": []}
     ps.record_variants(results, out, x, layers, only,
                        [(label, fn, check, False) for label, fn, check in VARIANTS[args.set]()])
