@@ -44,6 +44,7 @@ import probe_moe_splitk as ps
 import probe_moe_t1 as pt
 from bench_common import run_header, write_results
 from pallas_kernels.common import interpret_mode
+from pallas_kernels.common.pdl import launch_dependents
 from pallas_kernels.moe import experts as ex
 from pallas_kernels.moe import router as router_mod
 
@@ -51,14 +52,15 @@ TU = ex.DECODE_TUNING
 F32 = jnp.float32
 
 
-def gate_up_h(x, ids, lay):
-    """The production T = 1 gate/up launch (routed + shared) -> h [K + 1, 1, I]."""
+def gate_up_h(x, ids, lay, early_launch=False):
+    """The production T = 1 gate/up launch (routed + shared) -> h [K + 1, 1, I]; early_launch: its programs first
+    admit the down launch (PDL)."""
     d, (i, k) = x.shape[1], (lay["sg"].shape[0], ids.shape[1])
     bi, bk = TU.block_i, min(TU.block_k, d)
     return pl.pallas_call(
         functools.partial(ex.experts_fwd_kernel_gate_up, BK=bk, n_chunks=d // bk, n_routed=k,
                           limit=pt.LIMITS["limit"], shared_limit=pt.LIMITS["shared_limit"], has_shared=True,
-                          mode=TU.t1_gate_up, eviction=TU.routed_eviction),
+                          mode=TU.t1_gate_up, eviction=TU.routed_eviction, early_launch=early_launch),
         grid=(k + 1, i // bi), in_specs=[pl.no_block_spec] * 6,
         out_specs=pl.BlockSpec((None, 1, bi), lambda s, j: (s, 0, j)),
         out_shape=jax.ShapeDtypeStruct((k + 1, 1, i), x.dtype),
@@ -84,8 +86,10 @@ def _rows_out(h_ref, s, load, *, BKI, n_chunks, dt, reduce_once=False):
 
 
 def down_rows_fused_kernel(h_ref, ids_ref, w_ref, wd_ref, sd_ref, y_ref, *, BKI, n_chunks, n_routed, sps,
-                           shared_first, eviction, reduce_once):
+                           shared_first, eviction, reduce_once, early_launch):
     # h_ref [K + 1, 1, I]; ids_ref [K] int32; w_ref [K] fp32; wd_ref [E, D, I]; sd_ref [D, I]; y_ref [1, BD]
+    if early_launch:
+        launch_dependents()
     bd = y_ref.shape[1]
     dt = y_ref.dtype
     rows = pl.ds(pl.multiple_of(pl.program_id(0) * bd, bd), bd)
@@ -114,16 +118,18 @@ def down_rows_fused_kernel(h_ref, ids_ref, w_ref, wd_ref, sd_ref, y_ref, *, BKI,
 
 
 def down_rows_fused(h, w, ids, wd_rows, sd_rows, *, bd, warps, sps=8, shared_first=False, eviction=TU.routed_eviction,
-                    reduce_once=False, gather=False):
+                    reduce_once=False, gather=False, early_launch=False, bki=256):
     k, _, i = h.shape
     k -= 1
     d = sd_rows.shape[0]
-    bki = min(256, i & -i)
+    bki = min(bki, i & -i)
     return pl.pallas_call(
-        functools.partial(down_rows_gather_kernel, BKI=bki, n_chunks=i // bki, n_routed=k, eviction=eviction)
+        functools.partial(down_rows_gather_kernel, BKI=bki, n_chunks=i // bki, n_routed=k, eviction=eviction,
+                          early_launch=early_launch)
         if gather else
         functools.partial(down_rows_fused_kernel, BKI=bki, n_chunks=i // bki, n_routed=k, sps=sps,
-                          shared_first=shared_first, eviction=eviction, reduce_once=reduce_once),
+                          shared_first=shared_first, eviction=eviction, reduce_once=reduce_once,
+                          early_launch=early_launch),
         grid=(d // bd,), in_specs=[pl.no_block_spec] * 5,
         out_specs=pl.BlockSpec((1, bd), lambda j: (0, j)), out_shape=jax.ShapeDtypeStruct((1, d), h.dtype),
         compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=1),
@@ -131,9 +137,12 @@ def down_rows_fused(h, w, ids, wd_rows, sd_rows, *, bd, warps, sps=8, shared_fir
     )(h, ids.reshape(-1), w.reshape(-1), wd_rows, sd_rows)
 
 
-def down_rows_gather_kernel(h_ref, ids_ref, w_ref, wd_ref, sd_ref, y_ref, *, BKI, n_chunks, n_routed, eviction):
+def down_rows_gather_kernel(h_ref, ids_ref, w_ref, wd_ref, sd_ref, y_ref, *, BKI, n_chunks, n_routed, eviction,
+                            early_launch):
     # As down_rows_fused_kernel, each chunk's loads for all K routed experts in one gather: wd_ref[ids, rows, ks]
     # -> [K, BD, BKI] (one load op, its K·BD·BKI·2 bytes issued together).
+    if early_launch:
+        launch_dependents()
     bd = y_ref.shape[1]
     dt = y_ref.dtype
     rows = pl.ds(pl.multiple_of(pl.program_id(0) * bd, bd), bd)
@@ -232,10 +241,10 @@ def _route(x, lay):
     return router_mod.route(x, lay["router"], lay["bias"], **pt.ROUTE_KW, prefetch=(lay["sg"], lay["su"], lay["sd"]))
 
 
-def rows_layer(fused=True, **kw):
+def rows_layer(fused=True, early_gate_up=False, **kw):
     def f(x, lay):
         w, ids = _route(x, lay)
-        h = gate_up_h(x, ids, lay)
+        h = gate_up_h(x, ids, lay, early_launch=early_gate_up)
         down = down_rows_fused if fused else down_rows_slots
         return down(h, w, ids, as_rows(lay["wd"]), as_rows(lay["sd"]), **kw)
     return f
@@ -296,11 +305,25 @@ VARIANTS = {
         _fused(2, 1, gather=True, eviction=None),
         ("dep: production layer again", ps.prod_layer, pt.reference_layer),
     ],
+    "s10c3": lambda: [
+        ("dep: production layer", ps.prod_layer, pt.reference_layer),
+        _fused(1, 1),
+        _fused(1, 1, early_launch=True),
+        _fused(1, 1, early_launch=True, early_gate_up=True),
+        _fused(1, 1, early_gate_up=True),
+        _fused(1, 1, bki=128),
+        _fused(1, 2),
+        _fused(1, 2, gather=True),
+        _fused(1, 4, gather=True),
+        _fused(1, 1, reduce_once=True, early_launch=True),
+        _fused(1, 1),
+        ("dep: production layer again", ps.prod_layer, pt.reference_layer),
+    ],
 }
 
 
 def main():
-    args, out, x, layers, only = pf.chain_probe_setup("probe_moe_down_rows_fused", VARIANTS, "s10c2", only_sep=";")
+    args, out, x, layers, only = pf.chain_probe_setup("probe_moe_down_rows_fused", VARIANTS, "s10c3", only_sep=";")
     results = {**run_header(), "layers": len(layers), "rows": []}
     ps.record_variants(results, out, x, layers, only,
                        [(label, fn, check, False) for label, fn, check in VARIANTS[args.set]()])
