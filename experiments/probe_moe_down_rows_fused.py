@@ -45,6 +45,7 @@ import probe_moe_t1 as pt
 from bench_common import run_header, write_results
 from pallas_kernels.common import interpret_mode
 from pallas_kernels.common.pdl import launch_dependents
+from pallas_kernels.common.prefetch import prefetch_l2
 from pallas_kernels.moe import experts as ex
 from pallas_kernels.moe import router as router_mod
 
@@ -86,15 +87,21 @@ def _rows_out(h_ref, s, load, *, BKI, n_chunks, dt, reduce_once=False):
 
 
 def down_rows_fused_kernel(h_ref, ids_ref, w_ref, wd_ref, sd_ref, y_ref, *, BKI, n_chunks, n_routed, sps,
-                           shared_first, eviction, reduce_once, early_launch):
+                           shared_first, eviction, reduce_once, early_launch, prefetch_from):
     # h_ref [K + 1, 1, I]; ids_ref [K] int32; w_ref [K] fp32; wd_ref [E, D, I]; sd_ref [D, I]; y_ref [1, BD]
+    # prefetch_from: slots >= this have their rows handed to L2 first (cp.async.bulk.prefetch.L2; n_routed: none)
     if early_launch:
         launch_dependents()
     bd = y_ref.shape[1]
     dt = y_ref.dtype
-    rows = pl.ds(pl.multiple_of(pl.program_id(0) * bd, bd), bd)
+    row0 = pl.multiple_of(pl.program_id(0) * bd, bd)
+    rows = pl.ds(row0, bd)
     ids, wts = ids_ref[...], w_ref[...]
     i_k = lax.iota(jnp.int32, n_routed)
+    _, d, i = wd_ref.shape
+    for s in range(prefetch_from, n_routed):
+        e = jnp.sum(jnp.where(i_k == s, ids, 0))
+        prefetch_l2(wd_ref, (e * d + row0) * i, bd * i * wd_ref.dtype.itemsize, evict_last=False)
     out = functools.partial(_rows_out, h_ref, BKI=BKI, n_chunks=n_chunks, dt=dt, reduce_once=reduce_once)
 
     def routed(s):
@@ -118,7 +125,7 @@ def down_rows_fused_kernel(h_ref, ids_ref, w_ref, wd_ref, sd_ref, y_ref, *, BKI,
 
 
 def down_rows_fused(h, w, ids, wd_rows, sd_rows, *, bd, warps, sps=8, shared_first=False, eviction=TU.routed_eviction,
-                    reduce_once=False, gather=False, early_launch=False, bki=256):
+                    reduce_once=False, gather=False, early_launch=False, bki=256, prefetch_from=None):
     k, _, i = h.shape
     k -= 1
     d = sd_rows.shape[0]
@@ -129,7 +136,7 @@ def down_rows_fused(h, w, ids, wd_rows, sd_rows, *, bd, warps, sps=8, shared_fir
         if gather else
         functools.partial(down_rows_fused_kernel, BKI=bki, n_chunks=i // bki, n_routed=k, sps=sps,
                           shared_first=shared_first, eviction=eviction, reduce_once=reduce_once,
-                          early_launch=early_launch),
+                          early_launch=early_launch, prefetch_from=k if prefetch_from is None else prefetch_from),
         grid=(d // bd,), in_specs=[pl.no_block_spec] * 5,
         out_specs=pl.BlockSpec((1, bd), lambda j: (0, j)), out_shape=jax.ShapeDtypeStruct((1, d), h.dtype),
         compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=1),
@@ -319,11 +326,23 @@ VARIANTS = {
         _fused(1, 1),
         ("dep: production layer again", ps.prod_layer, pt.reference_layer),
     ],
+    "s10c4": lambda: [
+        ("dep: production layer", ps.prod_layer, pt.reference_layer),
+        _fused(1, 1, early_launch=True),
+        _fused(1, 1, early_launch=True, prefetch_from=0),
+        _fused(1, 1, early_launch=True, prefetch_from=4),
+        _fused(1, 1, early_launch=True, prefetch_from=6),
+        _fused(2, 1, early_launch=True, prefetch_from=0),
+        _fused(1, 1, early_launch=True, shared_first=True),
+        _fused(1, 1, early_launch=True, eviction=None),
+        _fused(1, 1, early_launch=True),
+        ("dep: production layer again", ps.prod_layer, pt.reference_layer),
+    ],
 }
 
 
 def main():
-    args, out, x, layers, only = pf.chain_probe_setup("probe_moe_down_rows_fused", VARIANTS, "s10c3", only_sep=";")
+    args, out, x, layers, only = pf.chain_probe_setup("probe_moe_down_rows_fused", VARIANTS, "s10c4", only_sep=";")
     results = {**run_header(), "layers": len(layers), "rows": []}
     ps.record_variants(results, out, x, layers, only,
                        [(label, fn, check, False) for label, fn, check in VARIANTS[args.set]()])
