@@ -53,11 +53,11 @@ TU = ex.DECODE_TUNING
 F32 = jnp.float32
 
 
-def gate_up_h(x, ids, lay, early_launch=False):
+def gate_up_h(x, ids, lay, early_launch=False, bi=TU.block_i, bk=TU.block_k):
     """The production T = 1 gate/up launch (routed + shared) -> h [K + 1, 1, I]; early_launch: its programs first
-    admit the down launch (PDL)."""
+    admit the down launch (PDL); bi, bk: its ExpertsTuning block_i, block_k."""
     d, (i, k) = x.shape[1], (lay["sg"].shape[0], ids.shape[1])
-    bi, bk = TU.block_i, min(TU.block_k, d)
+    bk = min(bk, d)
     return pl.pallas_call(
         functools.partial(ex.experts_fwd_kernel_gate_up, BK=bk, n_chunks=d // bk, n_routed=k,
                           limit=pt.LIMITS["limit"], shared_limit=pt.LIMITS["shared_limit"], has_shared=True,
@@ -248,10 +248,10 @@ def _route(x, lay):
     return router_mod.route(x, lay["router"], lay["bias"], **pt.ROUTE_KW, prefetch=(lay["sg"], lay["su"], lay["sd"]))
 
 
-def rows_layer(fused=True, early_gate_up=False, **kw):
+def rows_layer(fused=True, early_gate_up=False, gate_up_bi=TU.block_i, gate_up_bk=TU.block_k, **kw):
     def f(x, lay):
         w, ids = _route(x, lay)
-        h = gate_up_h(x, ids, lay, early_launch=early_gate_up)
+        h = gate_up_h(x, ids, lay, early_launch=early_gate_up, bi=gate_up_bi, bk=gate_up_bk)
         down = down_rows_fused if fused else down_rows_slots
         return down(h, w, ids, as_rows(lay["wd"]), as_rows(lay["sd"]), **kw)
     return f
@@ -338,11 +338,23 @@ VARIANTS = {
         _fused(1, 1, early_launch=True),
         ("dep: production layer again", ps.prod_layer, pt.reference_layer),
     ],
+    "s10c5": lambda: [
+        ("dep: production layer", ps.prod_layer, pt.reference_layer),
+        _fused(1, 1, early_launch=True),
+        _fused(1, 1, early_launch=True, shared_first=True),
+        _fused(1, 1, early_launch=True, gate_up_bi=1),
+        _fused(1, 1, early_launch=True, gate_up_bi=1, gate_up_bk=256),
+        _fused(1, 1, early_launch=True, gate_up_bi=1, gate_up_bk=1024),
+        _fused(1, 1, early_launch=True, gate_up_bk=1024),
+        _fused(1, 1, early_launch=True, gate_up_bi=1, shared_first=True),
+        _fused(1, 1, early_launch=True, shared_first=True),
+        ("dep: production layer again", ps.prod_layer, pt.reference_layer),
+    ],
 }
 
 
 def main():
-    args, out, x, layers, only = pf.chain_probe_setup("probe_moe_down_rows_fused", VARIANTS, "s10c4", only_sep=";")
+    args, out, x, layers, only = pf.chain_probe_setup("probe_moe_down_rows_fused", VARIANTS, "s10c5", only_sep=";")
     results = {**run_header(), "layers": len(layers), "rows": []}
     ps.record_variants(results, out, x, layers, only,
                        [(label, fn, check, False) for label, fn, check in VARIANTS[args.set]()])
