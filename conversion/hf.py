@@ -14,8 +14,8 @@ entries cover every leaf of `param_specs(cfg)` exactly once with the shapes decl
 `Transform.to_params` (official arrays -> params arrays) and `Transform.to_hf` (the inverse).
 
 Transforms (official torch layout is [out, in]; ling-jax stores [in, out] with heads split out, except the MoE
-router and experts' gate/up, kept [out, in]):
-    IDENTITY  norms, A_log, embed [V, D], router [E, D], expert_bias, routed and shared expert gate/up (already
+router and every expert matrix, kept [out, in]):
+    IDENTITY  norms, A_log, embed [V, D], router [E, D], expert_bias, routed and shared expert gate/up/down (already
               [out, in])
     LINEAR    [prod(out), prod(in)] -> [*in, *out]: the first `n_in` param axes are inputs
               (w_q [D, H, K] <- [H*K, D]; w_o [H, Dv, D] <- [D, H*Dv]; lm_head [D, V] <- [V, D])
@@ -191,14 +191,14 @@ TABLE: tuple[Rule, ...] = (
 
     _rule("mlp.gate.weight", "ffn.router", IDENTITY, MOE),  # [E, D] kept as is (router GEMV streams row segments)
     _rule(("mlp.gate.expert_bias", "mlp.gate.e_score_correction_bias"), "ffn.expert_bias", IDENTITY, MOE),
-    # Gate/up not LINEAR: ling-jax keeps them in torch's [out, in], so every expert matrix is [Ie, D] (a batch-1
-    # gate/up program streams whole D-rows; ling_jax/params.py); each expert's tensor is taken as is, stacked on [E].
-    _rule("mlp.experts.{e}.gate_proj.weight", "ffn.we_gate", IDENTITY, MOE),
+    # Expert matrices not LINEAR: ling-jax keeps them in torch's [out, in] (a batch-1 gate/up or down program streams
+    # whole rows; ling_jax/params.py); each expert's tensor is taken as is, stacked on [E].
+    _rule("mlp.experts.{e}.gate_proj.weight", "ffn.we_gate", IDENTITY, MOE),  # [Ie, D]
     _rule("mlp.experts.{e}.up_proj.weight", "ffn.we_up", IDENTITY, MOE),
-    _rule("mlp.experts.{e}.down_proj.weight", "ffn.we_down", LINEAR, MOE),  # [D, Ie] -> [Ie, D]
+    _rule("mlp.experts.{e}.down_proj.weight", "ffn.we_down", IDENTITY, MOE),  # [D, Ie]
     _rule("mlp.shared_experts.gate_proj.weight", "ffn.ws_gate", IDENTITY, MOE),  # [Is, D]
     _rule("mlp.shared_experts.up_proj.weight", "ffn.ws_up", IDENTITY, MOE),
-    _rule("mlp.shared_experts.down_proj.weight", "ffn.ws_down", LINEAR, MOE),  # [D, Is] -> [Is, D]
+    _rule("mlp.shared_experts.down_proj.weight", "ffn.ws_down", IDENTITY, MOE),  # [D, Is]
 
     _rule("enorm.weight", "enorm", IDENTITY, MTP),
     _rule("hnorm.weight", "hnorm", IDENTITY, MTP),

@@ -94,7 +94,8 @@ def _check_structure(cfg: LingConfig, tree: Any, what: str) -> dict[hf.Path, tup
                 (("missing", missing), ("unexpected", extra), ("wrong shape", shapes)) if items]
     if problems:
         hint = ("\n  (a checkpoint written by an older ling-jax has older layouts, e.g. the MoE router [D, E] before "
-                "it became [E, D]: run `ling-jax convert` on the HF checkpoint again)") if shapes else ""
+                "it became [E, D], or the expert down projections [E, Ie, D] before they became [E, D, Ie]: run "
+                "`ling-jax convert` on the HF checkpoint again)") if shapes else ""
         raise CheckpointError(f"{what} does not match param_specs of its config:\n  " + "\n  ".join(problems) + hint)
     return got
 

@@ -33,7 +33,7 @@ _ST_DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype
 def _item_spec(entry: hf.Entry, spec: ParamSpec) -> ParamSpec:
     if not entry.stacked:
         return spec
-    # One expert's slice keeps the stacked spec's fan-in (gate/up [E, Ie, D]: D; down [E, Ie, D]: Ie).
+    # One expert's slice keeps the stacked spec's fan-in (gate/up [E, Ie, D]: D; down [E, D, Ie]: Ie).
     return ParamSpec(spec.shape[1:], spec.axes[1:], spec.dtype_class, spec.init)
 
 

@@ -18,11 +18,14 @@ routed_eviction=evict_first`: experts.FMA_TOKENS_TUNING, the T = 2 default, at e
 Results are saved after each section (a timeout keeps what finished).
 Weights are cold: NL = 8 layers of experts (6.0 GB each, 48 GB) and routers, used in rotation, so a layer's
 weights were last touched >= 7 layers (>= 0.7 GB) earlier, far past the 60 MB L2.
-Timing has no per-call host cost: one jitted executable runs a *chain* of R·NL layers, layer l's input is
-x_l + 1e-3·y_{l-1} (as a decode step's residual stream: each layer waits for the previous one, its routing
-depends on it, nothing overlaps or hoists), all inputs passed once. µs/layer = slope between the R = 1 and R = 3
-executables / NL (removes the executable's fixed launch cost), median of `--iters` runs of each. The chain's
-residual add (one bf16 [T, D] add) fuses into the layer's final XLA fusion (partials sum + shared add).
+Timing has no per-call host cost: one jitted executable runs a *chain* of R·NL layers, layer l's output is
+x_{l+1} + MoE_l(input_l) and the next layer's input (as a decode step's residual stream: each layer waits for the
+previous one, its routing depends on it, nothing overlaps or hoists; the fresh x_{l+1} keeps every layer's input
+statistics alike), all inputs passed once. µs/layer = slope between the R = 1 and R = 3 executables / NL (removes
+the executable's fixed launch cost), median of `--iters` runs of each. The residual add is the experts' `residual`
+input, as the model passes it (ling_jax/layers/moe.py): at T = 1 the down kernel's epilogue, at T > 1 and in the
+XLA reference part of the final fusion. (Until session 9 the chain added 1e-3·y to x_l in an XLA add that fused
+into the combine fusion; the T = 1 down kernel has no combine fusion to fuse it into: RESULTS.md "Session 10".)
 Bytes: router fp32 D·E·4 + (distinct experts + shared) · 3·D·I·2; % of 4.3 TB/s (measured H200 copy rate).
 """
 
@@ -51,19 +54,18 @@ HBM = HBM_BYTES_PER_S
 VERIFY_ROUTER = VERIFY_EXPERTS = None  # --verify-router, --verify-experts
 LIMIT, SHARED_LIMIT = 4.0, 5.0  # layer 35's clamps (both clamps on: the costlier epilogue)
 
-# Every expert matrix is [.., I, D]: a gate/up program streams BI whole rows of D (BK-wide tiles), a down program
-# BD columns of every row of I. T = 1 sweep around the decode default: rows and warps per gate/up program, the
-# product form (GATE_UP_MODES), and the down program's columns, warps and stages.
+# Gate/up are [.., I, D] and down [.., D, I]: a gate/up program streams BI whole rows of D (BK-wide tiles), a T = 1
+# down program the BD rows of I of each selected expert. T = 1 sweep around the decode default: rows and warps per
+# gate/up program, the product form (GATE_UP_MODES), and the down program's rows, warps and chunk width.
 _D = DECODE_TUNING
 EXPERTS_SWEEP = [
     _D,
     dataclasses.replace(_D, block_i=4, warps_gate_up=2),
     dataclasses.replace(_D, block_i=8, warps_gate_up=4),
-    ExpertsTuning(),  # fma, 16 rows, 4 warps, BK 256
+    ExpertsTuning(),  # fma, 16 rows, 4 warps, BK 256; down 64 rows, 4 warps
     ExpertsTuning(t1_gate_up="dot_w"),
-    dataclasses.replace(_D, warps_down=2),
-    dataclasses.replace(_D, block_d=32, warps_down=2),
-    dataclasses.replace(_D, block_d=128),
+    dataclasses.replace(_D, block_d=2),
+    dataclasses.replace(_D, block_d=2, warps_down=2),
     dataclasses.replace(_D, block_ki=128),
 ]
 # The router is [E, D]: a GEMV program streams BE expert rows' D-split (KS splits, BK-wide tiles). T = 1 sweep
@@ -102,13 +104,13 @@ def short(c):
 def make_layers(nl, key):
     k = jax.random.split(key, 8)
     bf = jnp.bfloat16
-    base = dict(  # every expert matrix [.., I, D] (ling_jax/params.py)
+    base = dict(  # every expert matrix [out, in] (ling_jax/params.py): gate/up [.., I, D], down [.., D, I]
         we_gate=(jax.random.normal(k[0], (E, I, D), bf) * (D ** -0.5)).astype(bf),
         we_up=(jax.random.normal(k[1], (E, I, D), bf) * (D ** -0.5)).astype(bf),
-        we_down=(jax.random.normal(k[2], (E, I, D), bf) * (I ** -0.5)).astype(bf),
+        we_down=(jax.random.normal(k[2], (E, D, I), bf) * (I ** -0.5)).astype(bf),
         ws_gate=(jax.random.normal(k[3], (I, D), bf) * (D ** -0.5)).astype(bf),
         ws_up=(jax.random.normal(k[4], (I, D), bf) * (D ** -0.5)).astype(bf),
-        ws_down=(jax.random.normal(k[5], (I, D), bf) * (I ** -0.5)).astype(bf),
+        ws_down=(jax.random.normal(k[5], (D, I), bf) * (I ** -0.5)).astype(bf),
     )
     layers = []
     for l in range(nl):
@@ -126,11 +128,12 @@ def rel_err(a, b):
     return float(np.abs(a - b).max() / np.abs(b).max())
 
 
-def moe_layer(x, lay, backend, et=None, rt=None):
+def moe_layer(x, lay, backend, et=None, rt=None, residual=None):
     if backend == "reference":
         w, ids = moe.route(x, lay["router"], lay["expert_bias"], **ROUTE_KW)
         return moe.moe_experts(x, w, ids, lay["we_gate"], lay["we_up"], lay["we_down"], lay["ws_gate"],
-                               lay["ws_up"], lay["ws_down"], limit=LIMIT, shared_limit=SHARED_LIMIT)
+                               lay["ws_up"], lay["ws_down"], limit=LIMIT, shared_limit=SHARED_LIMIT,
+                               residual=residual)
     if x.shape[0] > 1:  # the T = 1 sweeps' tunings; T > 1 runs experts/router.default_tuning(T)
         et, rt = VERIFY_EXPERTS, VERIFY_ROUTER  # (--verify-*: the VERIFY_TUNINGs with some fields replaced)
     # The model's MoE block (ling_jax/layers/moe.py): the top-k launch prefetches the shared expert into L2.
@@ -138,18 +141,19 @@ def moe_layer(x, lay, backend, et=None, rt=None):
                               prefetch=(lay["ws_gate"], lay["ws_up"], lay["ws_down"]))
     return moe_experts_fused(x, w, ids, lay["we_gate"], lay["we_up"], lay["we_down"], lay["ws_gate"],
                              lay["ws_up"], lay["ws_down"], limit=LIMIT, shared_limit=SHARED_LIMIT,
-                             tuning=et)
+                             tuning=et, residual=residual)
 
 
 def make_chain(layer_fn, nl, reps):
-    """One executable: reps·nl layers in a chain (layer l's input = xs[l] + 1e-3·previous output)."""
+    """One executable: reps·nl layers in a chain, layer_fn(x, layer, residual); layer l's output xs[l + 1] +
+    MoE_l(x) is layer l + 1's input."""
     @jax.jit
     def run(layers, xs):
-        y = jnp.zeros_like(xs[0])
+        x = xs[0]
         for _ in range(reps):
             for l in range(nl):
-                y = layer_fn(xs[l] + (y * 1e-3).astype(y.dtype), layers[l])
-        return y
+                x = layer_fn(x, layers[l], xs[(l + 1) % nl])
+        return x
     return run
 
 
@@ -273,7 +277,8 @@ def main(argv=None):
               f"{gbs:7.0f} GB/s {r['pct_of_4p3TBps']:5.1f}% distinct={distinct} {note}", flush=True)
 
     def timed(t, et=None, rt=None, backend="pallas"):
-        return time_chain(lambda x, lay: moe_layer(x, lay, backend, et, rt), layers, xs_for(t), iters=args.iters)
+        return time_chain(lambda x, lay, res: moe_layer(x, lay, backend, et, rt, res), layers, xs_for(t),
+                          iters=args.iters)
 
     nb1, d1 = floor_bytes(1)
     x1 = xs_for(1)[0]
@@ -283,7 +288,7 @@ def main(argv=None):
     def device_us(et, rt):  # (layer, router GEMV) device µs per layer (profiler, cold chain); None off the GPU
         if jax.default_backend() != "gpu":
             return None, None
-        ks, span = profile_chain(lambda x, lay: moe_layer(x, lay, "pallas", et, rt), layers, xs_for(1))
+        ks, span = profile_chain(lambda x, lay, res: moe_layer(x, lay, "pallas", et, rt, res), layers, xs_for(1))
         gemv = sum(k["us_per_layer"] for k in ks if "router_fwd_kernel_gemv" in k["kernel"])
         return span, round(gemv, 2)
 
@@ -324,7 +329,7 @@ def main(argv=None):
         if args.no_profile or jax.default_backend() != "gpu":
             return
         try:
-            ks, span = profile_chain(lambda x, lay: moe_layer(x, lay, "pallas", et_best, rt_best), layers,
+            ks, span = profile_chain(lambda x, lay, res: moe_layer(x, lay, "pallas", et_best, rt_best, res), layers,
                                      xs_for(t))
         except Exception as exc:
             print(f"profile T={t}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)

@@ -64,10 +64,10 @@ def kda_op(backend, T, split_o=None, conv="xla"):
 def moe_op(backend, T):
     k = jax.random.split(jax.random.key(0), 8)
     bf = jnp.bfloat16
-    lay = dict(  # every expert matrix [.., I, D] (ling_jax/params.py)
+    lay = dict(  # every expert matrix [out, in] (ling_jax/params.py): gate/up [.., I, D], down [.., D, I]
         we_gate=jax.random.normal(k[0], (E, I, D), bf), we_up=jax.random.normal(k[1], (E, I, D), bf),
-        we_down=jax.random.normal(k[2], (E, I, D), bf), ws_gate=jax.random.normal(k[3], (I, D), bf),
-        ws_up=jax.random.normal(k[4], (I, D), bf), ws_down=jax.random.normal(k[5], (I, D), bf),
+        we_down=jax.random.normal(k[2], (E, D, I), bf), ws_gate=jax.random.normal(k[3], (I, D), bf),
+        ws_up=jax.random.normal(k[4], (I, D), bf), ws_down=jax.random.normal(k[5], (D, I), bf),
         router=jax.random.normal(k[6], (E, D), jnp.float32) * D ** -0.5,  # [E, D]
         expert_bias=0.01 * jax.random.normal(k[7], (E,), jnp.float32))
     x = jax.random.normal(jax.random.key(1), (T, D), bf)

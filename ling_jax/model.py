@@ -61,10 +61,8 @@ def block(p: dict, h: jnp.ndarray, entry, start: jax.Array, cfg: LingConfig, lay
     x = rms_norm(h, p["post_norm"], eps)
     if ffn == MOE:
         moe_op = "moe_prefill" if mode == "prefill" else "moe_decode"
-        m = moe_block(p["ffn"], x, cfg, layer, backend=op_backend(backend, moe_op))
-    else:
-        m = dense_mlp(p["ffn"], x)
-    return h + m, entry
+        return moe_block(p["ffn"], x, cfg, layer, backend=op_backend(backend, moe_op), residual=h), entry
+    return h + dense_mlp(p["ffn"], x), entry
 
 
 def forward(params: dict, tokens: jax.Array, layers: tuple, start: jax.Array, cfg: LingConfig, *, mode: str,

@@ -3,10 +3,10 @@
 `param_specs(cfg)` returns the params pytree with a `ParamSpec` at every leaf. Random init, shardings, the
 checkpoint converter and the synthetic-checkpoint writer all derive from it, so nothing drifts.
 
-Layout (ling-jax names; weights stored [in, out], unlike torch's [out, in], except the MoE router and the
-experts' gate and up projections, stored [out, in] as in torch, so that the router is [E, D] and every expert
-matrix is [.., Ie, D]: a batch-1 router or gate/up program then streams contiguous rows or D-splits of rows
-(pallas_kernels/moe/router.py, experts.py)):
+Layout (ling-jax names; weights stored [in, out], unlike torch's [out, in], except the MoE router and every
+expert matrix, stored [out, in] as in torch: the router [E, D], gate/up [.., Ie, D], down [.., D, Ie], so a
+batch-1 router, gate/up or down program streams contiguous rows or D-splits of rows (pallas_kernels/moe/router.py,
+experts.py)):
 
     embed [V, D] · final_norm [D] · lm_head [D, V]
     layers[i] = {input_norm, post_norm, mixer, ffn}
@@ -16,9 +16,9 @@ matrix is [.., Ie, D]: a batch-1 router or gate/up program then streams contiguo
                   w_kv_a [D, R + P] · kv_a_norm [R] · w_k_b [R, H, Dn] · w_v_b [R, H, Dv] · w_gate [D, H]
                   w_o [H, Dv, D]
       ffn, dense: w_gate w_up [D, I] · w_down [I, D]
-      ffn, MoE:   router [E, D] (fp32) · expert_bias [E] (fp32) · we_gate we_up [E, Ie, D] · we_down [E, Ie, D]
-                  ws_gate ws_up [Is, D] · ws_down [Is, D]   (shared expert; absent when num_shared_experts = 0)
-                  (router and gate/up [out, in]: the exception above)
+      ffn, MoE:   router [E, D] (fp32) · expert_bias [E] (fp32) · we_gate we_up [E, Ie, D] · we_down [E, D, Ie]
+                  ws_gate ws_up [Is, D] · ws_down [D, Is]   (shared expert; absent when num_shared_experts = 0)
+                  (all [out, in]: the exception above)
     mtp (when num_mtp_layers = 1) = {enorm, hnorm [D], eh_proj [2D, D], final_norm [D], layer = MLA + MoE layer}
 
 Letters: D hidden, H heads, K KDA head dim, W conv taps, R kv_lora_rank, P rope dims, Dn/Dv/Dqk MLA head dims,
@@ -109,15 +109,15 @@ def moe_specs(c: LingConfig) -> dict[str, ParamSpec]:
         # Router [E, D] (torch's [out, in]): a router GEMV program streams contiguous D-splits of expert rows.
         "router": ParamSpec((E, D), (None, "embed"), FP32, init="fan_in_last"),
         "expert_bias": ParamSpec((E,), (None,), FP32, init="small"),
-        # Gate/up [out, in] (torch's layout; see the module docstring): init's fan-in is the last axis.
+        # Expert matrices [out, in] (torch's layout; see the module docstring): init's fan-in is the last axis.
         "we_gate": ParamSpec((E, Ie, D), ("experts", "ffn", "embed"), init="fan_in_last"),
         "we_up": ParamSpec((E, Ie, D), ("experts", "ffn", "embed"), init="fan_in_last"),
-        "we_down": ParamSpec((E, Ie, D), ("experts", "ffn", "embed")),
+        "we_down": ParamSpec((E, D, Ie), ("experts", "embed", "ffn"), init="fan_in_last"),
     }
     if c.num_shared_experts:
         out_in = functools.partial(ParamSpec, init="fan_in_last")
         specs.update({"ws_gate": out_in((Is, D), ("ffn", "embed")), "ws_up": out_in((Is, D), ("ffn", "embed")),
-                      "ws_down": ParamSpec((Is, D), ("ffn", "embed"))})
+                      "ws_down": out_in((D, Is), ("embed", "ffn"))})
     return specs
 
 
@@ -185,12 +185,10 @@ def init_value(spec: ParamSpec, key: jax.Array, dtype) -> jax.Array:
 
 def _fan_in(spec: ParamSpec) -> int:
     """Input width of a weight: the dims before the first output-side axis ('heads' on w_o counts as input);
-    the last dim for the [out, in] router and expert gate/up weights (init="fan_in_last")."""
+    the last dim for the [out, in] router and expert weights (init="fan_in_last")."""
     shape, axes = spec.shape, spec.axes
     if spec.init == "fan_in_last":
         return shape[-1]
-    if axes[0] == "experts":  # we_down [E, Ie, D]
-        return shape[1]
     if axes[0] == "heads":  # w_o [H, K, D]
         return shape[0] * shape[1]
     return shape[0]

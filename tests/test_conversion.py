@@ -106,14 +106,13 @@ def expected_params(hcfg, sd) -> dict[str, np.ndarray]:
         else:
             out[dst + "ffn.router"] = sd[m + "gate.weight"]  # [E, D]: torch's [out, in], kept
             out[dst + "ffn.expert_bias"] = sd[m + "gate.e_score_correction_bias"]
-            # Expert gate/up stay [out, in] (torch's layout) in ling-jax; down is transposed to [I, D].
+            # Expert matrices stay [out, in] (torch's layout) in ling-jax.
             gate_up = sd[m + "experts.gate_up_proj"]  # [E, 2I, D], gate rows first
             out[dst + "ffn.we_gate"] = gate_up[:, :I]
             out[dst + "ffn.we_up"] = gate_up[:, I:]
-            out[dst + "ffn.we_down"] = sd[m + "experts.down_proj"].transpose(0, 2, 1)  # [E, D, I] -> [E, I, D]
-            for p in ("gate", "up"):
+            out[dst + "ffn.we_down"] = sd[m + "experts.down_proj"]  # [E, D, I]
+            for p in ("gate", "up", "down"):
                 out[dst + f"ffn.ws_{p}"] = sd[m + f"shared_experts.{p}_proj.weight"]
-            out[dst + "ffn.ws_down"] = sd[m + "shared_experts.down_proj.weight"].T
     return out
 
 

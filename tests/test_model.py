@@ -115,11 +115,11 @@ def test_clamped_layer_matches_float64_formula():
         masked[groups] = choice[n][groups]
         ids = np.argsort(-masked.reshape(-1), kind="stable")[:cfg.num_experts_per_tok]
         w = s[n, ids] / (s[n, ids].sum() + 1e-20) * cfg.routed_scaling_factor
-        for e, we in zip(ids, w):  # expert matrices are [Ie, D]: gate/up [out, in], down [in, out]
+        for e, we in zip(ids, w):  # expert matrices are [out, in]: gate/up [Ie, D], down [D, Ie]
             g, u = P["we_gate"][e] @ X[n], P["we_up"][e] @ X[n]
             clamped += int(np.sum(np.abs(u) > limit))
-            want[n] += we * (act(g, u, limit) @ P["we_down"][e])
-        want[n] += act(P["ws_gate"] @ X[n], P["ws_up"] @ X[n], shared_limit) @ P["ws_down"]
+            want[n] += we * (P["we_down"][e] @ act(g, u, limit))
+        want[n] += P["ws_down"] @ act(P["ws_gate"] @ X[n], P["ws_up"] @ X[n], shared_limit)
     assert clamped > 0, "test inputs never reach the clamp"
     assert rel(got, want) < TOL_F32
     unclamped = moe_block(p, x, cfg.replace(apply_swiglu_clamps=False), layer, backend="reference")

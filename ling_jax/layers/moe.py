@@ -6,13 +6,13 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from ling_jax.config import LingConfig
-from ling_jax.sharding import TP, per_shard
+from ling_jax.sharding import TP, per_shard, tp_size
 from pallas_kernels import moe as moe_ops
 
-# Per shard: every expert's slice of the intermediate dim; the partial outputs are summed across `tp`. Every
-# expert matrix is [.., Ie, D] (ling_jax/params.py), so all shard their Ie rows.
-_EXPERT_SPECS = (P(), P(), P(), P(None, TP, None), P(None, TP, None), P(None, TP, None), P(TP, None), P(TP, None),
-                 P(TP, None))
+# Per shard: every expert's slice of the intermediate dim; the partial outputs are summed across `tp`. Gate/up are
+# [.., Ie, D] and down [.., D, Ie] (ling_jax/params.py): gate/up shard their Ie rows, down its Ie columns.
+_EXPERT_SPECS = (P(), P(), P(), P(None, TP, None), P(None, TP, None), P(None, None, TP), P(TP, None), P(TP, None),
+                 P(None, TP))
 
 
 def route_then_prefetch(route):
@@ -20,8 +20,10 @@ def route_then_prefetch(route):
     return lambda x, router, bias, *prefetch: route(x, router, bias, prefetch=prefetch)
 
 
-def moe_block(p: dict, x: jnp.ndarray, cfg: LingConfig, layer: int, *, backend: str) -> jnp.ndarray:
-    """x [..., D] -> [..., D]; `layer` picks the SwiGLU clamp limits (MTP layers index past num_layers)."""
+def moe_block(p: dict, x: jnp.ndarray, cfg: LingConfig, layer: int, *, backend: str,
+              residual: jnp.ndarray | None = None) -> jnp.ndarray:
+    """x [..., D] -> [..., D] (+ `residual` [..., D], the block's h); `layer` picks the SwiGLU clamp limits (MTP
+    layers index past num_layers)."""
     flat = x.reshape(-1, x.shape[-1])
     route = route_then_prefetch(functools.partial(
         moe_ops.route, n_group=cfg.n_group, topk_group=cfg.topk_group, top_k=cfg.num_experts_per_tok,
@@ -37,5 +39,9 @@ def moe_block(p: dict, x: jnp.ndarray, cfg: LingConfig, layer: int, *, backend: 
         specs = _EXPERT_SPECS if shared[0] is not None else _EXPERT_SPECS[:6] + (None, None, None)
         experts = per_shard(experts, specs, P(), sum_outputs=True)
     weights, ids = route(flat, p["router"], p["expert_bias"], *prefetch)
-    y = experts(flat, weights, ids, p["we_gate"], p["we_up"], p["we_down"], *shared)
-    return y.reshape(x.shape)
+    # One device: the experts kernels add the residual themselves (at T = 1 in the down kernel's epilogue, no add
+    # launch). Sharded, each device's output is a partial sum, so the residual is added once, after the psum.
+    fused = residual is not None and tp_size() <= 1
+    res = {"residual": residual.reshape(flat.shape)} if fused else {}
+    y = experts(flat, weights, ids, p["we_gate"], p["we_up"], p["we_down"], *shared, **res).reshape(x.shape)
+    return y + residual if residual is not None and not fused else y

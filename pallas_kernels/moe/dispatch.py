@@ -70,20 +70,32 @@ def route(x, router, expert_bias, *, n_group, topk_group, top_k, routed_scaling_
     return router_kernel.route(x, router, expert_bias, **kw, prefetch=prefetch)
 
 
+def _check_down(name, w, want, names):
+    """Down projections are [.., D, I] (torch's [out, in]); name the layout change for an [.., I, D] array."""
+    if tuple(w.shape) != tuple(want) and tuple(w.shape[-2:]) == tuple(want[-2:][::-1]) and want[-1] != want[-2]:
+        raise ValueError(f"{name}.shape={tuple(w.shape)} must be {names} = {tuple(want)} (torch's [out, in]); it looks "
+                         f"like the [.., I, D] down layout of ling-jax before session 10: swap its last two axes "
+                         f"(jnp.swapaxes(w, -1, -2)) or re-convert the checkpoint")
+    check_shape(name, w, want, names)
+
+
 def moe_experts(x, weights, ids, we_gate, we_up, we_down, ws_gate=None, ws_up=None, ws_down=None, *, limit=0.0,
-                shared_limit=0.0, backend="reference"):
+                shared_limit=0.0, backend="reference", residual=None):
     """Routed SwiGLU experts with weighted combine, plus the optional shared expert (SPEC §2.5).
 
     Args:
       x: [N, D] compute dtype (float32 or bfloat16).
       weights: [N, K] float32 routing weights; ids: [N, K] int32 expert ids in [0, E).
-      we_gate, we_up, we_down: [E, I, D] compute dtype (gate/up [out, in] as in torch, down [in, out]: every
-        expert matrix intermediate-dim first, ling_jax/params.py).
-      ws_gate, ws_up, ws_down: [Is, D] compute dtype (same convention); all three or none.
+      we_gate, we_up: [E, I, D]; we_down: [E, D, I]; compute dtype (every expert matrix [out, in], as torch stores
+        it: ling_jax/params.py).
+      ws_gate, ws_up: [Is, D]; ws_down: [D, Is]; compute dtype (same convention); all three or none.
       limit, shared_limit: static floats, 0 = no clamp; else act = min(silu(g), L) · clip(u, -L, L).
       backend: "reference" | "pallas".
+      residual: optional [N, D] in the compute dtype, added last (a pre-norm block's h + MoE(x)). The Pallas T = 1
+        down kernel adds it in its epilogue, saving the separate add launch (RESULTS.md, "Session 10").
     Returns:
-      y [N, D] in the compute dtype: fp32 combine of the routed experts rounded once, plus the shared expert.
+      y [N, D] in the compute dtype: fp32 combine of the routed experts rounded once, plus the shared expert (plus
+      `residual`, in the compute dtype).
     """
     check_backend(backend)
     check_rank("x", x, 2, "[N, D]")
@@ -100,7 +112,7 @@ def moe_experts(x, weights, ids, we_gate, we_up, we_down, ws_gate=None, ws_up=No
     e, i, _ = we_gate.shape
     check_shape("we_gate", we_gate, (e, i, d), "[E, I, D]")
     check_shape("we_up", we_up, (e, i, d), "[E, I, D]")
-    check_shape("we_down", we_down, (e, i, d), "[E, I, D]")
+    _check_down("we_down", we_down, (e, d, i), "[E, D, I]")
     for name, w in (("we_gate", we_gate), ("we_up", we_up), ("we_down", we_down)):
         check_dtype(name, w, (x.dtype,))
     shared = (ws_gate, ws_up, ws_down)
@@ -111,17 +123,21 @@ def moe_experts(x, weights, ids, we_gate, we_up, we_down, ws_gate=None, ws_up=No
         i_s = ws_gate.shape[0]
         check_shape("ws_gate", ws_gate, (i_s, d), "[Is, D]")
         check_shape("ws_up", ws_up, (i_s, d), "[Is, D]")
-        check_shape("ws_down", ws_down, (i_s, d), "[Is, D]")
+        _check_down("ws_down", ws_down, (d, i_s), "[D, Is]")
         for name, w in (("ws_gate", ws_gate), ("ws_up", ws_up), ("ws_down", ws_down)):
             check_dtype(name, w, (x.dtype,))
     for name, lim in (("limit", limit), ("shared_limit", shared_limit)):
         if not isinstance(lim, (int, float)) or lim < 0:
             raise ValueError(f"{name}={lim!r} must be a static Python float >= 0 (0 = no clamp)")
     limit, shared_limit = float(limit), float(shared_limit)
+    if residual is not None:
+        check_shape("residual", residual, (n, d), "[N, D]")
+        check_dtype("residual", residual, (x.dtype,))
     if backend == "reference":
-        return reference.moe_experts(x, weights, ids, we_gate, we_up, we_down, ws_gate, ws_up, ws_down,
-                                     limit=limit, shared_limit=shared_limit)
+        y = reference.moe_experts(x, weights, ids, we_gate, we_up, we_down, ws_gate, ws_up, ws_down,
+                                  limit=limit, shared_limit=shared_limit)
+        return y if residual is None else residual + y
     from pallas_kernels.moe import experts as experts_kernel
 
     return experts_kernel.moe_experts(x, weights, ids, we_gate, we_up, we_down, ws_gate, ws_up, ws_down,
-                                      limit=limit, shared_limit=shared_limit)
+                                      limit=limit, shared_limit=shared_limit, residual=residual)

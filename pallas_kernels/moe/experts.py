@@ -1,11 +1,11 @@
 """Pallas-Triton routed + shared SwiGLU experts for small T (decode, verify): each selected expert read once.
 
-Layout (ling_jax/params.py): every expert matrix is stored with the intermediate dim first, gate/up [E, I, D]
-(torch's [out, in]) and down [E, I, D] ([in, out]). Gate/up programs own BI output rows and read those D-rows
-(5 KB at Flash size) end to end; with gate/up stored [E, D, I] each program read a 64-256 byte stripe of every row
-and gate/up took 28 µs instead of 18.5 at T = 1 on the H200 (RESULTS.md). Down programs own BD output columns and
-read that 128-byte stripe of every I-row: over [E, D, I] rows the down kernel measured slower (14.9-20.8 µs
-against 11.3), so down keeps [in, out].
+Layout (ling_jax/params.py): every expert matrix is stored as torch stores it, [out, in]: gate/up [E, I, D], down
+[E, D, I]. Gate/up programs own BI intermediate rows and read those D-rows (5 KB at Flash size) end to end; down
+programs own BD output features and read those I-rows (1.5 KB). With gate/up stored [E, D, I] each program read a
+64-256 byte stripe of every row and gate/up took 28 µs instead of 18.5 at T = 1 on the H200; down stored [E, I, D]
+(sessions 3-9) was read as 128-byte column stripes by 360 four-warp programs, 10.6 µs plus a 0.9 µs combine
+fusion, where whole rows in one-row programs take 10.4-10.6 with the combine inside (RESULTS.md, "Session 10").
 
 Slots: the T·K (token, k) pairs in row-major order, plus the shared expert. A routed slot *owns* its expert when
 no earlier slot chose the same expert; only owners do work, and an owner computes its expert for every token (its
@@ -15,10 +15,17 @@ ragged_dot: ownership is one vector compare over the ids, repeated in every prog
 Kernel 1 (`experts_fwd_kernel_gate_up`), grid (S, I / BI): owner slot s streams gate and up rows [BI, D] in
 [BI, BK] tiles, accumulates in fp32, rounds to the compute dtype, applies SwiGLU (+ post-SiLU clamp) and writes
 h[s, :, BI-block]. Non-owner programs exit at once; their h rows stay unwritten and unread.
-Kernel 2 (`experts_fwd_kernel_down`), grid (NG + 1, D / BD): group g < NG walks its T slots (NG = K groups), takes
-h·W_down[:, BD columns] (fp32, rounded to the compute dtype as the reference rounds each expert's output), scales
-by each token's routing weight in fp32 and writes a fp32 partial; program row NG writes the shared expert's output.
-XLA sums the NG partials (fp32), rounds once and adds the shared output in the compute dtype: one small fusion.
+Kernel 2 at T = 1 (`experts_fwd_kernel_down_t1`), grid (D / BD): a program owns BD output features and, for the
+shared expert and then each routed slot, reduces their BD W_down rows against the slot's h by FMAs (the slots
+written out, so the compiler overlaps one slot's loads with another's math), rounds each expert's output to the
+compute dtype as the reference does, sums the routed ones weighted in fp32, rounds once and adds the shared output:
+the layer's output, no combine launch. Non-owner slots (a repeated id; the router never repeats one within a token)
+are masked, their owner taking every weight of the id.
+Kernel 2 at T > 1 (`experts_fwd_kernel_down`), grid (NG + 1, D / BD): group g < NG walks its T slots (NG = K
+groups), takes tensor-core dots h·W_down[BD rows]ᵀ over the tokens padded to 16 (fp32, rounded to the compute dtype
+as the reference rounds each expert's output), scales by each token's routing weight in fp32 and writes a fp32
+partial; program row NG writes the shared expert's output. XLA sums the NG partials (fp32), rounds once and adds
+the shared output in the compute dtype: one small fusion.
 
 Products (GATE_UP_MODES): at T = 1 the gate/up default is `fma_reduce` with tiny programs (2 rows, 1 warp): the
 shape that streamed fastest in a read-only probe (experiments/probe_stream.py). At T > 1 tokens are padded to
@@ -27,11 +34,11 @@ its row in-kernel), or (`verify_gate_up="fma_tokens"`) the T = 1 shape of progra
 the T real tokens one by one (VERIFY_GATE_UP_MODES).
 Tunings by T (`default_tuning`): `DECODE_TUNING` (T = 1, the best of the H200 sweeps by device time),
 `FMA_TOKENS_TUNING` (2 <= T <= FMA_TOKENS_MAX, per-token FMAs) and `VERIFY_TUNING` (larger T, the dot path's
-defaults, not re-swept since the layout change).
-PDL: with `early_launch_down` (DECODE_TUNING) the down kernel's programs first admit its successor, the combine
-fusion, which then waits at its entry for the partials (pallas_kernels/common/pdl.py; T = 1 layer −0.5 µs).
-L2: DECODE_TUNING loads the routed weights with an `evict_first` policy (`routed_eviction`), as each is read once
-per layer; measured on the gate/up kernel (−0.3–0.4 µs at T = 1), no change measured on the down kernel.
+defaults).
+PDL: with `early_launch_down` (DECODE_TUNING) the down kernel's programs first admit its successor (the next
+layer's first fusion at T = 1), which then waits at its entry (pallas_kernels/common/pdl.py).
+L2: the tunings load the routed weights with an `evict_first` policy (`routed_eviction`), as each is read once
+per layer (T = 1 gate/up −0.3–0.4 µs on the H200).
 """
 
 from __future__ import annotations
@@ -75,27 +82,26 @@ class ExpertsTuning:
     # Field defaults = VERIFY_TUNING (T > FMA_TOKENS_MAX); DECODE_TUNING and FMA_TOKENS_TUNING below override some.
     block_i: int = 16  # BI: intermediate rows per gate/up program (>= 16 for the dot modes)
     block_k: int = 256  # BK: hidden-dim chunk per gate/up step
-    block_d: int = 64  # BD: output columns per down program
-    block_ki: int = 128  # BKI: intermediate rows per down step (capped at the largest power of two dividing I)
+    block_d: int = 64  # BD: output features (W_down rows) per down program (>= 16 at T > 1: tensor-core dots)
+    block_ki: int = 128  # BKI: intermediate columns per down step (capped at the largest power of two dividing I)
     t1_gate_up: str = "fma"  # T = 1 gate/up products: "fma" | "fma_reduce" | "dot_x" | "dot_w" (GATE_UP_MODES)
     dot_gate_up: str = "dot_x"  # T > 1 tensor-core gate/up products: "dot_x" | "dot_w"
     verify_gate_up: str = "dot"  # T > 1 gate/up: "dot" | "fma_tokens" (VERIFY_GATE_UP_MODES)
     warps_gate_up: int = 4
     stages_gate_up: int = 3
     warps_down: int = 4
-    stages_down: int = 3
+    stages_down: int = 3  # T > 1 only: the T = 1 down kernel's FMA loads are written out, not pipelined
     # PDL (pallas_kernels/common/pdl.py, sm_90+): the kernel's programs first let the next kernel be admitted
     early_launch_gate_up: bool = False  # successor: the down kernel (no gain measured at T = 1)
-    early_launch_down: bool = False  # successor: the small XLA combine (DECODE_TUNING: on, −0.5 µs at T = 1)
+    early_launch_down: bool = False  # successor: the combine fusion (T > 1) or the next layer's first kernel (T = 1)
     # L2 eviction policy of the routed experts' weight loads (None: the default policy). Each routed weight is read
     # once per layer, so "evict_first" (DECODE_TUNING) keeps the stream from displacing lines that are read again:
-    # T = 1 gate/up 18.9 -> 18.5-18.6 µs on the H200. The down kernel's time did not change (its weight tiles are
-    # pipelined through shared memory, and the sm_90 PTX of the venv's Triton carries no hint on those cp.async).
+    # T = 1 gate/up 18.9 -> 18.5-18.6 µs on the H200; the T = 1 down kernel 11.9 -> 11.5 (S10 2, 2-row programs).
     routed_eviction: str | None = None
 
     def __post_init__(self):
-        check_pow2_fields(self, ("block_i",))
-        check_pow2_fields(self, ("block_d", "block_k", "block_ki"), 16)
+        check_pow2_fields(self, ("block_i", "block_d"))
+        check_pow2_fields(self, ("block_k", "block_ki"), 16)
         if self.t1_gate_up not in GATE_UP_MODES:
             raise ValueError(f"ExpertsTuning.t1_gate_up={self.t1_gate_up!r} must be one of {GATE_UP_MODES}")
         if self.dot_gate_up not in ("dot_x", "dot_w"):
@@ -108,17 +114,20 @@ class ExpertsTuning:
                              f"{EVICTION_POLICIES}")
 
 
-DECODE_TUNING = ExpertsTuning(t1_gate_up="fma_reduce", block_i=2, block_k=512, warps_gate_up=1, block_ki=256,
-                              early_launch_down=True, routed_eviction="evict_first")
+# T = 1: down programs of one output feature and one warp (2560 at Flash size, all resident): 10.4-10.6 µs with the
+# combine inside, against 11.4-11.5 for 2-row programs and 15.8-17.3 for 4 rows (S10 1-3: the bytes a program keeps
+# in flight are bounded by its registers, so more, smaller programs keep more in flight).
+DECODE_TUNING = ExpertsTuning(t1_gate_up="fma_reduce", block_i=2, block_k=512, warps_gate_up=1, block_d=1,
+                              block_ki=256, warps_down=1, early_launch_down=True, routed_eviction="evict_first")
 VERIFY_TUNING = ExpertsTuning()
 # 2 <= T <= FMA_TOKENS_MAX: the T = 1 shape of gate/up programs (2 rows, 1 warp) with per-token FMA reductions, each
 # weight tile read once for every token, instead of tensor-core dots over 16 padded token rows. H200 (RESULTS.md,
 # "Session 9", S9 10): T = 2 layer span 76.3 -> 66.6 µs (gate/up 45.0 -> 35.0); at T = 4 the T FMA passes per tile
-# cost more than the padding (119.4 -> 136.0 µs), at T = 8 far more (211.8 -> 365.3). T = 3 was timed by wall slope
-# only (112.1 -> 102.9 µs, spreads ±2-3), so it keeps the dots until a device-time measurement says otherwise.
+# cost more than the padding (119.4 -> 136.0 µs), at T = 8 far more (211.8 -> 365.3). T = 3 (S10 2, same call):
+# 102.9 -> 97.0 µs span (T = 2 in that call 76.4 -> 67.0).
 # Measured as a whole: the routed down weights load `evict_first` here too, and the router prefetched the shared
 # expert (router.VERIFY_TUNING); neither part was timed alone at T = 2.
-FMA_TOKENS_MAX = 2
+FMA_TOKENS_MAX = 3
 FMA_TOKENS_TUNING = dataclasses.replace(VERIFY_TUNING, verify_gate_up="fma_tokens", block_i=2, warps_gate_up=1,
                                         block_k=256, routed_eviction="evict_first")
 
@@ -233,17 +242,28 @@ def _gate_up_rows_tokens(x_ref, load_g, load_u, *, BK, n_chunks, bi, to, limit, 
     return _swiglu(acc_g.astype(dt), acc_u.astype(dt), limit)  # padded rows: SwiGLU(0, 0) = 0
 
 
-def _down_cols(load_h, load_d, *, BKI, n_chunks, bd, to, dt):
-    """h·W_down for BD output columns: load_h(ks) -> [TO, BKI] activations, load_d(ks) -> [BKI, BD] weight tiles;
-    -> [TO, BD] fp32 holding values rounded to dt (the reference rounds each expert's output)."""
+def _down_dot(load_h, load_d, *, BKI, n_chunks, bd, to, dt):
+    """h·W_downᵀ for BD output features: load_h(ks) -> [TO, BKI] activations, load_d(ks) -> [BD, BKI] weight tiles
+    (W_down rows); -> [TO, BD] fp32 holding values rounded to dt (the reference rounds each expert's output)."""
     tp = max(16, to)
 
     def body(c, acc):
         ks = pl.ds(pl.multiple_of(c * BKI, BKI), BKI)
-        return acc + _dot(jnp.broadcast_to(load_h(ks), (tp, BKI)), load_d(ks))
+        return acc + _dot_nt(jnp.broadcast_to(load_h(ks), (tp, BKI)), load_d(ks))
 
     acc = lax.fori_loop(0, n_chunks, body, jnp.zeros((tp, bd), jnp.float32))
     return _token_rows(acc, to).astype(dt).astype(jnp.float32)
+
+
+def _down_fma(load_h, load_d, *, BKI, n_chunks, dt):
+    """T = 1: h·W_downᵀ for BD output features by FMAs, the chunks written out (their loads issued together):
+    load_h(ks) -> [1, BKI], load_d(ks) -> [BD, BKI]; -> [BD] fp32 holding values rounded to dt."""
+    acc = None
+    for c in range(n_chunks):
+        ks = pl.ds(c * BKI, BKI)
+        part = jnp.sum(load_d(ks).astype(jnp.float32) * load_h(ks).astype(jnp.float32), axis=1)
+        acc = part if acc is None else acc + part
+    return acc.astype(dt).astype(jnp.float32)
 
 
 def experts_fwd_kernel_gate_up(x_ref, ids_ref, wg_ref, wu_ref, sg_ref, su_ref, h_ref, *, BK, n_chunks, n_routed,
@@ -273,19 +293,52 @@ def experts_fwd_kernel_gate_up(x_ref, ids_ref, wg_ref, wu_ref, sg_ref, su_ref, h
             compute(lambda ks: sg_ref[rows, ks], lambda ks: su_ref[rows, ks], shared_limit)
 
 
+def experts_fwd_kernel_down_t1(h_ref, ids_ref, w_ref, wd_ref, sd_ref, r_ref, y_ref, *, BKI, n_chunks, n_routed,
+                               early_launch=False, eviction=None):
+    # T = 1. h_ref [S, 1, I] (after SwiGLU); ids_ref [K] int32; w_ref [K] fp32; wd_ref [E, D, I]; sd_ref [D, I] or
+    # None; r_ref [1, D] compute dtype (the residual stream, added last) or None; y_ref [1, BD] compute dtype: the
+    # layer's output for BD features
+    if early_launch:
+        launch_dependents()
+    bd = y_ref.shape[1]
+    dt = y_ref.dtype
+    feats = pl.ds(pl.multiple_of(pl.program_id(0) * bd, bd), bd)
+    ids, wts = ids_ref[...], w_ref[...]
+
+    def expert_out(s, load_d):
+        return _down_fma(lambda ks: h_ref[s, :, ks], load_d, BKI=BKI, n_chunks=n_chunks, dt=dt)
+
+    # The shared expert first: its rows were prefetched into L2 by the router (S10 5: −0.1–0.2 µs against last).
+    shared = None if sd_ref is None else expert_out(n_routed, lambda ks: sd_ref[feats, ks])
+    routed = jnp.zeros((bd,), jnp.float32)
+    for s in range(n_routed):  # written out: one slot's loads overlap another's math (a loop would serialise them)
+        e, owner = _ownership(ids, s, n_routed)
+        w_e = jnp.sum(jnp.where(ids == e, wts, 0.0))  # a repeated id: its owner takes every weight
+        out = expert_out(s, lambda ks: _load(wd_ref, (e, feats, ks), eviction))
+        # A non-owner's h rows were never written: masked, not multiplied by 0 (inf · 0 = NaN).
+        routed = routed + jnp.where(owner, w_e * out, 0.0)
+    y = routed.astype(dt)
+    if shared is not None:
+        y = y + shared.astype(dt)
+    y = y[None, :]
+    if r_ref is not None:  # the caller's h + MoE(x), as the model adds it (in dt): no separate add launch
+        y = r_ref[:, feats] + y
+    y_ref[...] = y
+
+
 def experts_fwd_kernel_down(h_ref, ids_ref, ids2_ref, w_ref, wd_ref, sd_ref, o_ref, *, BKI, n_chunks, n_routed,
                             group, n_groups, early_launch=False, eviction=None):
-    # h_ref [S, TO, I] (after SwiGLU); ids_ref [P]; ids2_ref [TO, K]; w_ref [TO, K] fp32; wd_ref [E, I, D];
-    # sd_ref [I, D]; o_ref [TO, BD] fp32: partial of group g (g = NG: the shared expert)
+    # T > 1. h_ref [S, TO, I] (after SwiGLU); ids_ref [P]; ids2_ref [TO, K]; w_ref [TO, K] fp32; wd_ref [E, D, I];
+    # sd_ref [D, I]; o_ref [TO, BD] fp32: partial of group g (g = NG: the shared expert)
     if early_launch:
         launch_dependents()
     g, i_d = pl.program_id(0), pl.program_id(1)
     to, bd = o_ref.shape
-    cols = pl.ds(pl.multiple_of(i_d * bd, bd), bd)
+    feats = pl.ds(pl.multiple_of(i_d * bd, bd), bd)
 
     def expert_out(s, load_d):
-        return _down_cols(lambda ks: h_ref[s, :, ks], load_d, BKI=BKI, n_chunks=n_chunks, bd=bd, to=to,
-                          dt=wd_ref.dtype)
+        return _down_dot(lambda ks: h_ref[s, :, ks], load_d, BKI=BKI, n_chunks=n_chunks, bd=bd, to=to,
+                         dt=wd_ref.dtype)
 
     @pl.when(g < n_groups)
     def _():
@@ -298,7 +351,7 @@ def experts_fwd_kernel_down(h_ref, ids_ref, ids2_ref, w_ref, wd_ref, sd_ref, o_r
                 hit = ids2 == e  # [TO, K]; a token that lists e twice gets both weights
                 w_tok = jnp.sum(jnp.where(hit, wts, 0.0), axis=1)  # [TO]
                 used = jnp.sum(jnp.where(hit, 1, 0), axis=1) > 0
-                out = expert_out(s, lambda ks: _load(wd_ref, (e, ks, cols), eviction))
+                out = expert_out(s, lambda ks: _load(wd_ref, (e, feats, ks), eviction))
                 # Rows of tokens that did not choose e are masked, not multiplied by 0 (inf · 0 = NaN).
                 return acc + jnp.where(used[:, None], w_tok[:, None] * out, 0.0)
 
@@ -311,12 +364,12 @@ def experts_fwd_kernel_down(h_ref, ids_ref, ids2_ref, w_ref, wd_ref, sd_ref, o_r
     if sd_ref is not None:
         @pl.when(g == n_groups)
         def _():
-            o_ref[...] = expert_out(n_routed, lambda ks: sd_ref[ks, cols])
+            o_ref[...] = expert_out(n_routed, lambda ks: sd_ref[feats, ks])
 
 
 @functools.partial(jax.jit, static_argnames=("limit", "shared_limit", "tuning"))
 def moe_experts_fused(x, weights, ids, we_gate, we_up, we_down, ws_gate, ws_up, ws_down, *, limit, shared_limit,
-                      tuning: ExpertsTuning | None = None):
+                      tuning: ExpertsTuning | None = None, residual=None):
     n, d = x.shape
     tuning = tuning or default_tuning(n)
     e, i, _ = we_gate.shape
@@ -328,7 +381,7 @@ def moe_experts_fused(x, weights, ids, we_gate, we_up, we_down, ws_gate, ws_up, 
         raise ValueError(f"the Pallas experts kernel takes T <= {MAX_TOKENS} tokens (decode/verify), got T={n}; "
                          "use backend='reference' for prefill")
     has_shared = ws_gate is not None
-    if has_shared and ws_gate.shape[0] != i:
+    if has_shared and ws_gate.shape[0] != i:  # one h buffer holds every slot's I values
         raise ValueError(f"the Pallas experts kernel needs Is = I; got Is={ws_gate.shape[0]}, I={i}")
     if min(d & -d, i & -i) < 16:
         raise ValueError(f"the Pallas experts kernel needs D={d} and I={i} divisible by 16")
@@ -367,20 +420,26 @@ def moe_experts_fused(x, weights, ids, we_gate, we_up, we_down, ws_gate, ws_up, 
         interpret=interpret,
         name="experts_fwd_kernel_gate_up",
     )(x, ids_flat, we_gate, we_up, ws_gate, ws_up)
-    return down_and_combine(h, ids, weights, we_down, ws_down, n=n, tuning=tuning)[:n]
+    return down_and_combine(h, ids, weights, we_down, ws_down, n=n, tuning=tuning, residual=residual)[:n]
 
 
-def down_and_combine(h, ids, weights, we_down, ws_down, *, n, tuning: ExpertsTuning):
+def down_and_combine(h, ids, weights, we_down, ws_down, *, n, tuning: ExpertsTuning, residual=None):
     """Kernel 2 and the combine: h [S, TO, I] after SwiGLU (slots as in kernel 1), ids/weights [TO, K] (padded rows
-    -1 / 0) -> y [TO, D] in h's dtype."""
+    -1 / 0), we_down [E, D, I], ws_down [D, I] or None, residual [n, D] or None -> y [TO, D] in h's dtype (plus the
+    residual: at T = 1 inside the down kernel, at T > 1 in the combine fusion)."""
     to, k = ids.shape
-    _, i, d = we_down.shape
+    _, d, i = we_down.shape
     has_shared = ws_down is not None
     if h.shape[0] != n * k + int(has_shared):
         raise ValueError(f"h has {h.shape[0]} slots; T·K = {n * k} routed slots" +
                          (" + 1 shared (ws_down given)" if has_shared else " (no ws_down: no shared slot)"))
     bd = min(tuning.block_d, d & -d)
     bki = min(tuning.block_ki, i & -i)
+    if n == 1:
+        return _down_t1(h, ids, weights, we_down, ws_down, residual, bd=bd, bki=bki, tuning=tuning)
+    if bd < 16:
+        raise ValueError(f"ExpertsTuning.block_d={tuning.block_d} at T={n}: the T > 1 down kernel's tensor-core dots "
+                         "need >= 16 output features per program (block_d >= 16; VERIFY_TUNING has 64)")
     n_routed = n * k
     n_groups = k  # slot groups of T slots each
     kernel = functools.partial(experts_fwd_kernel_down, BKI=bki, n_chunks=i // bki, n_routed=n_routed, group=n,
@@ -404,11 +463,41 @@ def down_and_combine(h, ids, weights, we_down, ws_down, *, n, tuning: ExpertsTun
     y = jnp.sum(partials[:n_groups], axis=0).astype(h.dtype)  # fp32 combine of the routed experts, rounded once
     if has_shared:
         y = y + partials[n_groups].astype(h.dtype)  # compute-dtype add of the shared expert
+    if residual is not None:
+        y = jnp.pad(residual, ((0, to - n), (0, 0))) + y
     return y
 
 
+def _down_t1(h, ids, weights, we_down, ws_down, residual, *, bd, bki, tuning):
+    """T = 1: down, weighted combine, the shared expert and the residual add in one launch -> y [1, D] in h's
+    dtype."""
+    k = ids.shape[1]
+    _, d, i = we_down.shape
+    kernel = functools.partial(experts_fwd_kernel_down_t1, BKI=bki, n_chunks=i // bki, n_routed=k,
+                               early_launch=tuning.early_launch_down, eviction=tuning.routed_eviction)
+    optional = [ws_down, residual]  # absent ones reach the kernel as None (static)
+    present = [a is not None for a in optional]
+    inputs = [h, ids.reshape(-1), weights.reshape(-1), we_down] + [a for a in optional if a is not None]
+
+    def with_absent(*refs):
+        it = iter(refs[4:-1])
+        kernel(*refs[:4], *(next(it) if p else None for p in present), refs[-1])
+
+    return pl.pallas_call(
+        with_absent,
+        grid=(d // bd,),
+        in_specs=[pl.no_block_spec] * len(inputs),
+        out_specs=pl.BlockSpec((1, bd), lambda j: (0, j)),
+        out_shape=jax.ShapeDtypeStruct((1, d), h.dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=tuning.warps_down, num_stages=1),
+        interpret=interpret_mode(),
+        name="experts_fwd_kernel_down_t1",
+    )(*inputs)
+
+
 def moe_experts(x, weights, ids, we_gate, we_up, we_down, ws_gate=None, ws_up=None, ws_down=None, *, limit=0.0,
-                shared_limit=0.0, tuning: ExpertsTuning | None = None):
-    """Same contract as `reference.moe_experts`; shapes already validated by the dispatcher."""
+                shared_limit=0.0, tuning: ExpertsTuning | None = None, residual=None):
+    """Same contract as `reference.moe_experts` (+ `residual`, added last); shapes already validated by the
+    dispatcher."""
     return moe_experts_fused(x, weights, ids, we_gate, we_up, we_down, ws_gate, ws_up, ws_down, limit=limit,
-                             shared_limit=shared_limit, tuning=tuning)
+                             shared_limit=shared_limit, tuning=tuning, residual=residual)

@@ -8,8 +8,8 @@ from the unbiased scores, renormalised (eps 1e-20) and scaled.
 Experts (`moe_experts`): SwiGLU MLP per selected expert in the compute dtype (fp32-accumulated matmuls rounded to
 the compute dtype), the optional post-SiLU clamp min(silu(g), L) * clip(u, -L, L) (SGLang's `BailingMLP` form),
 fp32 weighted combine rounded once, plus the shared expert (no routing weight) added in the compute dtype.
-Every expert matrix is [.., I, D] (ling_jax/params.py: gate/up [out, in] as in torch, down [in, out]): each
-product below contracts the right axis in place (einsum / dot_general / ragged_dot_general), so no transposed copy
+Every expert matrix is [out, in] as torch stores it (ling_jax/params.py: gate/up [.., I, D], down [.., D, I]): each
+product below contracts the input axis in place (einsum / dot_general / ragged_dot_general), so no transposed copy
 of the stacked weights is made.
 """
 
@@ -64,30 +64,30 @@ def _matmul(x, w, contract, prec):
 
 
 def expert_mlp(x, w_gate, w_up, w_down, limit):
-    """One SwiGLU expert (the shared one), every matrix [I, D]: x [N, D] -> [N, D] compute dtype."""
+    """One SwiGLU expert (the shared one), gate/up [I, D], down [D, I]: x [N, D] -> [N, D] compute dtype."""
     dt = x.dtype
     prec = _HI if dt == jnp.float32 else None
     g = _matmul(x, w_gate, 1, prec).astype(dt)
     u = _matmul(x, w_up, 1, prec).astype(dt)
-    return _matmul(swiglu(g, u, limit), w_down, 0, prec).astype(dt)
+    return _matmul(swiglu(g, u, limit), w_down, 1, prec).astype(dt)
 
 
 def _routed_gather(x, weights, ids, we_gate, we_up, we_down, limit):
     """Per (token, k): gather the expert's weights. [N, D] -> [N, D] fp32 (unrounded combine)."""
     dt = x.dtype
     prec = _HI if dt == jnp.float32 else None
-    wg, wu, wd = we_gate[ids], we_up[ids], we_down[ids]  # [N, K, I, D] each
+    wg, wu, wd = we_gate[ids], we_up[ids], we_down[ids]  # [N, K, I, D], [N, K, I, D], [N, K, D, I]
     g = jnp.einsum("nd,nkid->nki", x, wg, preferred_element_type=jnp.float32, precision=prec).astype(dt)
     u = jnp.einsum("nd,nkid->nki", x, wu, preferred_element_type=jnp.float32, precision=prec).astype(dt)
     h = swiglu(g, u, limit)
-    out = jnp.einsum("nki,nkid->nkd", h, wd, preferred_element_type=jnp.float32, precision=prec).astype(dt)
+    out = jnp.einsum("nki,nkdi->nkd", h, wd, preferred_element_type=jnp.float32, precision=prec).astype(dt)
     return jnp.einsum("nk,nkd->nd", weights, out.astype(jnp.float32), precision=_HI)
 
 
-# ragged_dot with rhs [G, out, in] (gate/up): lhs rows grouped along dim 0, rhs grouped along dim 0 and contracted
-# on its last dim (plain `lax.ragged_dot` wants [G, in, out], which would need a transposed copy of the stacked
-# weights, 4 GB per layer at Flash size). On GPU this lowers to one chlo.ragged_dot with these dimension numbers
-# (XLA picks the operand layouts); on CPU to a masked dense dot, as `lax.ragged_dot` does.
+# ragged_dot with rhs [G, out, in] (every expert matrix): lhs rows grouped along dim 0, rhs grouped along dim 0
+# and contracted on its last dim (plain `lax.ragged_dot` wants [G, in, out], which would need a transposed copy of
+# the stacked weights, 2-4 GB per layer at Flash size). On GPU this lowers to one chlo.ragged_dot with these
+# dimension numbers (XLA picks the operand layouts); on CPU to a masked dense dot, as `lax.ragged_dot` does.
 _RAGGED_OUT_IN = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((1,), (2,)), ((), ())),
                                                lhs_ragged_dimensions=(0,), rhs_group_dimensions=(0,))
 
@@ -111,7 +111,7 @@ def _routed_sorted(x, weights, ids, we_gate, we_up, we_down, limit):
     g = _ragged_out_in(xs, we_gate, sizes, prec).astype(dt)
     u = _ragged_out_in(xs, we_up, sizes, prec).astype(dt)
     h = swiglu(g, u, limit)
-    out = lax.ragged_dot(h, we_down, sizes, preferred_element_type=jnp.float32, precision=prec).astype(dt)
+    out = _ragged_out_in(h, we_down, sizes, prec).astype(dt)
     contrib = out.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
     # Sum the K contributions per token in k order (scatter back to [N, K, D] first) so the fp32 sum matches
     # the gather path's order exactly.
@@ -121,7 +121,8 @@ def _routed_sorted(x, weights, ids, we_gate, we_up, we_down, limit):
 
 def moe_experts(x, weights, ids, we_gate, we_up, we_down, ws_gate=None, ws_up=None, ws_down=None, *,
                 limit=0.0, shared_limit=0.0, path="auto"):
-    """x [N, D] -> y [N, D] compute dtype; we_* [E, I, D], ws_* [Is, D] (gate/up [out, in], down [in, out]).
+    """x [N, D] -> y [N, D] compute dtype; we_gate/we_up [E, I, D], we_down [E, D, I], ws_gate/ws_up [Is, D],
+    ws_down [D, Is] (every matrix [out, in], as torch stores it).
     `path`: "gather", "sorted" or "auto" (gather for small N·top_k)."""
     if path == "auto":
         path = "gather" if ids.size <= GATHER_MAX_PAIRS else "sorted"

@@ -96,12 +96,12 @@ def test_route_hand_table():
 
 
 def np_mlp(x, wg, wu, wd, limit):
-    """Expert matrices [I, D]: gate/up [out, in] (torch's layout), down [in, out]."""
+    """Expert matrices [out, in] (torch's layout): gate/up [I, D], down [D, I]."""
     g, u = x @ wg.T, x @ wu.T
     sg = g / (1 + np.exp(-g))
     if limit:
         sg, u = np.minimum(sg, limit), np.clip(u, -limit, limit)
-    return (sg * u) @ wd
+    return (sg * u) @ wd.T
 
 
 def np_moe(x, weights, ids, we_gate, we_up, we_down, ws=None, *, limit=0.0, shared_limit=0.0):
@@ -122,13 +122,13 @@ def _expert_inputs(seed, n, *, d=128, i=64, e=16, k=4, i_s=64, dtype=jnp.float32
     amp = 3.0 if big else 1.0
     x = (amp * rng.standard_normal((n, d))).astype(np.float32)
     wscale = 1.0 / np.sqrt(d)
-    # Every expert matrix [.., I, D]: gate/up [out, in], down [in, out]; shared [Is, D].
+    # Every expert matrix [out, in]: gate/up [.., I, D], down [.., D, I]; shared [Is, D], [D, Is].
     we_gate = (wscale * rng.standard_normal((e, i, d))).astype(np.float32)
     we_up = (wscale * rng.standard_normal((e, i, d))).astype(np.float32)
-    we_down = (rng.standard_normal((e, i, d)) / np.sqrt(i)).astype(np.float32)
+    we_down = (rng.standard_normal((e, d, i)) / np.sqrt(i)).astype(np.float32)
     ws = tuple(a.astype(np.float32) for a in (wscale * rng.standard_normal((i_s, d)),
                                                wscale * rng.standard_normal((i_s, d)),
-                                               rng.standard_normal((i_s, d)) / np.sqrt(i_s)))
+                                               rng.standard_normal((d, i_s)) / np.sqrt(i_s)))
     if repeat:
         # Tokens share experts: draw from a pool smaller than n·k so most experts repeat across tokens.
         pool = rng.choice(e, size=min(e, k + 2), replace=False)
@@ -190,8 +190,13 @@ def test_dispatch_errors():
     x, w, ids, wg, wu, wd = args
     with pytest.raises(ValueError, match=r"x.shape=\(128,\) must be \[N, D\]"):
         moe.moe_experts(x[0], w, ids, wg, wu, wd)
-    with pytest.raises(ValueError, match=r"we_down.shape=\(16, 128, 64\) must be \[E, I, D\] = \(16, 64, 128\)"):
+    with pytest.raises(ValueError, match=r"we_down.shape=\(16, 64, 128\) must be \[E, D, I\] = \(16, 128, 64\) "
+                                         r"\(torch's \[out, in\]\); it looks like the \[.., I, D\] down layout"):
         moe.moe_experts(x, w, ids, wg, wu, jnp.swapaxes(wd, 1, 2))
+    with pytest.raises(ValueError, match=r"we_down.shape=\(16, 128, 32\) must be \[E, D, I\] = \(16, 128, 64\)$"):
+        moe.moe_experts(x, w, ids, wg, wu, wd[:, :, :32])
+    with pytest.raises(ValueError, match=r"ws_down.shape=\(64, 128\) must be \[D, Is\] = \(128, 64\) .*swap"):
+        moe.moe_experts(x, w, ids, wg, wu, wd, ws[0], ws[1], ws[2].T)
     with pytest.raises(ValueError, match="all three or none"):
         moe.moe_experts(x, w, ids, wg, wu, wd, ws[0])
     with pytest.raises(ValueError, match="backend='triton' must be one of"):
@@ -460,13 +465,16 @@ _TUNINGS = {  # every gate/up product mode (experts.GATE_UP_MODES)
     "dot_x": dict(_SMALL, t1_gate_up="dot_x", block_d=16),  # T = 1 broadcast to 16 rows, tensor-core dots
     "dot_w": dict(_SMALL, t1_gate_up="dot_w", dot_gate_up="dot_w"),  # the weight tile as the left operand
     "dot": dict(_SMALL, block_i=32, block_d=16),  # T > 1, x·Wᵀ
+    "down_bd1": dict(_SMALL, block_d=1, warps_down=1),  # T = 1 down: the decode default's shape, 4 chunks
+    "down_bd4": dict(_SMALL, block_d=4, warps_down=1),  # T = 1 down, 4 features per program
     "fma_tokens": dict(_SMALL, verify_gate_up="fma_tokens", block_i=2, warps_gate_up=1),  # T > 1, per-token FMAs
 }
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("n,tu", [(1, "fma"), (1, "fma_reduce_bi2"), (1, "dot_x"), (1, "dot_w"), (3, "dot"),
-                                  (3, "dot_w"), (16, "dot"), (2, "fma_tokens"), (5, "fma_tokens")])
+@pytest.mark.parametrize("n,tu", [(1, "fma"), (1, "fma_reduce_bi2"), (1, "dot_x"), (1, "dot_w"), (1, "down_bd1"),
+                                  (1, "down_bd4"), (3, "dot"), (3, "dot_w"), (16, "dot"), (2, "fma_tokens"),
+                                  (5, "fma_tokens")])
 def test_experts_pallas_tunings(n, tu, dtype):
     """ExpertsTuning variants (product form, rows per program, multi-chunk loops) vs the reference, clamps on."""
     from pallas_kernels.moe.experts import ExpertsTuning, moe_experts_fused
@@ -479,7 +487,8 @@ def test_experts_pallas_tunings(n, tu, dtype):
     assert rel_err(y, y_ref) <= (1e-5 if dtype == jnp.float32 else 2e-2)
 
 
-@pytest.mark.parametrize("n,tu", [(1, "fma"), (1, "fma_reduce_bi2"), (1, "dot_x"), (3, "dot"), (3, "fma_tokens")])
+@pytest.mark.parametrize("n,tu", [(1, "fma"), (1, "fma_reduce_bi2"), (1, "dot_x"), (1, "down_bd1"), (3, "dot"),
+                                  (3, "fma_tokens")])
 def test_experts_pallas_repeated_ids_in_a_token(n, tu):
     """The router never repeats an expert within a token, but moe_experts accepts any ids in [0, E): a repeat must
     count twice (gate/up writes h once, for the expert's first slot; the down kernel reads it from there and gives
@@ -492,6 +501,37 @@ def test_experts_pallas_repeated_ids_in_a_token(n, tu):
     y = moe_experts_fused(*args, *ws, limit=4.0, shared_limit=5.0, tuning=ExpertsTuning(**_TUNINGS[tu]))
     assert np.isfinite(np.asarray(y)).all()
     assert rel_err(y, moe.moe_experts(*args, *ws, limit=4.0, shared_limit=5.0)) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("n", [1, 3])
+def test_experts_residual(n, dtype):
+    """`residual` is added last in the compute dtype (at T = 1 in the down kernel's epilogue, at T > 1 after the
+    combine): the values of adding it outside, with and without the shared expert."""
+    dtype = jnp.dtype(dtype)
+    args, ws, _, _ = _expert_inputs(50 + n, n, k=8, e=32, dtype=dtype, big=True)
+    r = jnp.asarray(3.0 * np.random.default_rng(7).standard_normal((n, 128)), dtype)
+    kw = dict(limit=4.0, shared_limit=5.0)
+    for backend in ("reference", "pallas"):
+        for shared in (ws, ()):
+            y = moe.moe_experts(*args, *shared, **kw, backend=backend)
+            y_r = moe.moe_experts(*args, *shared, **kw, backend=backend, residual=r)
+            assert y_r.dtype == dtype
+            if dtype == jnp.float32:  # one fp32 add, in or out of the kernel
+                np.testing.assert_array_equal(np.asarray(y_r), np.asarray(r + y))
+            else:  # XLA may keep r + y's operands unrounded when it fuses them: one bf16 rounding apart at most
+                assert rel_err(y_r, r + y) <= 4e-3
+    y_ref = moe.moe_experts(*args, *ws, **kw, residual=r)
+    assert rel_err(moe.moe_experts(*args, *ws, **kw, backend="pallas", residual=r), y_ref) <= (
+        1e-5 if dtype == jnp.float32 else 2e-2)
+
+
+def test_experts_residual_errors():
+    args, ws, _, _ = _expert_inputs(0, 2)
+    with pytest.raises(ValueError, match=r"residual.shape=\(1, 128\) must be \[N, D\] = \(2, 128\)"):
+        moe.moe_experts(*args, *ws, residual=args[0][:1])
+    with pytest.raises(ValueError, match=r"residual.dtype=bfloat16 must be one of \['float32'\]"):
+        moe.moe_experts(*args, *ws, residual=args[0].astype(jnp.bfloat16))
 
 
 def test_experts_pallas_no_shared_and_distinct():
@@ -521,13 +561,18 @@ def test_experts_tuning_errors():
         ExpertsTuning(dot_gate_up="fma")
     with pytest.raises(ValueError, match=r"verify_gate_up='fma' must be one of \('dot', 'fma_tokens'\)"):
         ExpertsTuning(verify_gate_up="fma")
-    with pytest.raises(ValueError, match=r"block_d=8 must be a power of two >= 16"):
-        ExpertsTuning(block_d=8)
+    with pytest.raises(ValueError, match=r"block_d=3 must be a power of two$"):
+        ExpertsTuning(block_d=3)
+    with pytest.raises(ValueError, match=r"block_ki=8 must be a power of two >= 16"):
+        ExpertsTuning(block_ki=8)
     with pytest.raises(ValueError, match=r"routed_eviction='evict_next' must be one of"):
         ExpertsTuning(routed_eviction="evict_next")
     args, ws, _, _ = _expert_inputs(0, 3)
-    with pytest.raises(ValueError, match=r"block_i=2 with gate/up mode 'dot_x' at T=3.*use VERIFY_TUNING"):
-        moe_experts_fused(*args, *ws, limit=0.0, shared_limit=0.0, tuning=DECODE_TUNING)
+    with pytest.raises(ValueError, match=r"block_i=2 with gate/up mode 'dot_x' at T=4.*use VERIFY_TUNING"):
+        moe_experts_fused(*_expert_inputs(0, 4)[0], *ws, limit=0.0, shared_limit=0.0, tuning=DECODE_TUNING)
+    with pytest.raises(ValueError, match=r"block_d=1 at T=3: the T > 1 down kernel's tensor-core dots need >= 16"):
+        moe_experts_fused(*args, *ws, limit=0.0, shared_limit=0.0,
+                          tuning=dataclasses.replace(DECODE_TUNING, verify_gate_up="fma_tokens"))
 
 
 def lower_for_cuda(monkeypatch, modules, fn, *avals, gpu=None):
@@ -543,8 +588,8 @@ def lower_for_cuda(monkeypatch, modules, fn, *avals, gpu=None):
     return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("n,tu", [(1, None), (1, "fma"), (1, "dot_x"), (1, "dot_w"), (2, None), (3, None),
-                                  (3, "dot_w"), (9, "fma_tokens")])
+@pytest.mark.parametrize("n,tu", [(1, None), (1, "fma"), (1, "dot_x"), (1, "dot_w"), (1, "down_bd4"), (2, None),
+                                  (3, None), (4, None), (3, "dot_w"), (9, "fma_tokens")])
 def test_pallas_lowers_for_cuda(monkeypatch, n, tu):
     """Every product mode lowers to Triton at Flash size (None: the defaults by T, experts.default_tuning)."""
     from pallas_kernels.common import pdl
@@ -559,15 +604,19 @@ def test_pallas_lowers_for_cuda(monkeypatch, n, tu):
         return experts_mod.moe_experts_fused(x, w, ids, wg, wu, wd, sg, su, sd, limit=4.0, shared_limit=5.0,
                                              tuning=tu and experts_mod.ExpertsTuning(**_TUNINGS[tu]))
 
-    # Every expert matrix [.., I, D].
+    # Expert matrices [out, in]: gate/up [.., I, D], down [.., D, I].
     txt = lower_for_cuda(monkeypatch, [router_mod, experts_mod, pdl], layer, sds((n, d), bf), sds((e, d), f32),
-                         sds((e,), f32), sds((e, i, d), bf), sds((e, i, d), bf), sds((e, i, d), bf), sds((i, d), bf),
-                         sds((i, d), bf), sds((i, d), bf))
-    assert txt.count("stablehlo.custom_call") == 4  # router GEMV, top-k, gate/up, down
-    if tu is None:  # the defaults by T: 2-row gate/up programs at T = 1 and 2 (FMAs), 16-row ones from T = 3 (dots)
-        gate_up = [c for c in txt.split("stablehlo.custom_call")[1:]
-                   if re.search(r'name = "([^"]+)"', c).group(1) == "experts_fwd_kernel_gate_up"][0]
-        assert f"grid_y = {i // (2 if n <= 2 else 16)}" in gate_up
+                         sds((e,), f32), sds((e, i, d), bf), sds((e, i, d), bf), sds((e, d, i), bf), sds((i, d), bf),
+                         sds((i, d), bf), sds((d, i), bf))
+    calls = {re.search(r'name = "([^"]+)"', c).group(1): c for c in txt.split("stablehlo.custom_call")[1:]}
+    down = "experts_fwd_kernel_down_t1" if n == 1 else "experts_fwd_kernel_down"
+    assert sorted(calls) == sorted(["router_fwd_kernel_gemv", "router_fwd_kernel_topk", "experts_fwd_kernel_gate_up",
+                                    down])
+    if tu is None:  # the defaults by T: 2-row gate/up programs up to T = 3 (FMAs), 16-row ones from T = 4 (dots);
+        # at T = 1 one down program per output feature
+        assert f"grid_y = {i // (2 if n <= 3 else 16)}" in calls["experts_fwd_kernel_gate_up"]
+        if n == 1:
+            assert f"grid_x = {d}" in calls[down]
 
 
 def test_router_variants_lower_for_cuda(monkeypatch):
@@ -610,13 +659,13 @@ def test_early_launch_lowers_for_cuda(monkeypatch, gate_up, down, gpu):
                                              tuning=tu)
 
     txt = lower_for_cuda(monkeypatch, [experts_mod, pdl], experts, sds((1, d), bf), sds((1, 8), jnp.float32),
-                         sds((1, 8), jnp.int32), *[sds((e, i, d), bf)] * 3, *[sds((i, d), bf)] * 3,
-                         gpu=getattr(gpu_info.GpuVersion, gpu))
+                         sds((1, 8), jnp.int32), *[sds((e, i, d), bf)] * 2, sds((e, d, i), bf),
+                         *[sds((i, d), bf)] * 2, sds((d, i), bf), gpu=getattr(gpu_info.GpuVersion, gpu))
     # Each custom call's text up to the next one: its own name comes first (later names are operands' locations).
     calls = txt.split("stablehlo.custom_call")[1:]
     has = {re.search(r'name = "([^"]+)"', c).group(1): "griddepcontrol.launch_dependents" in c for c in calls}
     hopper = gpu != "A100"
-    assert has == {"experts_fwd_kernel_gate_up": gate_up and hopper, "experts_fwd_kernel_down": down and hopper}
+    assert has == {"experts_fwd_kernel_gate_up": gate_up and hopper, "experts_fwd_kernel_down_t1": down and hopper}
 
 
 def _kernel_loads(jaxpr, kernel=None):
@@ -632,10 +681,10 @@ def _kernel_loads(jaxpr, kernel=None):
                     yield from _kernel_loads(inner, name)
 
 
-@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("n", [1, 3, 4])
 def test_routed_eviction_policy(n):
-    """T = 1 (DECODE_TUNING) loads the routed gate, up and down weights with an L2 evict_first policy; the shared
-    expert's loads and every load at T > 1 (VERIFY_TUNING) keep the default policy."""
+    """T <= 3 (DECODE_TUNING, FMA_TOKENS_TUNING) loads the routed gate, up and down weights with an L2 evict_first
+    policy; the shared expert's loads and every load from T = 4 (VERIFY_TUNING) keep the default policy."""
     from pallas_kernels.moe import experts as experts_mod
 
     d, e, i = 256, 16, 64
@@ -645,7 +694,11 @@ def test_routed_eviction_policy(n):
         return experts_mod.moe_experts_fused(x, w, ids, wg, wu, wd, sg, su, sd, limit=4.0, shared_limit=5.0)
 
     jaxpr = jax.make_jaxpr(experts)(sds((n, d), bf), sds((n, 8), jnp.float32), sds((n, 8), jnp.int32),
-                                    *[sds((e, i, d), bf)] * 3, *[sds((i, d), bf)] * 3).jaxpr
+                                    *[sds((e, i, d), bf)] * 2, sds((e, d, i), bf), *[sds((i, d), bf)] * 2,
+                                    sds((d, i), bf)).jaxpr
     loads = collections.Counter(_kernel_loads(jaxpr))
-    want = {("experts_fwd_kernel_gate_up", "evict_first"): 2, ("experts_fwd_kernel_down", "evict_first"): 1}
-    assert loads == collections.Counter(want if n == 1 else {})
+    # T = 1: the down kernel's 8 routed slots are written out (I = 64: one chunk each); T > 1: one loop body each.
+    want = {1: {("experts_fwd_kernel_gate_up", "evict_first"): 2, ("experts_fwd_kernel_down_t1", "evict_first"): 8},
+            3: {("experts_fwd_kernel_gate_up", "evict_first"): 2, ("experts_fwd_kernel_down", "evict_first"): 1},
+            4: {}}[n]
+    assert loads == collections.Counter(want)
