@@ -18,14 +18,15 @@ routed_eviction=evict_first`: experts.FMA_TOKENS_TUNING, the T = 2 default, at e
 Results are saved after each section (a timeout keeps what finished).
 Weights are cold: NL = 8 layers of experts (6.0 GB each, 48 GB) and routers, used in rotation, so a layer's
 weights were last touched >= 7 layers (>= 0.7 GB) earlier, far past the 60 MB L2.
-Timing has no per-call host cost: one jitted executable runs a *chain* of R·NL layers, layer l's output is
-x_{l+1} + MoE_l(input_l) and the next layer's input (as a decode step's residual stream: each layer waits for the
-previous one, its routing depends on it, nothing overlaps or hoists; the fresh x_{l+1} keeps every layer's input
-statistics alike), all inputs passed once. µs/layer = slope between the R = 1 and R = 3 executables / NL (removes
-the executable's fixed launch cost), median of `--iters` runs of each. The residual add is the experts' `residual`
-input, as the model passes it (ling_jax/layers/moe.py): at T = 1 the down kernel's epilogue, at T > 1 and in the
-XLA reference part of the final fusion. (Until session 9 the chain added 1e-3·y to x_l in an XLA add that fused
-into the combine fusion; the T = 1 down kernel has no combine fusion to fuse it into: RESULTS.md "Session 10".)
+Timing has no per-call host cost: one jitted executable runs a *chain* of R·NL layers, each waiting for the
+previous one (its routing depends on it, nothing overlaps or hoists), all inputs passed once. µs/layer = slope
+between the R = 1 and R = 3 executables / NL (removes the executable's fixed launch cost), median of `--iters` runs
+of each. `--chain` (make_chain): "add" (default, sessions 1-10): layer l's input is x_l + 1e-3·y_{l-1}, one bf16
+[T, D] add (at T > 1 it fuses into the combine fusion; at T = 1, since session 10, the down kernel writes y and the
+add is its own small fusion); "residual": layer l's output is x_{l+1} + MoE_l(input), the experts' `residual` input
+as the model passes it (at T = 1 in the down kernel's epilogue) and the next layer's input; "stacked": the same
+with the x's sliced from one array; "direct": layer l's output MoE_l(input) is the next layer's input, no add (the
+probes' dependent chain: the MoE layer alone). RESULTS.md "Session 10" has the T = 1 layer in all four.
 Bytes: router fp32 D·E·4 + (distinct experts + shared) · 3·D·I·2; % of 4.3 TB/s (measured H200 copy rate).
 """
 
@@ -52,6 +53,7 @@ D, E, I, K = 2560, 512, 768, 8
 ROUTE_KW = dict(n_group=8, topk_group=4, top_k=K, routed_scaling_factor=2.5)
 HBM = HBM_BYTES_PER_S
 VERIFY_ROUTER = VERIFY_EXPERTS = None  # --verify-router, --verify-experts
+CHAIN = "add"  # --chain
 LIMIT, SHARED_LIMIT = 4.0, 5.0  # layer 35's clamps (both clamps on: the costlier epilogue)
 
 # Gate/up are [.., I, D] and down [.., D, I]: a gate/up program streams BI whole rows of D (BK-wide tiles), a T = 1
@@ -145,14 +147,21 @@ def moe_layer(x, lay, backend, et=None, rt=None, residual=None):
 
 
 def make_chain(layer_fn, nl, reps):
-    """One executable: reps·nl layers in a chain, layer_fn(x, layer, residual); layer l's output xs[l + 1] +
-    MoE_l(x) is layer l + 1's input."""
+    """One executable: reps·nl layers in a chain, layer_fn(x, layer, residual), linked as CHAIN says (module
+    docstring)."""
     @jax.jit
     def run(layers, xs):
+        if CHAIN == "add":
+            y = jnp.zeros_like(xs[0])
+            for _ in range(reps):
+                for l in range(nl):
+                    y = layer_fn(xs[l] + (y * 1e-3).astype(y.dtype), layers[l], None)
+            return y
         x = xs[0]
+        res = jnp.stack(xs) if CHAIN == "stacked" else xs
         for _ in range(reps):
             for l in range(nl):
-                x = layer_fn(x, layers[l], xs[(l + 1) % nl])
+                x = layer_fn(x, layers[l], None if CHAIN == "direct" else res[(l + 1) % nl])
         return x
     return run
 
@@ -197,6 +206,9 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--ts", default="1,2,3,4,5,6,7,8,9,16")
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--chain", choices=("add", "residual", "stacked", "direct"), default="add",
+                    help="how layers chain (make_chain, module docstring): x_l + 1e-3·y, the experts' residual input "
+                         "from separate arrays or one stacked array, or none (each output is the next input)")
     ap.add_argument("--profile-ts", default="6", help="T values > 1 profiled at the end (T = 1 is after the sweep)")
     ap.add_argument("--verify-router", default="",
                     help="T > 1: router.VERIFY_TUNING with these fields (e.g. prefetch_chunk_bytes=0)")
@@ -205,7 +217,8 @@ def main(argv=None):
                          "warps_gate_up=1)")
     ap.add_argument("--toy", action="store_true", help="tiny sizes, to check the script on CPU")
     args = ap.parse_args(argv)
-    global D, E, I, VERIFY_ROUTER, VERIFY_EXPERTS
+    global D, E, I, VERIFY_ROUTER, VERIFY_EXPERTS, CHAIN
+    CHAIN = args.chain
     VERIFY_ROUTER = parse_tuning(router_mod.VERIFY_TUNING, args.verify_router) if args.verify_router else None
     VERIFY_EXPERTS = parse_tuning(VERIFY_TUNING, args.verify_experts) if args.verify_experts else None
     profile_ts = [int(t) for t in filter(None, args.profile_ts.split(","))]

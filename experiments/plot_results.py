@@ -2,7 +2,8 @@
 
     python experiments/plot_results.py
 
-Writes experiments/results/{moe_vs_T,moe_verify_T,kda_decode_verify,mla_decode,decode_slice}.png. Every number plotted is a row of
+Writes experiments/results/{moe_vs_T,moe_verify_T,moe_t1_down,kda_decode_verify,mla_decode,decode_slice}.png.
+Every number plotted is a row of
 experiments/RESULTS.md; this script only draws them.
 """
 
@@ -73,6 +74,35 @@ def plot_moe_verify(dot, fma) -> Path:
           title=f"MoE layer at small T, {dot['device']} (S9 10)")
     a.legend(fontsize=7)
     return _save(fig, "moe_verify_T.png")
+
+
+def plot_moe_t1_down(sets) -> Path:
+    """T = 1 MoE layer span (profiler, cold dependent chain) per down-kernel variant of session 10's probe (S10 1-5:
+    sets s10c1..s10c5, `probe_moe_down_rows_fused.py`), each call's stripe kernel + combine (then production) as
+    its baseline; rows that failed their check (error > 2e-2) are left out."""
+    fig, a = plt.subplots(figsize=(10, 8))
+    labels, spans, colors = [], [], []
+    for name, data in sets:
+        for r in data["rows"]:
+            if r["err"] is None or r["err"] > 2e-2:
+                continue
+            base = r["label"].startswith("dep: production")
+            short = r["label"].replace("dep: ", "").replace("production layer", "stripes + combine (S9 code)")
+            for long, brief in (("rows fused ", "rows "), (", 8 slots/step", ""), ("early_launch True", "PDL trigger"),
+                                ("shared_first True", "shared first"), (" slots/step", " slots")):
+                short = short.replace(long, brief)
+            labels.append(f"S10 {name[-1]}: {short}")
+            spans.append(r["span_us"])
+            colors.append("grey" if base else "C0")
+    y = range(len(labels))
+    a.barh(list(y), spans, color=colors)
+    a.axvline(34.0, color="k", ls="--", lw=1, label="issue target 34 µs")
+    a.set(yticks=list(y), xlabel="µs per MoE layer (timeline span)", xlim=(30, max(spans) + 1),
+          title="T = 1 down-kernel variants, S10 1-5 (grey: the call's session-9 layer)")
+    a.set_yticklabels(labels, fontsize=6)
+    a.invert_yaxis()
+    a.legend(fontsize=7)
+    return _save(fig, "moe_t1_down.png")
 
 
 def plot_kda(data) -> Path:
@@ -150,6 +180,9 @@ def main():
     # MoE: session 4's final run (S4 9: bench_moe.py --quick, its own T = 1 profile), the first kernels' sweep beside
     jobs = (("bench_moe_s4c9.json", lambda d: plot_moe(d, None, _load("bench_moe_v1.json"))),
             ("bench_moe_s9c10_dot.json", lambda d: plot_moe_verify(d, _load("bench_moe_s9c10_fma256.json"))),
+            ("probe_moe_down_rows_fused_s10c1.json",
+             lambda d: plot_moe_t1_down([(f"s10c{c}", _load(f"probe_moe_down_rows_fused_s10c{c}.json"))
+                                         for c in range(1, 6)])),
             ("kda_decode_verify.json", plot_kda),
             ("mla_profile_s7c9.json", lambda d: plot_mla(d, _load("mla_profile.json"))),
             ("bench_decode.json", plot_slice))

@@ -24,6 +24,15 @@ Timing without extra copies: each layer's W_down memory is read in the variant's
 interpretation, the access pattern is each layout's own); each variant is checked against the reference on the
 weights as it reads them (layer 0, re-laid-out for the check only).
 
+As run (S10 1-5, sets s10c1-s10c5, commits 6ee3a8f-880a5c7): the layers stored W_down [E, I, D], "production
+layer" was the stripe kernel + XLA combine, and the row variants read that memory as [E, D, I]. The row-fused
+kernel is production since c4742a1, which stores W_down [E, D, I] (probe_moe_t1.make_layers too): now the row
+variants read the layers as stored, "production layer" is the row-fused kernel itself, and the stripe variants
+read the memory as [E, I, D].
+
+Result (RESULTS.md, "Session 10"): one output feature per one-warp program, slots written out, the shared expert
+first and a PDL trigger: layer span 33.8-34.3 µs against 35.2-35.6 for the stripes + combine in the same calls.
+
 Run on the GPU: `PYTHONPATH=.:experiments python3 experiments/probe_moe_down_rows_fused.py --set s10c1`; `--toy`:
 a CPU smoke run in interpret mode.
 """
@@ -58,6 +67,8 @@ def gate_up_h(x, ids, lay, early_launch=False, bi=TU.block_i, bk=TU.block_k):
     admit the down launch (PDL); bi, bk: its ExpertsTuning block_i, block_k."""
     d, (i, k) = x.shape[1], (lay["sg"].shape[0], ids.shape[1])
     bk = min(bk, d)
+    if d % bk:  # as run in S10 5, BK 1024 read 2048 of D = 2560 columns (its rows' errors 0.59): refused since
+        raise ValueError(f"gate_up_h: BK={bk} must divide D={d}")
     return pl.pallas_call(
         functools.partial(ex.experts_fwd_kernel_gate_up, BK=bk, n_chunks=d // bk, n_routed=k,
                           limit=pt.LIMITS["limit"], shared_limit=pt.LIMITS["shared_limit"], has_shared=True,
@@ -200,6 +211,17 @@ def down_rows_slots(h, w, ids, wd_rows, sd_rows, *, bd, warps):
     return jnp.sum(parts[:k], axis=0).astype(h.dtype) + parts[k].astype(h.dtype)
 
 
+def _stripes_dot(load_h, load_d, *, BKI, n_chunks, bd, dt):
+    """The session-9 down kernel's product: h [1, BKI] (broadcast to 16 rows) · W_down stripe tiles [BKI, BD] on the
+    tensor cores -> [1, BD] fp32 holding values rounded to dt."""
+    def body(c, acc):
+        ks = pl.ds(pl.multiple_of(c * BKI, BKI), BKI)
+        return acc + ex._dot(jnp.broadcast_to(load_h(ks), (16, BKI)), load_d(ks))
+
+    acc = lax.fori_loop(0, n_chunks, body, jnp.zeros((16, bd), F32))
+    return ex._token_rows(acc, 1).astype(dt).astype(F32)
+
+
 def down_panels_kernel(h_ref, ids_ref, w_ref, wd_ref, sd_ref, o_ref, *, BKI, n_chunks, n_routed, eviction):
     # wd_ref [E, D / BD, I, BD]; sd_ref [D / BD, I, BD]; grid (K + 1, D / BD); o_ref [1, BD] fp32 partial
     s, j = pl.program_id(0), pl.program_id(1)
@@ -208,8 +230,8 @@ def down_panels_kernel(h_ref, ids_ref, w_ref, wd_ref, sd_ref, o_ref, *, BKI, n_c
     i_k = lax.iota(jnp.int32, n_routed)
 
     def out(load):
-        return ex._down_cols(lambda ks: h_ref[s, :, ks], load, BKI=BKI, n_chunks=n_chunks, bd=bd, to=1,
-                             dt=wd_ref.dtype)
+        return _stripes_dot(lambda ks: h_ref[s, :, ks], load, BKI=BKI, n_chunks=n_chunks, bd=bd,
+                            dt=wd_ref.dtype)
 
     @pl.when(s < n_routed)
     def _():
@@ -226,22 +248,28 @@ def down_panels(h, w, ids, wd_p, sd_p):
     k, _, i = h.shape
     k -= 1
     n_p, _, bd = sd_p.shape
-    bki = min(TU.block_ki, i & -i)
+    bki = min(256, i & -i)
     parts = pl.pallas_call(
         functools.partial(down_panels_kernel, BKI=bki, n_chunks=i // bki, n_routed=k, eviction=TU.routed_eviction),
         grid=(k + 1, n_p), in_specs=[pl.no_block_spec] * 5,
         out_specs=pl.BlockSpec((None, 1, bd), lambda s, j: (s, 0, j)),
         out_shape=jax.ShapeDtypeStruct((k + 1, 1, n_p * bd), F32),
-        compiler_params=pltriton.CompilerParams(num_warps=TU.warps_down, num_stages=TU.stages_down),
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=3),  # the session-9 down kernel's
         interpret=interpret_mode(), name="experts_fwd_kernel_down_panels",
     )(h, ids.reshape(-1), w.reshape(-1), wd_p, sd_p)
     return jnp.sum(parts[:k], axis=0).astype(h.dtype) + parts[k].astype(h.dtype)
 
 
 def as_rows(w):
-    """The memory of w [.., I, D] read as [.., D, I] (a reshape: no data moves)."""
-    *lead, i, d = w.shape
-    return w.reshape(*lead, d, i)
+    """W_down as the row variants read it: the layers store [.., D, I] since session 10 (as run: [.., I, D] memory
+    read as [.., D, I], a reshape)."""
+    return w
+
+
+def as_stripes(w):
+    """The memory of w [.., D, I] read as [.., I, D] (a reshape: no data moves), for the stripe variants."""
+    *lead, d, i = w.shape
+    return w.reshape(*lead, i, d)
 
 
 def _route(x, lay):
@@ -258,21 +286,24 @@ def rows_layer(fused=True, early_gate_up=False, gate_up_bi=TU.block_i, gate_up_b
 
 
 def rows_reference(x, lay):
-    """The reference layer on W_down as the row variants read it ([.., D, I] memory, logically [.., I, D])."""
-    logical = {n: jnp.swapaxes(as_rows(lay[n]), -1, -2) for n in ("wd", "sd")}
-    return pt.reference_layer(x, {**lay, **logical})
+    """The reference layer on W_down as the row variants read it (as stored)."""
+    return pt.reference_layer(x, lay)
+
+
+PANEL = 64  # the stripe width of the session-9 down kernel (its block_d)
 
 
 def panels_layer(x, lay):
-    bd = min(TU.block_d, x.shape[1])
+    bd = min(PANEL, x.shape[1])
     w, ids = _route(x, lay)
     h = gate_up_h(x, ids, lay)
-    return down_panels(h, w, ids, pp.as_panels(lay["wd"], bd), pp.as_panels(lay["sd"], bd))
+    return down_panels(h, w, ids, *(pp.as_panels(as_stripes(lay[n]), bd) for n in ("wd", "sd")))
 
 
 def panels_reference(x, lay):
-    bd = min(TU.block_d, x.shape[1])
-    logical = {n: pp.panels_to_rows(pp.as_panels(lay[n], bd)) for n in ("wd", "sd")}
+    bd = min(PANEL, x.shape[1])
+    logical = {n: jnp.swapaxes(pp.panels_to_rows(pp.as_panels(as_stripes(lay[n]), bd)), -1, -2)
+               for n in ("wd", "sd")}
     return pt.reference_layer(x, {**lay, **logical})
 
 

@@ -8,6 +8,10 @@ also measured (router GEMV + shared gate/up, then top-k in every gate/up program
 routed down; 48.4 µs against 44.2 µs for route + experts) is in commit 7955b3f (pallas_kernels/moe/layer.py).
 
 Run on the GPU: `PYTHONPATH=. python3 experiments/probe_moe_t1.py --sweep call4` (call3: the previous sweep).
+
+Layout: since session 10 `make_layers` stores W_down as the model does, [E, D, I] (torch's [out, in]). The probes
+of sessions 3-9 that build on these layers were written and run with W_down [E, I, D]; their down variants read it
+so, and they ran at the commits RESULTS.md names: run them there, not against today's layers.
 """
 
 from __future__ import annotations
@@ -46,8 +50,8 @@ def make_layers():
         bf, s = jnp.bfloat16, D ** -0.5
         layers.append(dict(
             wg=jax.random.normal(k[0], (E, I, D), bf) * s, wu=jax.random.normal(k[1], (E, I, D), bf) * s,
-            wd=jax.random.normal(k[2], (E, I, D), bf) * I ** -0.5, sg=jax.random.normal(k[3], (I, D), bf) * s,
-            su=jax.random.normal(k[4], (I, D), bf) * s, sd=jax.random.normal(k[5], (I, D), bf) * I ** -0.5,
+            wd=jax.random.normal(k[2], (E, D, I), bf) * I ** -0.5, sg=jax.random.normal(k[3], (I, D), bf) * s,
+            su=jax.random.normal(k[4], (I, D), bf) * s, sd=jax.random.normal(k[5], (D, I), bf) * I ** -0.5,
             router=jax.random.normal(k[6], (E, D), jnp.float32) * s,  # [E, D]
             bias=0.01 * jax.random.normal(k[7], (E,), jnp.float32)))
     return jax.random.normal(jax.random.key(99), (1, D), jnp.bfloat16), layers
