@@ -21,12 +21,13 @@ weights were last touched >= 7 layers (>= 0.7 GB) earlier, far past the 60 MB L2
 Timing has no per-call host cost: one jitted executable runs a *chain* of R·NL layers, each waiting for the
 previous one (its routing depends on it, nothing overlaps or hoists), all inputs passed once. µs/layer = slope
 between the R = 1 and R = 3 executables / NL (removes the executable's fixed launch cost), median of `--iters` runs
-of each. `--chain` (make_chain): "add" (default, sessions 1-10): layer l's input is x_l + 1e-3·y_{l-1}, one bf16
-[T, D] add (at T > 1 it fuses into the combine fusion; at T = 1, since session 10, the down kernel writes y and the
-add is its own small fusion); "residual": layer l's output is x_{l+1} + MoE_l(input), the experts' `residual` input
-as the model passes it (at T = 1 in the down kernel's epilogue) and the next layer's input; "stacked": the same
-with the x's sliced from one array; "direct": layer l's output MoE_l(input) is the next layer's input, no add (the
-probes' dependent chain: the MoE layer alone). RESULTS.md "Session 10" has the T = 1 layer in all four.
+of each. `--chain` (make_chain): "add" (the default; sessions 1-9 and S10 6, while S10 7-8 ran "residual" as the
+default): layer l's input is x_l + 1e-3·y_{l-1}, one bf16 [T, D] add (at T > 1 it fuses into the combine fusion;
+at T = 1, since session 10, the down kernel writes y and the add is its own small fusion); "residual": layer l's
+output is x_{l+1} + MoE_l(input), the experts' `residual` input as the model passes it (at T = 1 in the down
+kernel's epilogue) and the next layer's input; "stacked": the same with the x's sliced from one array; "direct":
+layer l's output MoE_l(input) is the next layer's input, no add (the probes' dependent chain: the MoE layer alone).
+RESULTS.md "Session 10" has the T = 1 layer in all four.
 Bytes: router fp32 D·E·4 + (distinct experts + shared) · 3·D·I·2; % of 4.3 TB/s (measured H200 copy rate).
 """
 

@@ -3,8 +3,7 @@
     python experiments/plot_results.py
 
 Writes experiments/results/{moe_vs_T,moe_verify_T,moe_t1_down,kda_decode_verify,mla_decode,decode_slice}.png.
-Every number plotted is a row of
-experiments/RESULTS.md; this script only draws them.
+Every number plotted is a row of experiments/RESULTS.md; this script only draws them.
 """
 
 from __future__ import annotations

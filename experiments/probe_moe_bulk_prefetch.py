@@ -28,6 +28,10 @@ anyway (the top-k's selection, ~1.9 µs of its 3.3).
 Run on the GPU: `PYTHONPATH=.:experiments python3 experiments/probe_moe_bulk_prefetch.py --set s8c1` (session 8's
 call 1; s8c2-s8c5: calls 2-5, s8c7: call 7); `--toy`: a CPU smoke run in interpret mode (the prefetches are then
 no-ops; it checks the plumbing and the results).
+
+As run: with W_down stored [E, I, D] and pallas_kernels/moe/experts.py of its commit (RESULTS.md names it).
+Session 10 stores W_down [E, D, I] (probe_moe_t1.make_layers too) and removed `experts._down_cols` / `_dot`;
+run this probe at its commit.
 """
 
 from __future__ import annotations

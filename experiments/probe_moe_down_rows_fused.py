@@ -24,7 +24,7 @@ Timing without extra copies: each layer's W_down memory is read in the variant's
 interpretation, the access pattern is each layout's own); each variant is checked against the reference on the
 weights as it reads them (layer 0, re-laid-out for the check only).
 
-As run (S10 1-5, sets s10c1-s10c5, commits 6ee3a8f-880a5c7): the layers stored W_down [E, I, D], "production
+As run (S10 1-5, sets s10c1-s10c5, commits 9a9bb80-880a5c7): the layers stored W_down [E, I, D], "production
 layer" was the stripe kernel + XLA combine, and the row variants read that memory as [E, D, I]. The row-fused
 kernel is production since c4742a1, which stores W_down [E, D, I] (probe_moe_t1.make_layers too): now the row
 variants read the layers as stored, "production layer" is the row-fused kernel itself, and the stripe variants
@@ -216,7 +216,10 @@ def _stripes_dot(load_h, load_d, *, BKI, n_chunks, bd, dt):
     tensor cores -> [1, BD] fp32 holding values rounded to dt."""
     def body(c, acc):
         ks = pl.ds(pl.multiple_of(c * BKI, BKI), BKI)
-        return acc + ex._dot(jnp.broadcast_to(load_h(ks), (16, BKI)), load_d(ks))
+        w = load_d(ks)
+        prec = lax.Precision.HIGHEST if w.dtype == jnp.float32 else None
+        return acc + jnp.dot(jnp.broadcast_to(load_h(ks), (16, BKI)), w, precision=prec,
+                             preferred_element_type=jnp.float32)
 
     acc = lax.fori_loop(0, n_chunks, body, jnp.zeros((16, bd), F32))
     return ex._token_rows(acc, 1).astype(dt).astype(F32)
@@ -260,12 +263,6 @@ def down_panels(h, w, ids, wd_p, sd_p):
     return jnp.sum(parts[:k], axis=0).astype(h.dtype) + parts[k].astype(h.dtype)
 
 
-def as_rows(w):
-    """W_down as the row variants read it: the layers store [.., D, I] since session 10 (as run: [.., I, D] memory
-    read as [.., D, I], a reshape)."""
-    return w
-
-
 def as_stripes(w):
     """The memory of w [.., D, I] read as [.., I, D] (a reshape: no data moves), for the stripe variants."""
     *lead, d, i = w.shape
@@ -281,7 +278,8 @@ def rows_layer(fused=True, early_gate_up=False, gate_up_bi=TU.block_i, gate_up_b
         w, ids = _route(x, lay)
         h = gate_up_h(x, ids, lay, early_launch=early_gate_up, bi=gate_up_bi, bk=gate_up_bk)
         down = down_rows_fused if fused else down_rows_slots
-        return down(h, w, ids, as_rows(lay["wd"]), as_rows(lay["sd"]), **kw)
+        # The layers store W_down [.., D, I] since session 10 (as run: their [.., I, D] memory read as [.., D, I])
+        return down(h, w, ids, lay["wd"], lay["sd"], **kw)
     return f
 
 
@@ -375,8 +373,7 @@ VARIANTS = {
         _fused(1, 1, early_launch=True, shared_first=True),
         _fused(1, 1, early_launch=True, gate_up_bi=1),
         _fused(1, 1, early_launch=True, gate_up_bi=1, gate_up_bk=256),
-        _fused(1, 1, early_launch=True, gate_up_bi=1, gate_up_bk=1024),
-        _fused(1, 1, early_launch=True, gate_up_bk=1024),
+        # as run, two rows with gate/up BK 1024 here read 2048 of D = 2560 columns (void; gate_up_h refuses it now)
         _fused(1, 1, early_launch=True, gate_up_bi=1, shared_first=True),
         _fused(1, 1, early_launch=True, shared_first=True),
         ("dep: production layer again", ps.prod_layer, pt.reference_layer),

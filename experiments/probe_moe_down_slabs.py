@@ -10,6 +10,10 @@ combine, and read-only kernels over the same 9 down slabs (stripe tiles vs row t
 one-warp two-row programs) to separate the access pattern from the arithmetic.
 
 Run on the GPU: `PYTHONPATH=. python3 experiments/probe_moe_down_slabs.py` (`--toy`: CPU interpret smoke run).
+
+As run: with W_down stored [E, I, D] and pallas_kernels/moe/experts.py of its commit (RESULTS.md names it).
+Session 10 stores W_down [E, D, I] (probe_moe_t1.make_layers too) and removed `experts._down_cols` / `_dot`;
+run this probe at its commit.
 """
 
 from __future__ import annotations

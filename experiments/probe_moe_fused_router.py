@@ -16,6 +16,10 @@ Also (--sweep static): the session-3 layer with its fixed-count loops written ou
 fewer pipeline stages.
 Run on the GPU: `XLA_FLAGS=--xla_allow_excess_precision=false PYTHONPATH=. python3 experiments/probe_moe_fused_router.py
 --sweep c1` (session 4's call 1), `--sweep static` (call 2).
+
+As run: with W_down stored [E, I, D] and pallas_kernels/moe/experts.py of its commit (RESULTS.md names it).
+Session 10 stores W_down [E, D, I] (probe_moe_t1.make_layers too) and removed `experts._down_cols` / `_dot`;
+run this probe at its commit.
 """
 
 from __future__ import annotations

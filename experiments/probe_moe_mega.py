@@ -18,6 +18,10 @@ Counters [16] int32: 0 ticket, 1 GEMV arrivals, 2 ids flag, 3..3+K slot arrivals
 Run on the GPU: `XLA_FLAGS=--xla_allow_excess_precision=false PYTHONPATH=. timeout 280 python3
 experiments/probe_moe_mega.py --repeat 32` (session 4's call 4; call 5: `--repeat 16 --variants 0,2,8,9`, which also
 runs the top-k + shared rows). A hang would be a handshake bug: keep the timeout.
+
+As run: with W_down stored [E, I, D] and pallas_kernels/moe/experts.py of its commit (RESULTS.md names it).
+Session 10 stores W_down [E, D, I] (probe_moe_t1.make_layers too) and removed `experts._down_cols` / `_dot`;
+run this probe at its commit.
 """
 
 from __future__ import annotations

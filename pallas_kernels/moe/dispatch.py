@@ -71,8 +71,10 @@ def route(x, router, expert_bias, *, n_group, topk_group, top_k, routed_scaling_
 
 
 def _check_down(name, w, want, names):
-    """Down projections are [.., D, I] (torch's [out, in]); name the layout change for an [.., I, D] array."""
-    if tuple(w.shape) != tuple(want) and tuple(w.shape[-2:]) == tuple(want[-2:][::-1]) and want[-1] != want[-2]:
+    """Down projections are [.., D, I] (torch's [out, in]); name the layout change for an [.., I, D] array (when
+    I = D the two cannot be told apart by shape)."""
+    swapped = tuple(want[:-2]) + tuple(want[-2:][::-1])
+    if tuple(w.shape) == swapped and swapped != tuple(want):
         raise ValueError(f"{name}.shape={tuple(w.shape)} must be {names} = {tuple(want)} (torch's [out, in]); it looks "
                          f"like the [.., I, D] down layout of ling-jax before session 10: swap its last two axes "
                          f"(jnp.swapaxes(w, -1, -2)) or re-convert the checkpoint")

@@ -138,11 +138,6 @@ def default_tuning(n_tokens: int) -> ExpertsTuning:
     return FMA_TOKENS_TUNING if n_tokens <= FMA_TOKENS_MAX else VERIFY_TUNING
 
 
-def _dot(a, b):
-    prec = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    return jnp.dot(a, b, precision=prec, preferred_element_type=jnp.float32)
-
-
 def _dot_nt(a, b):
     """a [M, C] · b [N, C]ᵀ -> [M, N] fp32."""
     prec = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None

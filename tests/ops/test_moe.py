@@ -195,6 +195,10 @@ def test_dispatch_errors():
         moe.moe_experts(x, w, ids, wg, wu, jnp.swapaxes(wd, 1, 2))
     with pytest.raises(ValueError, match=r"we_down.shape=\(16, 128, 32\) must be \[E, D, I\] = \(16, 128, 64\)$"):
         moe.moe_experts(x, w, ids, wg, wu, wd[:, :, :32])
+    with pytest.raises(ValueError, match=r"we_down.shape=\(8, 64, 128\) must be \[E, D, I\] = \(16, 128, 64\)$"):
+        moe.moe_experts(x, w, ids, wg, wu, jnp.swapaxes(wd, 1, 2)[:8])  # swapped, but E is wrong too: no hint
+    with pytest.raises(ValueError, match=r"we_down.shape=\(64, 128\) must be \[E, D, I\] = \(16, 128, 64\)$"):
+        moe.moe_experts(x, w, ids, wg, wu, wd[0].T)  # one expert, transposed: the E axis is missing, no hint
     with pytest.raises(ValueError, match=r"ws_down.shape=\(64, 128\) must be \[D, Is\] = \(128, 64\) .*swap"):
         moe.moe_experts(x, w, ids, wg, wu, wd, ws[0], ws[1], ws[2].T)
     with pytest.raises(ValueError, match="all three or none"):
@@ -617,6 +621,29 @@ def test_pallas_lowers_for_cuda(monkeypatch, n, tu):
         assert f"grid_y = {i // (2 if n <= 3 else 16)}" in calls["experts_fwd_kernel_gate_up"]
         if n == 1:
             assert f"grid_x = {d}" in calls[down]
+
+
+@pytest.mark.parametrize("shared,residual", [(True, True), (False, True), (False, False)])
+def test_down_t1_optional_inputs_lower_for_cuda(monkeypatch, shared, residual):
+    """The T = 1 down kernel with and without the shared expert and the residual (its optional refs) lowers at
+    Flash size, and the residual is added inside it: no XLA add is left in the lowered program."""
+    from pallas_kernels.common import pdl
+    from pallas_kernels.moe import experts as experts_mod
+
+    d, e, i = 2560, 512, 768
+    bf, sds = jnp.bfloat16, jax.ShapeDtypeStruct
+
+    def experts(x, w, ids, wg, wu, wd, sg, su, sd, r):
+        ws = (sg, su, sd) if shared else (None, None, None)
+        return experts_mod.moe_experts_fused(x, w, ids, wg, wu, wd, *ws, limit=4.0, shared_limit=5.0,
+                                             residual=r if residual else None)
+
+    txt = lower_for_cuda(monkeypatch, [experts_mod, pdl], experts, sds((1, d), bf), sds((1, 8), jnp.float32),
+                         sds((1, 8), jnp.int32), *[sds((e, i, d), bf)] * 2, sds((e, d, i), bf),
+                         *[sds((i, d), bf)] * 2, sds((d, i), bf), sds((1, d), bf))
+    names = [re.search(r'name = "([^"]+)"', c).group(1) for c in txt.split("stablehlo.custom_call")[1:]]
+    assert names == ["experts_fwd_kernel_gate_up", "experts_fwd_kernel_down_t1"]
+    assert "stablehlo.add" not in txt
 
 
 def test_router_variants_lower_for_cuda(monkeypatch):
