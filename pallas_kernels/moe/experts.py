@@ -35,8 +35,9 @@ the T real tokens one by one (VERIFY_GATE_UP_MODES).
 Tunings by T (`default_tuning`): `DECODE_TUNING` (T = 1, the best of the H200 sweeps by device time),
 `FMA_TOKENS_TUNING` (2 <= T <= FMA_TOKENS_MAX, per-token FMAs) and `VERIFY_TUNING` (larger T, the dot path's
 defaults).
-PDL: with `early_launch_down` (DECODE_TUNING) the down kernel's programs first admit its successor (the next
-layer's first fusion at T = 1), which then waits at its entry (pallas_kernels/common/pdl.py).
+PDL: with `early_launch_down` (DECODE_TUNING) the down kernel's programs first admit its successor (at T = 1
+whatever follows the MoE layer: in the model, the next block's norm fusion), which then waits at its entry
+(pallas_kernels/common/pdl.py).
 L2: the tunings load the routed weights with an `evict_first` policy (`routed_eviction`), as each is read once
 per layer (T = 1 gate/up −0.3–0.4 µs on the H200).
 """
@@ -303,7 +304,7 @@ def experts_fwd_kernel_down_t1(h_ref, ids_ref, w_ref, wd_ref, sd_ref, r_ref, y_r
     def expert_out(s, load_d):
         return _down_fma(lambda ks: h_ref[s, :, ks], load_d, BKI=BKI, n_chunks=n_chunks, dt=dt)
 
-    # The shared expert first: its rows were prefetched into L2 by the router (S10 5: −0.1–0.2 µs against last).
+    # The shared expert first: its rows were prefetched into L2 by the router (S10 4-5: 0.0-0.3 µs below last).
     shared = None if sd_ref is None else expert_out(n_routed, lambda ks: sd_ref[feats, ks])
     routed = jnp.zeros((bd,), jnp.float32)
     for s in range(n_routed):  # written out: one slot's loads overlap another's math (a loop would serialise them)
