@@ -47,11 +47,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-import probe_moe_fused_router as pf
 import probe_moe_panels as pp
 import probe_moe_splitk as ps
 import probe_moe_t1 as pt
-from bench_common import run_header, write_results
 from pallas_kernels.common import interpret_mode
 from pallas_kernels.common.pdl import launch_dependents
 from pallas_kernels.common.prefetch import prefetch_l2
@@ -84,17 +82,15 @@ def gate_up_h(x, ids, lay, early_launch=False, bi=TU.block_i, bk=TU.block_k):
 def _rows_out(h_ref, s, load, *, BKI, n_chunks, dt, reduce_once=False):
     """One expert's output for the program's BD rows: [BD] fp32 holding values rounded to dt (as the reference).
     reduce_once: the chunks' products summed elementwise, one cross-lane reduction per expert instead of one per
-    chunk."""
+    chunk (else: experts._down_fma, the production kernel's form)."""
+    if not reduce_once:
+        return ex._down_fma(lambda ks: h_ref[s, :, ks], load, BKI=BKI, n_chunks=n_chunks, dt=dt)
     acc = None
     for c in range(n_chunks):  # written out: the expert's whole rows are loaded together
         ks = pl.ds(c * BKI, BKI)
         part = load(ks).astype(F32) * h_ref[s, :, ks].astype(F32)
-        if not reduce_once:
-            part = jnp.sum(part, axis=1)
         acc = part if acc is None else acc + part
-    if reduce_once:
-        acc = jnp.sum(acc, axis=1)
-    return acc.astype(dt).astype(F32)
+    return jnp.sum(acc, axis=1).astype(dt).astype(F32)
 
 
 def down_rows_fused_kernel(h_ref, ids_ref, w_ref, wd_ref, sd_ref, y_ref, *, BKI, n_chunks, n_routed, sps,
@@ -381,13 +377,5 @@ VARIANTS = {
 }
 
 
-def main():
-    args, out, x, layers, only = pf.chain_probe_setup("probe_moe_down_rows_fused", VARIANTS, "s10c5", only_sep=";")
-    results = {**run_header(), "layers": len(layers), "rows": []}
-    ps.record_variants(results, out, x, layers, only,
-                       [(label, fn, check, False) for label, fn, check in VARIANTS[args.set]()])
-    write_results(out, results, to_repo=not args.toy)
-
-
 if __name__ == "__main__":
-    main()
+    ps.run_sets("probe_moe_down_rows_fused", VARIANTS, "s10c5")

@@ -30,10 +30,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-import probe_moe_fused_router as pf
 import probe_moe_splitk as ps
 import probe_moe_t1 as pt
-from bench_common import run_header, write_results
 from pallas_kernels.common import interpret_mode
 from pallas_kernels.moe import experts as ex
 from pallas_kernels.moe import router as router_mod
@@ -129,13 +127,5 @@ VARIANTS = {
 }
 
 
-def main():
-    args, out, x, layers, only = pf.chain_probe_setup("probe_moe_panels", VARIANTS, "s9c8", only_sep=";")
-    results = {**run_header(), "layers": len(layers), "rows": []}
-    ps.record_variants(results, out, x, layers, only,
-                       [(label, fn, check, False) for label, fn, check in VARIANTS[args.set]()])
-    write_results(out, results, to_repo=not args.toy)
-
-
 if __name__ == "__main__":
-    main()
+    ps.run_sets("probe_moe_panels", VARIANTS, "s9c8")

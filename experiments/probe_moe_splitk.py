@@ -266,6 +266,16 @@ def record_variants(results, out, x, layers, only, rows):
             pt.record_row(results, out, label, fn, x, layers, check, chain=chain)
 
 
+def run_sets(prefix, sets, default):
+    """main() of a probe whose sets are lists of (label, layer fn, reference fn) rows: parse the command line
+    (probe_moe_fused_router.chain_probe_setup), check and time the chosen set, write `<prefix>_<set>.json`."""
+    args, out, x, layers, only = pf.chain_probe_setup(prefix, sets, default, only_sep=";")
+    results = {**run_header(), "layers": len(layers), "rows": []}
+    record_variants(results, out, x, layers, only,
+                    [(label, fn, check, False) for label, fn, check in sets[args.set]()])
+    write_results(out, results, to_repo=not args.toy)
+
+
 # (label, layer fn, relaxed atomics); labels starting "dep:" time the dependent chain
 VARIANTS = {
     # As run in S9 1: rows 4-13 failed there (the top-k's zero store of a [2560] array, not a power of two; fixed
