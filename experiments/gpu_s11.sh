@@ -1,0 +1,15 @@
+#!/bin/bash
+# Session 11: the T = 1 experts kernels with their weight loads issued ahead of their math
+# (experiments/probe_moe_down_inflight.py; sets s11c1, ...), then the production bench's direct chain when "bench"
+# is among the arguments. Run on the GPU from the repo root: `bash experiments/gpu_s11.sh s11c1 bench` (~3 min).
+export PYTHONPATH=.:experiments
+for arg in "$@"; do
+  if [ "$arg" = bench ]; then
+    timeout 120 python3 experiments/bench_moe.py --quick --no-ts --iters 1 --chain direct 2>&1 \
+      | grep -E "span|µs/layer|T1|experts_fwd|router_fwd" | head -12
+    cp experiments/results/bench_moe.json "${OUT:-/tmp}/bench_moe_s11_direct.json" 2>/dev/null
+  else
+    timeout 300 python3 experiments/probe_moe_down_inflight.py --set "$arg" 2>&1 | grep -v "^WARNING\|^I0000\|^E0000"
+    cp "experiments/results/probe_moe_down_inflight_$arg.json" "${OUT:-/tmp}/" 2>/dev/null
+  fi
+done
