@@ -1,10 +1,14 @@
 #!/bin/bash
 # Session 11: the T = 1 experts kernels with their weight loads issued ahead of their math
 # (experiments/probe_moe_down_inflight.py; sets s11c1, ...), then the production bench's direct chain when "bench"
-# is among the arguments. Run on the GPU from the repo root: `bash experiments/gpu_s11.sh s11c1 bench` (~3 min).
+# is among the arguments, and the compiled `tests/ops/test_moe.py` for "tests". Run on the GPU from the repo root:
+# `bash experiments/gpu_s11.sh s11c1 bench` (~3 min), `bash experiments/gpu_s11.sh s11c2 tests` (~5 min).
 export PYTHONPATH=.:experiments
 for arg in "$@"; do
-  if [ "$arg" = bench ]; then
+  if [ "$arg" = tests ]; then
+    XLA_FLAGS=--xla_allow_excess_precision=false timeout 300 python3 -m pytest -q tests/ops/test_moe.py 2>&1 \
+      | tee "${OUT:-/tmp}/pytest_moe_s11.log" | tail -5
+  elif [ "$arg" = bench ]; then
     timeout 120 python3 experiments/bench_moe.py --quick --no-ts --iters 1 --chain direct 2>&1 \
       | grep -E "span|µs/layer|T1|experts_fwd|router_fwd" | head -12
     cp experiments/results/bench_moe.json "${OUT:-/tmp}/bench_moe_s11_direct.json" 2>/dev/null

@@ -38,12 +38,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 import probe_moe_down_rows_fused as pr
+import probe_moe_fused_router as pf
 import probe_moe_splitk as ps
 import probe_moe_t1 as pt
 from pallas_kernels.common import interpret_mode
 from pallas_kernels.common import prefetch as prefetch_mod
 from pallas_kernels.common.pdl import launch_dependents
 from pallas_kernels.moe import experts as ex
+from pallas_kernels.moe import router as router_mod
 
 TU = ex.DECODE_TUNING
 F32 = jnp.float32
@@ -95,14 +97,16 @@ def prefetch_lines(ref, start, n_bytes, policy=None):
 
 
 def down_ahead_kernel(h_ref, ids_ref, w_ref, wd_ref, sd_ref, y_ref, *, BKI, n_chunks, n_routed, ahead, h_early,
-                      eviction, early_launch, volatile, line_pf, line_pf_policy, fence):
+                      eviction, early_launch, volatile, line_pf, line_pf_policy, fence, trigger="start"):
     # h_ref [K + 1, 1, I]; ids_ref [K] int32; w_ref [K] fp32; wd_ref [E, D, I]; sd_ref [D, I]; y_ref [1, BD]
     # volatile: the routed weight loads are volatile (ptxas keeps their order: the source's issue order holds);
     # line_pf: None, or P: slot s + P's routed rows are line-prefetched into L2 before slot s's loads (P = 8 or
     # more: every routed row at the program's start); fence: a CTA barrier (`bar.sync`, one warp: a few cycles)
     # after each slot's loads, which ptxas does not schedule across, so the loads stay issued ahead of the math
     # (without it ptxas sinks each load next to its use whatever the source order)
-    if early_launch:
+    # trigger (with early_launch): where the PDL trigger sits: "start" (production), "last" (before the last
+    # routed slot's loads), "end" (after the store)
+    if early_launch and trigger == "start":
         launch_dependents()
     bd = y_ref.shape[1]
     dt = y_ref.dtype
@@ -133,6 +137,8 @@ def down_ahead_kernel(h_ref, ids_ref, w_ref, wd_ref, sd_ref, y_ref, *, BKI, n_ch
             if line_pf is not None:
                 prefetch(s + line_pf)
             e, _ = ex._ownership(ids, s, n_routed)
+            if early_launch and trigger == "last" and s == n_routed - 1:
+                launch_dependents()
             ws = [load_w(e, ks) for ks in chunks]
         hs = [h_ref[s, :, ks] for ks in chunks] if h_early else None
         if fence and not interpret_mode():  # no barrier primitive interpreted (one program at a time there)
@@ -161,10 +167,12 @@ def down_ahead_kernel(h_ref, ids_ref, w_ref, wd_ref, sd_ref, y_ref, *, BKI, n_ch
                 w_e = jnp.sum(jnp.where(ids == e, wts, 0.0))
                 routed = routed + jnp.where(owner, w_e * out, 0.0)
     y_ref[...] = (routed.astype(dt) + shared.astype(dt))[None, :]
+    if early_launch and trigger == "end":
+        launch_dependents()
 
 
 def down_ahead(h, w, ids, wd, sd, *, ahead, h_early=False, bki=TU.block_ki, warps=1, early_launch=True,
-               volatile=False, line_pf=None, line_pf_policy=None, fence=False):
+               volatile=False, line_pf=None, line_pf_policy=None, fence=False, trigger="start"):
     k, _, i = h.shape
     k -= 1
     d = sd.shape[0]
@@ -172,7 +180,7 @@ def down_ahead(h, w, ids, wd, sd, *, ahead, h_early=False, bki=TU.block_ki, warp
     return pl.pallas_call(
         functools.partial(down_ahead_kernel, BKI=bki, n_chunks=i // bki, n_routed=k, ahead=ahead, h_early=h_early,
                           eviction=TU.routed_eviction, early_launch=early_launch, volatile=volatile,
-                          line_pf=line_pf, line_pf_policy=line_pf_policy, fence=fence),
+                          line_pf=line_pf, line_pf_policy=line_pf_policy, fence=fence, trigger=trigger),
         grid=(d,), in_specs=[pl.no_block_spec] * 5,
         out_specs=pl.BlockSpec((1, 1), lambda j: (0, j)), out_shape=jax.ShapeDtypeStruct((1, d), h.dtype),
         compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=1),
@@ -263,6 +271,99 @@ def _both(gate_up_kw, down_kw=None):
     return label, both_layer(gate_up_kw, down_kw), pt.reference_layer
 
 
+# PDL trigger placements (s11c2). Session 5 put `launch_dependents` at the start of a program (S5 4-6): it helped
+# only in the down kernel (its successor: the combine, now the next layer's GEMV), and cost 1.2 µs in the top-k and
+# ~1 µs in gate/up, whose successors' blocks were then admitted during the whole launch. Here the trigger sits late
+# in each program, so the successor is admitted near the launch's end: its launch latency hidden, no long wait.
+
+def gate_up_trigger(x, ids, lay, where):
+    """The production T = 1 gate/up launch with a PDL trigger in its last chunk ("last") or after it ("end")."""
+    d, (i, k) = x.shape[1], (lay["sg"].shape[0], ids.shape[1])
+    bi, bk = TU.block_i, min(TU.block_k, d)
+    last = (d // bk - 1) * bk
+
+    def kernel(x_ref, ids_ref, wg_ref, wu_ref, sg_ref, su_ref, h_ref):
+        s, j = pl.program_id(0), pl.program_id(1)
+        e, owner = ex._ownership(ids_ref[...], s, k)
+        rows = pl.ds(pl.multiple_of(j * bi, bi), bi)
+
+        def trig(load):
+            def f(ks):
+                if where == "last":
+                    @pl.when(ks.start == last)
+                    def _():
+                        launch_dependents()
+                return load(ks)
+            return f
+
+        def compute(load_g, load_u, lim):
+            h_ref[...] = ex._gate_up_rows(x_ref, trig(load_g), load_u, BK=bk, n_chunks=d // bk, bi=bi, to=1,
+                                          mode=TU.t1_gate_up, limit=lim, dt=h_ref.dtype)
+
+        @pl.when(owner)
+        def _():
+            compute(lambda ks: ex._load(wg_ref, (e, rows, ks), TU.routed_eviction),
+                    lambda ks: ex._load(wu_ref, (e, rows, ks), TU.routed_eviction), pt.LIMITS["limit"])
+
+        @pl.when(s == k)
+        def _():
+            compute(lambda ks: sg_ref[rows, ks], lambda ks: su_ref[rows, ks], pt.LIMITS["shared_limit"])
+
+        if where == "end":
+            launch_dependents()
+
+    return pl.pallas_call(
+        kernel, grid=(k + 1, i // bi), in_specs=[pl.no_block_spec] * 6,
+        out_specs=pl.BlockSpec((None, 1, bi), lambda s, j: (s, 0, j)),
+        out_shape=jax.ShapeDtypeStruct((k + 1, 1, i), x.dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=TU.warps_gate_up, num_stages=TU.stages_gate_up),
+        interpret=interpret_mode(), name="experts_fwd_kernel_gate_up_trig",
+    )(x, ids.reshape(-1), lay["wg"], lay["wu"], lay["sg"], lay["su"])
+
+
+def topk_trigger(x, lay):
+    """The production T = 1 routing (GEMV, then the top-k launch with the shared-expert prefetch) with a PDL trigger
+    at the end of every top-k program (after its stores or its prefetch)."""
+    tu = router_mod.DECODE_TUNING
+    part = router_mod.gemv_partials(x, lay["router"], tu)
+    ks, _, e = part.shape
+    gsz = e // pf.G
+    pref = [lay[n].reshape(-1) for n in ("sg", "su", "sd")]
+    chunks = router_mod._prefetch_chunks(pref, tu.prefetch_chunk_bytes)
+
+    def kernel(*refs):
+        router_mod.router_fwd_kernel_topk(*refs, n_tokens=1, chunks=chunks, evict_last=tu.prefetch_evict_last,
+                                          **pf.SELECT_KW)
+        launch_dependents()
+
+    top_k = pf.SELECT_KW["top_k"]
+    return pl.pallas_call(
+        kernel, grid=(1 + sum(c for _, c, _ in chunks),),
+        in_specs=[pl.BlockSpec((ks, None, pf.G, gsz), lambda i: (0, 0, 0, 0)),
+                  pl.BlockSpec((pf.G, gsz), lambda i: (0, 0))] + [pl.no_block_spec] * len(pref),
+        out_specs=[pl.BlockSpec((1, top_k), lambda i: (0, 0))] * 2,
+        out_shape=[jax.ShapeDtypeStruct((1, top_k), F32), jax.ShapeDtypeStruct((1, top_k), jnp.int32)],
+        compiler_params=pltriton.CompilerParams(num_warps=tu.topk_warps, num_stages=1),
+        interpret=interpret_mode(), name="router_fwd_kernel_topk_trig",
+    )(part.reshape(ks, 1, pf.G, gsz), lay["bias"].reshape(pf.G, gsz), *pref)
+
+
+def trigger_layer(topk=False, gate_up=None, down="start"):
+    """Production layer with PDL triggers placed: topk (at the end of its programs), gate_up (None | "last" |
+    "end"), down ("start": production | "end" | None: no trigger; "last" splits the kernel's code where ptxas then
+    takes 116 registers instead of 74-76, too few programs resident to compare)."""
+    def f(x, lay):
+        w, ids = topk_trigger(x, lay) if topk else pr._route(x, lay)
+        h = pr.gate_up_h(x, ids, lay) if gate_up is None else gate_up_trigger(x, ids, lay, gate_up)
+        return down_ahead(h, w, ids, lay["wd"], lay["sd"], ahead=0, early_launch=down is not None,
+                          trigger=down or "start")
+    return f
+
+
+def _trig(**kw):
+    return ("dep: triggers " + ", ".join(f"{k} {v}" for k, v in kw.items()), trigger_layer(**kw), pt.reference_layer)
+
+
 SASS_VARIANTS = ([dict(ahead=a) for a in (0, 2, 8)] + [dict(ahead=a, volatile=True) for a in (1, 8)]
                  + [dict(ahead=0, line_pf=p) for p in (2, 8)] + [dict(ahead=a, fence=True) for a in (1, 2, 3, 8)]
                  + [dict(ahead=a, fence=True, h_early=True) for a in (1, 2)]
@@ -286,6 +387,19 @@ VARIANTS = {
         _both(dict(ahead=1)),
         _both(dict(ahead=2, bk=256)),
         _both(dict(ahead=1, bk=256), dict(ahead=1, fence=True)),
+        ("dep: production layer again", ps.prod_layer, pt.reference_layer),
+    ],
+    "s11c2": lambda: [
+        ("dep: production layer", ps.prod_layer, pt.reference_layer),
+        _trig(down="start"),
+        _trig(down="end"),
+        _trig(down=None),
+        _trig(gate_up="last"),
+        _trig(gate_up="end"),
+        _trig(topk=True),
+        _trig(topk=True, gate_up="last"),
+        _trig(topk=True, gate_up="end"),
+        _trig(down="start"),
         ("dep: production layer again", ps.prod_layer, pt.reference_layer),
     ],
 }
