@@ -2,10 +2,16 @@
 # Session 11: the T = 1 experts kernels with their weight loads issued ahead of their math
 # (experiments/probe_moe_down_inflight.py; sets s11c1, ...), then the production bench's direct chain when "bench"
 # is among the arguments, and the compiled `tests/ops/test_moe.py` for "tests". Run on the GPU from the repo root:
-# `bash experiments/gpu_s11.sh s11c1 bench` (~3 min), `bash experiments/gpu_s11.sh s11c2 tests` (~5 min).
+# `bash experiments/gpu_s11.sh s11c1 bench` (~3 min), `bash experiments/gpu_s11.sh s11c2 tests` (~5 min);
+# "prewait": experiments/probe_gemv_prewait.py's set s11c3 and its PTX report.
 export PYTHONPATH=.:experiments
 for arg in "$@"; do
-  if [ "$arg" = tests ]; then
+  if [ "$arg" = prewait ]; then
+    timeout 200 python3 experiments/probe_gemv_prewait.py --set s11c3 2>&1 | grep -v "^WARNING\|^I0000\|^E0000"
+    cp experiments/results/probe_gemv_prewait_s11c3.json "${OUT:-/tmp}/" 2>/dev/null
+    timeout 120 python3 experiments/probe_gemv_prewait.py --ptx /tmp/xla_dump_s11 2>&1 | grep -v "^WARNING\|^I0000" \
+      | tail -40
+  elif [ "$arg" = tests ]; then
     XLA_FLAGS=--xla_allow_excess_precision=false timeout 300 python3 -m pytest -q tests/ops/test_moe.py 2>&1 \
       | tee "${OUT:-/tmp}/pytest_moe_s11.log" | tail -5
   elif [ "$arg" = bench ]; then
