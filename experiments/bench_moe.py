@@ -174,13 +174,16 @@ def time_chain(layer_fn, layers, xs, reps=(1, 3), iters=10):
 
 
 def profile_chain(layer_fn, layers, xs, n=5):
-    """Per-kernel device µs per layer from the JAX profiler (cold weights, inside the R = 1 chain), and the
-    timeline span per layer: the chain's first kernel start to its last kernel end, / NL.
+    """Per-kernel device µs per layer from the JAX profiler (cold weights, inside the R = 1 chain), the timeline
+    span per layer (the chain's first kernel start to its last kernel end, / NL), the steady-state period per layer
+    (profile_ops.call_period_us: between the ends of successive layers' last kernels, the experts' down launch,
+    which leaves out the chain's once-per-call start) and the first traced call's timeline [(kernel, start µs from
+    the call's first kernel, duration µs)].
 
     The span is the layer's device time. The kernel sum equals it only without overlap: XLA launches each kernel
     with programmatic dependent launch, so a kernel admitted early (experts.ExpertsTuning.early_launch_*) shows
     its wait for the predecessor in its own duration."""
-    from profile_ops import call_span_us, durations_by_name, split_calls, trace_kernels
+    from profile_ops import call_period_us, call_span_us, durations_by_name, split_calls, trace_kernels
 
     nl = len(layers)
     run = make_chain(layer_fn, nl, 1)
@@ -191,7 +194,9 @@ def profile_chain(layer_fn, layers, xs, n=5):
         kernels.append(dict(kernel=name, per_layer=round(per_call / nl, 2), median_us=round(statistics.median(durs), 2),
                             us_per_layer=round(sum(durs) / n / nl, 2)))
     kernels.sort(key=lambda k: -k["us_per_layer"])
-    return kernels, round(call_span_us(split_calls(events)) / nl, 2)
+    calls = split_calls(events)
+    timeline = [(name[:48], round(ts - calls[0][0][1], 2), round(dur, 2)) for name, ts, dur in calls[0]] if calls else []
+    return kernels, round(call_span_us(calls) / nl, 2), round(call_period_us(calls, "experts_fwd_kernel_down"), 2), timeline
 
 
 def main(argv=None):
@@ -302,7 +307,8 @@ def main(argv=None):
     def device_us(et, rt):  # (layer, router GEMV) device µs per layer (profiler, cold chain); None off the GPU
         if jax.default_backend() != "gpu":
             return None, None
-        ks, span = profile_chain(lambda x, lay, res: moe_layer(x, lay, "pallas", et, rt, res), layers, xs_for(1))
+        ks, span, _, _ = profile_chain(lambda x, lay, res: moe_layer(x, lay, "pallas", et, rt, res), layers,
+                                       xs_for(1))
         gemv = sum(k["us_per_layer"] for k in ks if "router_fwd_kernel_gemv" in k["kernel"])
         return span, round(gemv, 2)
 
@@ -343,15 +349,17 @@ def main(argv=None):
         if args.no_profile or jax.default_backend() != "gpu":
             return
         try:
-            ks, span = profile_chain(lambda x, lay, res: moe_layer(x, lay, "pallas", et_best, rt_best, res), layers,
-                                     xs_for(t))
+            ks, span, period, timeline = profile_chain(
+                lambda x, lay, res: moe_layer(x, lay, "pallas", et_best, rt_best, res), layers, xs_for(t))
         except Exception as exc:
             print(f"profile T={t}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
             return
         results["profile"][f"T{t}"] = ks
         results["profile"][f"T{t}_span_us_per_layer"] = span
-        print(f"\nprofile T={t} (device µs per layer, cold): timeline span {span:.2f}, kernel sum "
-              f"{sum(k['us_per_layer'] for k in ks):.2f}")
+        results["profile"][f"T{t}_period_us_per_layer"] = period
+        results["profile"][f"T{t}_timeline_first_call"] = timeline
+        print(f"\nprofile T={t} (device µs per layer, cold): timeline span {span:.2f}, steady-state period {period:.2f}, "
+              f"kernel sum {sum(k['us_per_layer'] for k in ks):.2f}")
         for k in ks:
             print(f"  {k['us_per_layer']:8.2f} µs/layer  ({k['per_layer']}× median {k['median_us']} µs)  "
                   f"{k['kernel']}", flush=True)

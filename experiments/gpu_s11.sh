@@ -3,10 +3,17 @@
 # (experiments/probe_moe_down_inflight.py; sets s11c1, ...), then the production bench's direct chain when "bench"
 # is among the arguments, and the compiled `tests/ops/test_moe.py` for "tests". Run on the GPU from the repo root:
 # `bash experiments/gpu_s11.sh s11c1 bench` (~3 min), `bash experiments/gpu_s11.sh s11c2 tests` (~5 min);
-# "prewait": experiments/probe_gemv_prewait.py's set s11c3 and its PTX report.
+# "prewait": experiments/probe_gemv_prewait.py's set s11c3 and its PTX report; "period": the production bench's
+# direct chain at NL = 8 (twice) and 16 with the span and the steady-state period.
 export PYTHONPATH=.:experiments
 for arg in "$@"; do
-  if [ "$arg" = prewait ]; then
+  if [ "$arg" = period ]; then  # span / NL and the steady-state period, NL = 8 twice and 16 once
+    for nl in 8 8 16; do
+      timeout 200 python3 experiments/bench_moe.py --quick --no-ts --iters 1 --chain direct --layers $nl 2>&1 \
+        | grep -E "profile T=1|µs/layer" | head -8
+      cp experiments/results/bench_moe.json "${OUT:-/tmp}/bench_moe_s11_direct_nl${nl}_$((++run)).json" 2>/dev/null
+    done
+  elif [ "$arg" = prewait ]; then
     timeout 200 python3 experiments/probe_gemv_prewait.py --set s11c3 2>&1 | grep -v "^WARNING\|^I0000\|^E0000"
     cp experiments/results/probe_gemv_prewait_s11c3.json "${OUT:-/tmp}/" 2>/dev/null
     timeout 120 python3 experiments/probe_gemv_prewait.py --ptx /tmp/xla_dump_s11 2>&1 | grep -v "^WARNING\|^I0000" \

@@ -31,7 +31,7 @@ from jax.experimental.pallas import triton as pltriton
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_common import run_header, write_results  # noqa: E402
-from profile_ops import call_span_us, durations_by_name, split_calls, trace_kernels  # noqa: E402
+from profile_ops import call_period_us, call_span_us, durations_by_name, split_calls, trace_kernels  # noqa: E402
 
 from pallas_kernels.moe import reference  # noqa: E402
 from pallas_kernels.moe import router as router_mod  # noqa: E402
@@ -58,16 +58,20 @@ def make_layers():
 
 
 def profile_layers(fn, x, layers, n=10, chain=None):
-    """({kernel: (median device µs, launches per layer)}, timeline span per layer) of fn(x, lay) over every layer,
-    n traced runs (`chain(x, layers)`, if given, runs them instead: e.g. threading a buffer through the layers).
-    With a PDL trigger (experts.DECODE_TUNING's early_launch_down) the successor's duration includes its wait, so
-    the span, not the kernel sum, is the layer's device time."""
+    """({kernel: (median device µs, launches per layer)}, timeline span per layer, steady-state period per layer)
+    of fn(x, lay) over every layer, n traced runs (`chain(x, layers)`, if given, runs them instead: e.g. threading a
+    buffer through the layers). With a PDL trigger (experts.DECODE_TUNING's early_launch_down) the successor's
+    duration includes its wait, so the span, not the kernel sum, is the layer's device time; the period
+    (profile_ops.call_period_us, between the ends of successive layers' experts down launches) leaves out the
+    chain's once-per-call start (NaN for layers without such a launch)."""
     run = jax.jit(chain or (lambda x, layers: [fn(x, lay) for lay in layers]))
     events = trace_kernels(lambda: run(x, layers), n)
     by_name = durations_by_name(events)
     calls = n * len(layers)
     kernels = {k: (round(statistics.median(v), 2), len(v) / calls) for k, v in by_name.items()}
-    return kernels, round(call_span_us(split_calls(events)) / len(layers), 2)
+    calls = split_calls(events)
+    return (kernels, round(call_span_us(calls) / len(layers), 2),
+            round(call_period_us(calls, "experts_fwd_kernel_down"), 2))
 
 
 def per_kernel_us(fn, x, layers, n=10):
@@ -92,13 +96,14 @@ def record_row(results, out_name, label, fn, x, layers, check=None, chain=None):
                 err = float(np.mean(np.asarray(out[1]) != np.asarray(ref[1])))
             else:
                 err = rel_err(out, ref)
-        ks, span = profile_layers(fn, x, layers, chain=chain)
+        ks, span, period = profile_layers(fn, x, layers, chain=chain)
     except Exception as exc:  # one variant's failure must not lose the others
         print(f"{label}: {type(exc).__name__}: {str(exc)[:600]}", flush=True)
         return
     total = sum(us * per for us, per in ks.values())
-    results["rows"].append(dict(label=label, err=err, total_us=round(total, 2), span_us=span, kernels=ks))
-    print(f"{label:48s} err {err}  span {span:6.2f} µs  kernel sum {total:6.2f} µs  " +
+    results["rows"].append(dict(label=label, err=err, total_us=round(total, 2), span_us=span, period_us=period,
+                                kernels=ks))
+    print(f"{label:48s} err {err}  span {span:6.2f} µs  period {period:6.2f} µs  kernel sum {total:6.2f} µs  " +
           "  ".join(f"{k[:30]} {v[0]}" + (f"x{v[1]:.2g}" if v[1] != 1 else "") for k, v in ks.items()), flush=True)
     write_results(out_name, results, to_repo=TO_REPO)
 

@@ -165,6 +165,19 @@ def call_span_us(calls):
     return statistics.median(max(e[1] + e[2] for e in c) - c[0][1] for c in calls)
 
 
+def call_period_us(calls, marker):
+    """Median over the calls of a chain's steady-state period per layer: (end of the last kernel whose name
+    contains `marker`, a kernel each layer ends with, minus the end of the first) / (their count - 1). Unlike the
+    span / NL it leaves out what happens once per chain (its first kernel's start, a copy of the chain's input),
+    so it does not depend on the chain's length. NaN when a call has fewer than two."""
+    periods = []
+    for c in calls:
+        ends = sorted(ts + dur for name, ts, dur in c if marker in name)
+        if len(ends) >= 2:
+            periods.append((ends[-1] - ends[0]) / (len(ends) - 1))
+    return statistics.median(periods) if periods else float("nan")
+
+
 def kernel_family(name, width=60):
     """A kernel's name without arguments and XLA's instance numbers: loop_add_fusion_3 -> loop_add_fusion."""
     return re.sub(r"[_.\d]+$", "", name.split("(")[0])[:width]
