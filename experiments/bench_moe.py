@@ -10,7 +10,11 @@ every swept router tuning, layer vs reference at T in {1, 3, 16}, every swept tu
   - the MoE layer (best tunings; T > 1 takes experts.default_tuning(T) and router.default_tuning(T), the T = 1 sweeps
     do not apply there) at T = 1..9 and 16, and the XLA reference at T = 1 and 8,
   - the profiler's per-kernel device times of the best config at T = 1 (after the sweep) and at `--profile-ts`
-    (default T = 6; at the end), cold weights, inside the chain.
+    (default T = 6; at the end), cold weights, inside the chain, with the timeline span / NL (the chain's first
+    event to its last, so it includes what happens once per call: a copy of the chain's input and the gap before
+    the first kernel, 2.6-2.9 µs at T = 1 in S11 3-4) and the steady-state period per layer (between the ends of
+    successive layers' down launches, profile_ops.call_period_us: the per-layer time, independent of NL; the
+    T = 1 verdict uses it since session 11), and the first call's timeline in the JSON.
 `--verify-router FIELDS` / `--verify-experts FIELDS`: every T > 1 runs router.VERIFY_TUNING / experts.VERIFY_TUNING
 with these fields replaced instead of the default by T (e.g. `prefetch_chunk_bytes=0`: the shared-expert prefetch
 off, on there by default since session 9; `verify_gate_up=fma_tokens,block_i=2,warps_gate_up=1,block_k=256,

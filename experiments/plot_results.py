@@ -2,7 +2,8 @@
 
     python experiments/plot_results.py
 
-Writes experiments/results/{moe_vs_T,moe_verify_T,moe_t1_down,kda_decode_verify,mla_decode,decode_slice}.png.
+Writes experiments/results/{moe_vs_T,moe_verify_T,moe_t1_down,moe_t1_s11,kda_decode_verify,mla_decode,
+decode_slice}.png.
 Every number plotted is a row of experiments/RESULTS.md; this script only draws them.
 """
 
@@ -104,6 +105,39 @@ def plot_moe_t1_down(sets) -> Path:
     return _save(fig, "moe_t1_down.png")
 
 
+def plot_moe_t1_s11(probes, benches) -> Path:
+    """Session 11. Left: the T = 1 layer's span per variant of the S11 1-4 probes (loads issued ahead of their
+    math, PDL trigger placements, the GEMV's weights before its wait), production rows grey. Right: the production
+    bench's direct chain per run, span / NL against the steady-state period (S11 4-5)."""
+    fig, (a, b) = plt.subplots(1, 2, figsize=(14, 7), gridspec_kw=dict(width_ratios=[3, 2]))
+    labels, spans, colors = [], [], []
+    for call, data in probes:
+        for r in data["rows"]:
+            prod = r["label"].startswith("dep: production")
+            labels.append(f"S11 {call}: " + r["label"].replace("dep: ", "").replace("fence True", "barrier"))
+            spans.append(r["span_us"])
+            colors.append("grey" if prod else "C0")
+    y = list(range(len(labels)))
+    a.barh(y, spans, color=colors)
+    a.axvline(34.0, color="k", ls="--", lw=1, label="issue target 34 µs")
+    a.set(yticks=y, xlabel="µs per MoE layer (timeline span / NL, NL = 8)", xlim=(32, max(spans) + 0.5),
+          title="T = 1 probe variants, S11 1-4 (grey: production)")
+    a.set_yticklabels(labels, fontsize=6)
+    a.invert_yaxis()
+    a.legend(fontsize=7)
+    for i, (run, data) in enumerate(benches):
+        prof = data["profile"]
+        b.plot([i, i], [prof["T1_span_us_per_layer"], prof["T1_period_us_per_layer"]], "k-", lw=0.5)
+        b.plot(i, prof["T1_span_us_per_layer"], "o", color="C1", label="span / NL" if i == 0 else None)
+        b.plot(i, prof["T1_period_us_per_layer"], "s", color="C0", label="steady-state period" if i == 0 else None)
+    b.axhline(34.0, color="k", ls="--", lw=1)
+    b.set(xticks=range(len(benches)), ylabel="µs per MoE layer", title="production bench, --chain direct")
+    b.set_xticklabels([run for run, _ in benches], fontsize=7, rotation=30)
+    b.legend(fontsize=7)
+    fig.suptitle(f"MoE layer at T = 1, {probes[0][1]['device']}")
+    return _save(fig, "moe_t1_s11.png")
+
+
 def plot_kda(data) -> Path:
     """Device time per layer (profiler: kernel + gated norm, commit copies for verify) against the floor and fla."""
     rows = data["rows"]
@@ -182,6 +216,12 @@ def main():
             ("probe_moe_down_rows_fused_s10c1.json",
              lambda d: plot_moe_t1_down([(f"s10c{c}", _load(f"probe_moe_down_rows_fused_s10c{c}.json"))
                                          for c in range(1, 6)])),
+            ("probe_gemv_prewait_s11c3_b.json",
+             lambda d: plot_moe_t1_s11(
+                 [("1", _load("probe_moe_down_inflight_s11c1.json")), ("2", _load("probe_moe_down_inflight_s11c2.json")),
+                  ("3", _load("probe_gemv_prewait_s11c3_a.json")), ("4", d)],
+                 [(f"S11 {c}, NL {nl}", _load(f"bench_moe_s11c{c}_direct_nl{nl}_{i}.json"))
+                  for c in (4, 5) for nl, i in ((8, 1), (8, 2), (16, 3))])),
             ("kda_decode_verify.json", plot_kda),
             ("mla_profile_s7c9.json", lambda d: plot_mla(d, _load("mla_profile.json"))),
             ("bench_decode.json", plot_slice))
