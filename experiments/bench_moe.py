@@ -10,11 +10,10 @@ every swept router tuning, layer vs reference at T in {1, 3, 16}, every swept tu
   - the MoE layer (best tunings; T > 1 takes experts.default_tuning(T) and router.default_tuning(T), the T = 1 sweeps
     do not apply there) at T = 1..9 and 16, and the XLA reference at T = 1 and 8,
   - the profiler's per-kernel device times of the best config at T = 1 (after the sweep) and at `--profile-ts`
-    (default T = 6; at the end), cold weights, inside the chain, with the timeline span / NL (the chain's first
-    event to its last, so it includes what happens once per call: a copy of the chain's input and the gap before
-    the first kernel, 2.6-2.9 µs at T = 1 in S11 3-4) and the steady-state period per layer (between the ends of
-    successive layers' down launches, profile_ops.call_period_us: the per-layer time, independent of NL; the
-    T = 1 verdict uses it since session 11), and the first call's timeline in the JSON.
+    (default T = 6; at the end), cold weights, inside the chain, with three device times per layer (profile_chain:
+    the timeline span / NL, which includes the chain's once-per-call start; the same from the first layer's first
+    kernel, "layers", the T = 1 verdict's measure since session 11; the steady-state period) and the first call's
+    timeline in the JSON.
 `--verify-router FIELDS` / `--verify-experts FIELDS`: every T > 1 runs router.VERIFY_TUNING / experts.VERIFY_TUNING
 with these fields replaced instead of the default by T (e.g. `prefetch_chunk_bytes=0`: the shared-expert prefetch
 off, on there by default since session 9; `verify_gate_up=fma_tokens,block_i=2,warps_gate_up=1,block_k=256,
@@ -178,15 +177,19 @@ def time_chain(layer_fn, layers, xs, reps=(1, 3), iters=10):
 
 
 def profile_chain(layer_fn, layers, xs, n=5):
-    """Per-kernel device µs per layer from the JAX profiler (cold weights, inside the R = 1 chain), the timeline
-    span per layer (the chain's first kernel start to its last kernel end, / NL), the steady-state period per layer
-    (profile_ops.call_period_us: between the ends of successive layers' last kernels, the experts' down launch,
-    which leaves out the chain's once-per-call start) and the first traced call's timeline [(kernel, start µs from
-    the call's first kernel, duration µs)].
-
-    The span is the layer's device time. The kernel sum equals it only without overlap: XLA launches each kernel
-    with programmatic dependent launch, so a kernel admitted early (experts.ExpertsTuning.early_launch_*) shows
-    its wait for the predecessor in its own duration."""
+    """Per-kernel device µs per layer from the JAX profiler (cold weights, inside the R = 1 chain), the first
+    traced call's timeline [(kernel, start µs from the call's first event, duration µs)] and three device times per
+    layer, each a median over the traced calls:
+      - span: the call's first event to its last kernel's end, / NL. It includes what happens once per call before
+        the first layer (here a copy of the chain's input and a gap: 2.6-2.9 µs at T = 1, S11 4-5), so it depends
+        on NL;
+      - layers: the same from the first layer's first kernel (the router GEMV), / NL: every layer, the first one
+        included, and nothing else;
+      - period: between the ends of successive layers' down launches, / (NL - 1) (profile_ops.call_period_us): the
+        steady state, which leaves out the first layer too (its GEMV is the only one not admitted early by a
+        preceding down kernel's PDL trigger).
+    With PDL the kernel sum overstates: a kernel admitted early (experts.ExpertsTuning.early_launch_*) shows its
+    wait for the predecessor in its own duration."""
     from profile_ops import call_period_us, call_span_us, durations_by_name, split_calls, trace_kernels
 
     nl = len(layers)
@@ -195,12 +198,15 @@ def profile_chain(layer_fn, layers, xs, n=5):
     kernels = []
     for name, durs in durations_by_name(events).items():
         per_call = len(durs) / n  # launches per executable
-        kernels.append(dict(kernel=name, per_layer=round(per_call / nl, 2), median_us=round(statistics.median(durs), 2),
-                            us_per_layer=round(sum(durs) / n / nl, 2)))
+        kernels.append(dict(kernel=name, per_layer=round(per_call / nl, 2),
+                            median_us=round(statistics.median(durs), 2), us_per_layer=round(sum(durs) / n / nl, 2)))
     kernels.sort(key=lambda k: -k["us_per_layer"])
     calls = split_calls(events)
-    timeline = [(name[:48], round(ts - calls[0][0][1], 2), round(dur, 2)) for name, ts, dur in calls[0]] if calls else []
-    return kernels, round(call_span_us(calls) / nl, 2), round(call_period_us(calls, "experts_fwd_kernel_down"), 2), timeline
+    t0 = calls[0][0][1] if calls else 0.0
+    timeline = [(name[:48], round(ts - t0, 2), round(dur, 2)) for name, ts, dur in (calls[0] if calls else [])]
+    per_layer = dict(span=call_span_us(calls) / nl, layers=call_span_us(calls, "router_fwd_kernel_gemv") / nl,
+                     period=call_period_us(calls, "experts_fwd_kernel_down", nl))
+    return kernels, {k: round(v, 2) for k, v in per_layer.items()}, timeline
 
 
 def main(argv=None):
@@ -311,10 +317,10 @@ def main(argv=None):
     def device_us(et, rt):  # (layer, router GEMV) device µs per layer (profiler, cold chain); None off the GPU
         if jax.default_backend() != "gpu":
             return None, None
-        ks, span, _, _ = profile_chain(lambda x, lay, res: moe_layer(x, lay, "pallas", et, rt, res), layers,
-                                       xs_for(1))
+        ks, times, _ = profile_chain(lambda x, lay, res: moe_layer(x, lay, "pallas", et, rt, res), layers,
+                                     xs_for(1))
         gemv = sum(k["us_per_layer"] for k in ks if "router_fwd_kernel_gemv" in k["kernel"])
-        return span, round(gemv, 2)
+        return times["span"], round(gemv, 2)
 
     # At T = 1 the chain's wall slope follows the host's kernel launches, not the ~37 µs of device work (30-59 µs
     # per layer over one sweep, some below the device time): the sweep ranks by device time when it has it.
@@ -353,17 +359,19 @@ def main(argv=None):
         if args.no_profile or jax.default_backend() != "gpu":
             return
         try:
-            ks, span, period, timeline = profile_chain(
+            ks, times, timeline = profile_chain(
                 lambda x, lay, res: moe_layer(x, lay, "pallas", et_best, rt_best, res), layers, xs_for(t))
         except Exception as exc:
             print(f"profile T={t}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
             return
         results["profile"][f"T{t}"] = ks
-        results["profile"][f"T{t}_span_us_per_layer"] = span
-        results["profile"][f"T{t}_period_us_per_layer"] = period
+        results["profile"][f"T{t}_span_us_per_layer"] = times["span"]
+        results["profile"][f"T{t}_layers_us_per_layer"] = times["layers"]
+        results["profile"][f"T{t}_period_us_per_layer"] = times["period"]
         results["profile"][f"T{t}_timeline_first_call"] = timeline
-        print(f"\nprofile T={t} (device µs per layer, cold): timeline span {span:.2f}, steady-state period {period:.2f}, "
-              f"kernel sum {sum(k['us_per_layer'] for k in ks):.2f}")
+        print(f"\nprofile T={t} (device µs per layer, cold): timeline span {times['span']:.2f}, from the first layer "
+              f"{times['layers']:.2f}, steady-state period {times['period']:.2f}, kernel sum "
+              f"{sum(k['us_per_layer'] for k in ks):.2f}")
         for k in ks:
             print(f"  {k['us_per_layer']:8.2f} µs/layer  ({k['per_layer']}× median {k['median_us']} µs)  "
                   f"{k['kernel']}", flush=True)

@@ -218,7 +218,8 @@ def main():
                                          for c in range(1, 6)])),
             ("probe_gemv_prewait_s11c3_b.json",
              lambda d: plot_moe_t1_s11(
-                 [("1", _load("probe_moe_down_inflight_s11c1.json")), ("2", _load("probe_moe_down_inflight_s11c2.json")),
+                 [("1", _load("probe_moe_down_inflight_s11c1.json")),
+                  ("2", _load("probe_moe_down_inflight_s11c2.json")),
                   ("3", _load("probe_gemv_prewait_s11c3_a.json")), ("4", d)],
                  [(f"S11 {c}, NL {nl}", _load(f"bench_moe_s11c{c}_direct_nl{nl}_{i}.json"))
                   for c in (4, 5) for nl, i in ((8, 1), (8, 2), (16, 3))])),

@@ -2,15 +2,20 @@
 overlaps the previous kernel.
 
 The T = 1 MoE layer's first kernel, the router GEMV (2560 one-warp programs, 2 KB of fp32 weights each), adds
-~2.8 µs to the layer's span although its 5.2 MB take 1.2 µs at 4.3 TB/s: its programs are admitted early (the
+~2.6 µs to the layer's span although its 5.2 MB take 1.2 µs at 4.3 TB/s: its programs are admitted early (the
 previous down kernel's PDL trigger) but wait at their entry, then fetch their weights, which do not depend on the
 previous kernel. Here each program loads its weight row split first, then executes `griddepcontrol.wait` (inline
 asm taking the loaded values as an operand, so it follows them), then loads x at an offset the asm returns (0, opaque
 to the compiler, so the x loads cannot move above the wait) and reduces.
 
-This only helps if XLA does not put its own wait at the kernel's entry. `--ptx DIR`: compile one layer at toy size
-with `--xla_dump_to=DIR` and report, for each Triton kernel in the dumped PTX, how many `griddepcontrol.wait` it
-has and how many global loads come before the first (GPU only; jax 0.11.2 decides this inside XLA).
+This only helps if XLA does not put its own wait at the kernel's entry. `--ptx DIR` (GPU) compiles the layers at
+toy size with `--xla_dump_to=DIR` and counts `griddepcontrol` in every dumped file, per `.entry` where a file holds
+PTX; as run (S11 3) the dump held XLA's HLO (the kernels' Triton IR in it as text) but no PTX of the Triton
+kernels, so it could not tell. `--sass` (CPU) prints the kernel's memory instructions and its wait (ACQBULK) as
+ptxas schedules them for sm_90.
+
+Result (RESULTS.md, "Session 11", S11 3-4): nothing gained, 34.08, 34.12 / 34.08, 34.08 µs against the production
+layer's 33.97, 34.03 / 34.07, 34.14 in the same calls; consistent with an XLA wait at the entry, not confirmed.
 
 Run on the GPU: `PYTHONPATH=.:experiments python3 experiments/probe_gemv_prewait.py --set s11c3` and
 `... --ptx /tmp/xla_dump`; `--toy`: a CPU smoke run in interpret mode (the wait is then skipped).
@@ -122,8 +127,28 @@ def dependent_pair(fn):
     return run
 
 
+def sass_report():
+    """The pre-wait GEMV kernel compiled for sm_90 on this machine: its loads, wait and stores in SASS order."""
+    from jax._src.pallas.triton import gpu_info
+
+    import probe_moe_down_inflight as pdi
+
+    gpu_info.get_gpu_info = lambda *a, **k: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+    sys.modules[__name__].interpret_mode = lambda: False
+    sds = jax.ShapeDtypeStruct
+    (name, ir_bytes, nw, ns), = pdi._lowered_kernels(gemv_prewait, sds((1, pt.D), jnp.bfloat16),
+                                                     sds((pt.E, pt.D), F32))
+    sass, regs = pdi._sass(ir_bytes, nw, ns)
+    print(f"{name}: {regs} registers")
+    for line in sass.splitlines():
+        if re.search(r"\b(LDG|STG|ACQBULK|EXIT)", line):
+            print("   ", line.split(";")[0].strip())
+
+
 if __name__ == "__main__":
-    if "--ptx" in sys.argv:
+    if "--sass" in sys.argv:
+        sass_report()
+    elif "--ptx" in sys.argv:
         ptx_report(sys.argv[sys.argv.index("--ptx") + 1])
     else:
         ps.run_sets("probe_gemv_prewait", VARIANTS, "s11c3")

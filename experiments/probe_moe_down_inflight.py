@@ -3,18 +3,27 @@
 `experts.experts_fwd_kernel_down_t1` (2560 one-warp programs, one output feature each) reads 31.5 MB of routed
 W_down rows in 10.4-10.6 µs (~3.0 TB/s), where gate/up's programs stream at ~3.6. Its SASS (sm_90, compiled on the
 CPU with `--sass`) issues each 256-column chunk's weight load next to the chunk's h load and consumes both before
-the next pair: ~1.4 KB in flight per program on average (5 KB at most), ~3.7 MB over the 2560 programs, not
-enough to cover HBM's loaded latency at 4 TB/s. Here the weight loads of slot s + `ahead` are issued before slot
-s's math (slot order: the shared expert, then the 8 routed slots), written into the Triton IR in that order;
+the next pair: ~1.4 KB in flight per program on average (5 KB at most), ~3.7 MB over the 2560 programs. The
+question: would more bytes in flight cover HBM's loaded latency better? Here the weight loads of slot s + `ahead`
+are issued before slot s's math (slot order: the shared expert, then the 8 routed slots), written into the Triton
+IR in that order;
 `h_early` also issues each slot's h loads with its weights (else just before its math: 19 programs per SM share h,
 so most of those loads hit L1). Numerics are the production kernel's (same products, order and roundings).
+Also here: gate/up with its chunks written out and one or two chunks' loads ahead (`gate_up_ahead`), and PDL
+trigger placements late in the top-k, gate/up and down programs (set s11c2, `trigger_layer`).
 
 `--sass`: no GPU; lowers each variant for sm_90 on this machine, compiles it with the venv's Triton + ptxas and
 prints registers, resident programs per SM and the bytes of loads in flight per program (from the SASS: each LDG
 counts until the first instruction that reads its destination registers).
 
-Run on the GPU: `PYTHONPATH=.:experiments python3 experiments/probe_moe_down_inflight.py --set s11c1`; `--toy`: a
-CPU smoke run in interpret mode.
+Result (RESULTS.md, "Session 11"): no. ptxas sinks the loads next to their uses whatever the source order (or
+volatile loads) unless a CTA barrier (`fence`) follows each slot's loads; with it, 3.2-9.2 KB in flight per program,
+and both kernels ran slower (down 10.5 -> 11.0-14.5 µs, gate/up 17.2 -> 17.8-21.5; a per-lane L2 prefetch of the
+rows, 14 µs). The later trigger placements all lost to the production one (down's trigger at its programs'
+start): 34.2-35.6 against 34.1. `--sass` output as run: experiments/results/probe_moe_down_inflight_sass.txt.
+
+Run on the GPU: `PYTHONPATH=.:experiments python3 experiments/probe_moe_down_inflight.py --set s11c1` (s11c2);
+`--toy`: a CPU smoke run in interpret mode.
 """
 
 from __future__ import annotations
@@ -59,13 +68,13 @@ line_prefetch_p.multiple_results = True
 
 
 @line_prefetch_p.def_effectful_abstract_eval
-def _line_prefetch_abstract_eval(ref_aval, start_aval, *, n_bytes, policy):
+def _line_prefetch_abstract_eval(ref_aval, start_aval, *, n_bytes):
     return (), {prefetch_mod.prefetch_effect}
 
 
-def _line_asm(n_bytes, policy):
+def _line_asm(n_bytes):
     n_lines = -(-n_bytes // 128)
-    op = "prefetch.global.L2::evict_last" if policy == "evict_last" else "prefetch.global.L2"
+    op = "prefetch.global.L2"
     lines = ["{", ".reg .pred p;", ".reg .b32 t;", ".reg .b64 a, o;", "mov.u32 t, %laneid;",
              "mul.wide.u32 o, t, 128;", "add.s64 a, $1, o;"]
     for base in range(0, n_lines, 32):
@@ -75,7 +84,7 @@ def _line_asm(n_bytes, policy):
 
 
 @lowering.register_lowering(line_prefetch_p)
-def _line_prefetch_lowering(ctx, ptr, start, *, n_bytes, policy):
+def _line_prefetch_lowering(ctx, ptr, start, *, n_bytes):
     i64 = mlir_ir.IntegerType.get_signless(64)
     start = lowering._ensure_ir_value(start, ctx.avals_in[1])
     if mlir_ir.IntegerType(start.type).width < 64:
@@ -83,29 +92,30 @@ def _line_prefetch_lowering(ctx, ptr, start, *, n_bytes, policy):
     itemsize = jnp.dtype(ctx.avals_in[0].dtype).itemsize
     offset = arith_dialect.muli(start, arith_dialect.constant(i64, mlir_ir.IntegerAttr.get(i64, itemsize)))
     addr = arith_dialect.addi(tt_dialect.ptr_to_int(i64, ptr), offset)
-    tt_dialect.elementwise_inline_asm([mlir_ir.IntegerType.get_signless(32)], _line_asm(n_bytes, policy),
+    tt_dialect.elementwise_inline_asm([mlir_ir.IntegerType.get_signless(32)], _line_asm(n_bytes),
                                       constraints="=r,l", pure=False, packed_element=1, args=[addr])
     return []
 
 
-def prefetch_lines(ref, start, n_bytes, policy=None):
+def prefetch_lines(ref, start, n_bytes):
     """Lines of ref's flat elements [start, start + n_bytes / itemsize) into L2, one per lane (start 128-byte
     aligned); a no-op interpreted."""
     if interpret_mode():
         return
-    line_prefetch_p.bind(ref, jnp.asarray(start, jnp.int32), n_bytes=int(n_bytes), policy=policy)
+    line_prefetch_p.bind(ref, jnp.asarray(start, jnp.int32), n_bytes=int(n_bytes))
 
 
 def down_ahead_kernel(h_ref, ids_ref, w_ref, wd_ref, sd_ref, y_ref, *, BKI, n_chunks, n_routed, ahead, h_early,
-                      eviction, early_launch, volatile, line_pf, line_pf_policy, fence, trigger="start"):
+                      eviction, early_launch, volatile, line_pf, fence, trigger="start"):
     # h_ref [K + 1, 1, I]; ids_ref [K] int32; w_ref [K] fp32; wd_ref [E, D, I]; sd_ref [D, I]; y_ref [1, BD]
     # volatile: the routed weight loads are volatile (ptxas keeps their order: the source's issue order holds);
     # line_pf: None, or P: slot s + P's routed rows are line-prefetched into L2 before slot s's loads (P = 8 or
     # more: every routed row at the program's start); fence: a CTA barrier (`bar.sync`, one warp: a few cycles)
     # after each slot's loads, which ptxas does not schedule across, so the loads stay issued ahead of the math
     # (without it ptxas sinks each load next to its use whatever the source order)
-    # trigger (with early_launch): where the PDL trigger sits: "start" (production), "last" (before the last
-    # routed slot's loads), "end" (after the store)
+    # trigger (with early_launch): where the PDL trigger sits: "start" (production) or "end" (after the store; a
+    # trigger before the last slot's loads was compiled too: it split the code where ptxas then took 116 registers
+    # instead of 74-76, too few programs resident to compare, so it was not run)
     if early_launch and trigger == "start":
         launch_dependents()
     bd = y_ref.shape[1]
@@ -119,7 +129,7 @@ def down_ahead_kernel(h_ref, ids_ref, w_ref, wd_ref, sd_ref, y_ref, *, BKI, n_ch
     def prefetch(s):
         if line_pf is not None and 0 <= s < n_routed:
             e, _ = ex._ownership(ids, s, n_routed)
-            prefetch_lines(wd_ref, (e * d + row0) * i, bd * i * wd_ref.dtype.itemsize, line_pf_policy)
+            prefetch_lines(wd_ref, (e * d + row0) * i, bd * i * wd_ref.dtype.itemsize)
 
     if line_pf is not None:
         for s in range(min(line_pf, n_routed)):
@@ -137,8 +147,6 @@ def down_ahead_kernel(h_ref, ids_ref, w_ref, wd_ref, sd_ref, y_ref, *, BKI, n_ch
             if line_pf is not None:
                 prefetch(s + line_pf)
             e, _ = ex._ownership(ids, s, n_routed)
-            if early_launch and trigger == "last" and s == n_routed - 1:
-                launch_dependents()
             ws = [load_w(e, ks) for ks in chunks]
         hs = [h_ref[s, :, ks] for ks in chunks] if h_early else None
         if fence and not interpret_mode():  # no barrier primitive interpreted (one program at a time there)
@@ -172,7 +180,7 @@ def down_ahead_kernel(h_ref, ids_ref, w_ref, wd_ref, sd_ref, y_ref, *, BKI, n_ch
 
 
 def down_ahead(h, w, ids, wd, sd, *, ahead, h_early=False, bki=TU.block_ki, warps=1, early_launch=True,
-               volatile=False, line_pf=None, line_pf_policy=None, fence=False, trigger="start"):
+               volatile=False, line_pf=None, fence=False, trigger="start"):
     k, _, i = h.shape
     k -= 1
     d = sd.shape[0]
@@ -180,7 +188,7 @@ def down_ahead(h, w, ids, wd, sd, *, ahead, h_early=False, bki=TU.block_ki, warp
     return pl.pallas_call(
         functools.partial(down_ahead_kernel, BKI=bki, n_chunks=i // bki, n_routed=k, ahead=ahead, h_early=h_early,
                           eviction=TU.routed_eviction, early_launch=early_launch, volatile=volatile,
-                          line_pf=line_pf, line_pf_policy=line_pf_policy, fence=fence, trigger=trigger),
+                          line_pf=line_pf, fence=fence, trigger=trigger),
         grid=(d,), in_specs=[pl.no_block_spec] * 5,
         out_specs=pl.BlockSpec((1, 1), lambda j: (0, j)), out_shape=jax.ShapeDtypeStruct((1, d), h.dtype),
         compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=1),
@@ -231,8 +239,8 @@ def gate_up_ahead_kernel(x_ref, ids_ref, wg_ref, wu_ref, sg_ref, su_ref, h_ref, 
 
     @pl.when(owner)
     def _():
-        compute(lambda ks: ex._load(wg_ref, (e, rows, ks), eviction), lambda ks: ex._load(wu_ref, (e, rows, ks), eviction),
-                limit)
+        compute(lambda ks: ex._load(wg_ref, (e, rows, ks), eviction),
+                lambda ks: ex._load(wu_ref, (e, rows, ks), eviction), limit)
 
     @pl.when(s == n_routed)
     def _():
@@ -272,8 +280,9 @@ def _both(gate_up_kw, down_kw=None):
 
 
 # PDL trigger placements (s11c2). Session 5 put `launch_dependents` at the start of a program (S5 4-6): it helped
-# only in the down kernel (its successor: the combine, now the next layer's GEMV), and cost 1.2 µs in the top-k and
-# ~1 µs in gate/up, whose successors' blocks were then admitted during the whole launch. Here the trigger sits late
+# only in the down kernel (its successor then: the combine; now the next layer's GEMV) and cost 1.2 µs in the
+# top-k; session 10 measured it at the start of gate/up at +1.0-1.2 µs (S10 3: 35.19 / 35.43 against 34.0-34.3).
+# Those successors' blocks were admitted for the whole launch. Here the trigger sits late
 # in each program, so the successor is admitted near the launch's end: its launch latency hidden, no long wait.
 
 def gate_up_trigger(x, ids, lay, where):
@@ -350,8 +359,7 @@ def topk_trigger(x, lay):
 
 def trigger_layer(topk=False, gate_up=None, down="start"):
     """Production layer with PDL triggers placed: topk (at the end of its programs), gate_up (None | "last" |
-    "end"), down ("start": production | "end" | None: no trigger; "last" splits the kernel's code where ptxas then
-    takes 116 registers instead of 74-76, too few programs resident to compare)."""
+    "end"), down ("start": production | "end" | None: no trigger)."""
     def f(x, lay):
         w, ids = topk_trigger(x, lay) if topk else pr._route(x, lay)
         h = pr.gate_up_h(x, ids, lay) if gate_up is None else gate_up_trigger(x, ids, lay, gate_up)

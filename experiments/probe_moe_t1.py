@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -58,20 +59,22 @@ def make_layers():
 
 
 def profile_layers(fn, x, layers, n=10, chain=None):
-    """({kernel: (median device µs, launches per layer)}, timeline span per layer, steady-state period per layer)
-    of fn(x, lay) over every layer, n traced runs (`chain(x, layers)`, if given, runs them instead: e.g. threading a
-    buffer through the layers). With a PDL trigger (experts.DECODE_TUNING's early_launch_down) the successor's
-    duration includes its wait, so the span, not the kernel sum, is the layer's device time; the period
-    (profile_ops.call_period_us, between the ends of successive layers' experts down launches) leaves out the
-    chain's once-per-call start (NaN for layers without such a launch)."""
+    """({kernel: (median device µs, launches per layer)}, timeline span per layer, steady-state period per layer or
+    None) of fn(x, lay) over every layer, n traced runs (`chain(x, layers)`, if given, runs them instead: e.g.
+    threading a buffer through the layers). With a PDL trigger (experts.DECODE_TUNING's early_launch_down) the
+    successor's duration includes its wait, so the span, not the kernel sum, is the layers' device time (the
+    probes' chains start with the first layer's first kernel: no input copy before it); the period
+    (profile_ops.call_period_us, between the ends of successive layers' experts down launches) leaves out the first
+    layer (None for layers without one such launch each)."""
     run = jax.jit(chain or (lambda x, layers: [fn(x, lay) for lay in layers]))
     events = trace_kernels(lambda: run(x, layers), n)
     by_name = durations_by_name(events)
-    calls = n * len(layers)
-    kernels = {k: (round(statistics.median(v), 2), len(v) / calls) for k, v in by_name.items()}
+    launches = n * len(layers)
+    kernels = {k: (round(statistics.median(v), 2), len(v) / launches) for k, v in by_name.items()}
     calls = split_calls(events)
+    period = call_period_us(calls, "experts_fwd_kernel_down", len(layers))
     return (kernels, round(call_span_us(calls) / len(layers), 2),
-            round(call_period_us(calls, "experts_fwd_kernel_down"), 2))
+            None if math.isnan(period) else round(period, 2))
 
 
 def per_kernel_us(fn, x, layers, n=10):
@@ -103,7 +106,7 @@ def record_row(results, out_name, label, fn, x, layers, check=None, chain=None):
     total = sum(us * per for us, per in ks.values())
     results["rows"].append(dict(label=label, err=err, total_us=round(total, 2), span_us=span, period_us=period,
                                 kernels=ks))
-    print(f"{label:48s} err {err}  span {span:6.2f} µs  period {period:6.2f} µs  kernel sum {total:6.2f} µs  " +
+    print(f"{label:48s} err {err}  span {span:6.2f} µs  period {period} µs  kernel sum {total:6.2f} µs  " +
           "  ".join(f"{k[:30]} {v[0]}" + (f"x{v[1]:.2g}" if v[1] != 1 else "") for k, v in ks.items()), flush=True)
     write_results(out_name, results, to_repo=TO_REPO)
 

@@ -157,24 +157,30 @@ def split_calls(events, gap_us=20.0):
     return [c for c in calls if len(c) == n_k]
 
 
-def call_span_us(calls):
-    """Median timeline span of the calls: first kernel start to last kernel end (gaps in, overlaps once); NaN for
-    no calls."""
-    if not calls:
-        return float("nan")
-    return statistics.median(max(e[1] + e[2] for e in c) - c[0][1] for c in calls)
+def call_span_us(calls, first=None):
+    """Median timeline span of the calls: first kernel start to last kernel end (gaps in, overlaps once); `first`:
+    start at the first event whose name contains it instead (e.g. a chain's first layer, leaving out a copy of the
+    chain's input and the gap before the first layer). NaN for no calls."""
+    spans = []
+    for c in calls:
+        starts = [ts for name, ts, _ in c if first is None or first in name]
+        if starts:
+            spans.append(max(e[1] + e[2] for e in c) - starts[0])
+    return statistics.median(spans) if spans else float("nan")
 
 
-def call_period_us(calls, marker):
-    """Median over the calls of a chain's steady-state period per layer: (end of the last kernel whose name
-    contains `marker`, a kernel each layer ends with, minus the end of the first) / (their count - 1). Unlike the
-    span / NL it leaves out what happens once per chain (its first kernel's start, a copy of the chain's input),
-    so it does not depend on the chain's length. NaN when a call has fewer than two."""
+def call_period_us(calls, marker, n_layers):
+    """Median over the calls of a chain's steady-state period per layer: the end of the last launch whose name
+    contains `marker` minus the end of the first, / (n_layers - 1), where the marker names a kernel launched exactly
+    once per layer (a call with another count is skipped, so a marker that also matches a second kernel gives NaN,
+    not half the period). It leaves out the chain's start and its whole first layer (there, the first layer's first
+    kernel is not admitted early by a predecessor as the others are), so it does not depend on the chain's length;
+    NaN when no call qualifies or n_layers < 2."""
     periods = []
     for c in calls:
         ends = sorted(ts + dur for name, ts, dur in c if marker in name)
-        if len(ends) >= 2:
-            periods.append((ends[-1] - ends[0]) / (len(ends) - 1))
+        if n_layers >= 2 and len(ends) == n_layers:
+            periods.append((ends[-1] - ends[0]) / (n_layers - 1))
     return statistics.median(periods) if periods else float("nan")
 
 

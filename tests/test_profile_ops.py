@@ -1,5 +1,6 @@
 """The timeline measures that RESULTS.md's device-time verdicts rest on (experiments/profile_ops.py), on synthetic
-profiler events: calls split at host gaps, the span per call, and the steady-state period of a chain of layers."""
+profiler events: calls split at host gaps, the span per call (from the call's first event, or from a named first
+kernel), and the steady-state period of a chain of layers."""
 
 import math
 import sys
@@ -9,15 +10,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 
 import profile_ops  # noqa: E402
 
+DOWN = "experts_fwd_kernel_down"
+LAYER = (("router_fwd_kernel_gemv", 2.5), ("topk", 3.5), ("gate_up", 17.0), ("experts_fwd_kernel_down_t1", 10.5))
 
-def _chain_call(t0, n_layers, start_cost=2.8, layer=(("gemv", 2.5), ("topk", 3.5), ("gate_up", 17.0),
-                                                        ("experts_fwd_kernel_down_t1", 10.5))):
+
+def _chain_call(t0, n_layers, start_cost=2.8, layer=LAYER, first_extra=0.0):
     """One call's events: a copy of the chain's input, a gap, then n_layers layers back to back, each kernel
-    overlapping its predecessor by 0.1 µs (as PDL admits it early)."""
+    overlapping its predecessor by 0.1 µs (as PDL admits it early); the first layer's first kernel lasts
+    first_extra longer (not admitted early). -> (events, the layers' time from the first layer's first kernel)."""
     events = [("memcpy32_post", t0, 0.9)]
     t = t0 + start_cost
-    for _ in range(n_layers):
-        for name, dur in layer:
+    for i in range(n_layers):
+        for j, (name, dur) in enumerate(layer):
+            dur += first_extra if i == j == 0 else 0.0
             events.append((name, t, dur))
             t += dur - 0.1
     return events, t + 0.1 - (t0 + start_cost)
@@ -31,23 +36,33 @@ def test_split_calls_drops_a_truncated_call():
     assert [len(x) for x in calls] == [len(a), len(b)]
 
 
-def test_span_counts_the_chain_start_and_period_does_not():
+def test_three_measures_of_a_chain():
     for n_layers in (8, 16):
-        events, body = _chain_call(0.0, n_layers)
+        events, layers_time = _chain_call(0.0, n_layers, first_extra=0.8)
         calls = profile_ops.split_calls(events)
-        per_layer = body / n_layers
         span = profile_ops.call_span_us(calls) / n_layers
-        period = profile_ops.call_period_us(calls, "experts_fwd_kernel_down")
-        assert math.isclose(span, per_layer + 2.8 / n_layers, rel_tol=1e-9)  # the start, spread over the layers
+        layers = profile_ops.call_span_us(calls, first="router_fwd_kernel_gemv") / n_layers
+        period = profile_ops.call_period_us(calls, DOWN, n_layers)
+        assert math.isclose(layers, layers_time / n_layers, rel_tol=1e-9)  # every layer, nothing before them
+        assert math.isclose(span, layers + 2.8 / n_layers, rel_tol=1e-9)  # plus the start, spread over NL
         assert math.isclose(period, 33.1, rel_tol=1e-9)  # 33.5 of kernels minus 4 overlaps of 0.1
-    assert math.isnan(profile_ops.call_period_us(profile_ops.split_calls(_chain_call(0.0, 1)[0]),
-                                                 "experts_fwd_kernel_down"))
+        assert math.isclose(layers, 33.1 + (0.8 + 0.1) / n_layers, rel_tol=1e-9)  # the first layer's extra counts
 
 
-def test_period_is_the_median_over_calls():
+def test_period_needs_one_marked_launch_per_layer():
+    doubled = LAYER + (("experts_fwd_kernel_down_combine", 1.0),)  # the marker matches two kernels per layer
+    calls = profile_ops.split_calls(_chain_call(0.0, 4, layer=doubled)[0])
+    assert math.isnan(profile_ops.call_period_us(calls, DOWN, 4))
+    one_layer = profile_ops.split_calls(_chain_call(0.0, 1)[0])
+    assert math.isnan(profile_ops.call_period_us(one_layer, DOWN, 1))
+
+
+def test_measures_are_medians_over_calls():
     calls = []
-    for i, layer_down in enumerate((10.5, 11.5, 10.5)):
-        events, _ = _chain_call(1000.0 * i, 4, layer=(("gemv", 2.5), ("experts_fwd_kernel_down_t1", layer_down)))
+    for i, down in enumerate((10.5, 11.5, 10.5)):
+        layer = (("router_fwd_kernel_gemv", 2.5), ("experts_fwd_kernel_down_t1", down))
+        events, _ = _chain_call(1000.0 * i, 4, layer=layer)
         calls.append(events)
-    period = profile_ops.call_period_us(calls, "experts_fwd_kernel_down")
-    assert math.isclose(period, 2.5 + 10.5 - 0.2, rel_tol=1e-9)
+    assert math.isclose(profile_ops.call_period_us(calls, DOWN, 4), 2.5 + 10.5 - 0.2, rel_tol=1e-9)
+    assert math.isclose(profile_ops.call_span_us(calls, first="router_fwd_kernel_gemv"), 4 * 12.8 + 0.1,
+                        rel_tol=1e-9)
