@@ -108,7 +108,9 @@ def plot_moe_t1_down(sets) -> Path:
 def plot_moe_t1_s11(probes, benches) -> Path:
     """Session 11. Left: the T = 1 layer's span per variant of the S11 1-4 probes (loads issued ahead of their
     math, PDL trigger placements, the GEMV's weights before its wait), production rows grey. Right: the production
-    bench's direct chain per run, span / NL against the steady-state period (S11 4-5)."""
+    bench's direct chain per run (S11 4, 5, 7): span / NL, the span from the first layer / NL ("layers"; S11 4-5
+    ran before it was recorded: there the median span less the first traced call's start, hollow) and the
+    steady-state period."""
     fig, (a, b) = plt.subplots(1, 2, figsize=(14, 7), gridspec_kw=dict(width_ratios=[3, 2]))
     labels, spans, colors = [], [], []
     for call, data in probes:
@@ -120,16 +122,25 @@ def plot_moe_t1_s11(probes, benches) -> Path:
     y = list(range(len(labels)))
     a.barh(y, spans, color=colors)
     a.axvline(34.0, color="k", ls="--", lw=1, label="issue target 34 µs")
-    a.set(yticks=y, xlabel="µs per MoE layer (timeline span / NL, NL = 8)", xlim=(32, max(spans) + 0.5),
-          title="T = 1 probe variants, S11 1-4 (grey: production)")
+    a.set(yticks=y, xlabel="µs per MoE layer (span / NL, NL = 8; the probes' chains start at their first layer)",
+          xlim=(30, max(spans) + 0.5), title="T = 1 probe variants, S11 1-4 (grey: production)")
     a.set_yticklabels(labels, fontsize=6)
     a.invert_yaxis()
     a.legend(fontsize=7)
     for i, (run, data) in enumerate(benches):
-        prof = data["profile"]
-        b.plot([i, i], [prof["T1_span_us_per_layer"], prof["T1_period_us_per_layer"]], "k-", lw=0.5)
-        b.plot(i, prof["T1_span_us_per_layer"], "o", color="C1", label="span / NL" if i == 0 else None)
-        b.plot(i, prof["T1_period_us_per_layer"], "s", color="C0", label="steady-state period" if i == 0 else None)
+        prof, nl = data["profile"], data["layers"]
+        span, period = prof["T1_span_us_per_layer"], prof["T1_period_us_per_layer"]
+        layers = prof.get("T1_layers_us_per_layer")
+        exact = layers is not None
+        if not exact:
+            start = next(ts for name, ts, _ in prof["T1_timeline_first_call"]
+                         if name.startswith("router_fwd_kernel_gemv"))
+            layers = span - start / nl
+        b.plot([i, i], [span, period], "k-", lw=0.5)
+        b.plot(i, span, "o", color="C1", label="span / NL" if i == 0 else None)
+        b.plot(i, layers, "D", color="C2", mfc="C2" if exact else "none",
+               label="from the first layer (hollow: estimated)" if i == 0 else None)
+        b.plot(i, period, "s", color="C0", label="steady-state period" if i == 0 else None)
     b.axhline(34.0, color="k", ls="--", lw=1)
     b.set(xticks=range(len(benches)), ylabel="µs per MoE layer", title="production bench, --chain direct")
     b.set_xticklabels([run for run, _ in benches], fontsize=7, rotation=30)
@@ -221,8 +232,8 @@ def main():
                  [("1", _load("probe_moe_down_inflight_s11c1.json")),
                   ("2", _load("probe_moe_down_inflight_s11c2.json")),
                   ("3", _load("probe_gemv_prewait_s11c3_a.json")), ("4", d)],
-                 [(f"S11 {c}, NL {nl}", _load(f"bench_moe_s11c{c}_direct_nl{nl}_{i}.json"))
-                  for c in (4, 5) for nl, i in ((8, 1), (8, 2), (16, 3))])),
+                 [(f"S11 {c} #{i}, NL {nl}", _load(f"bench_moe_s11c{c}_direct_nl{nl}_{i}.json"))
+                  for c in (4, 5, 7) for nl, i in ((8, 1), (8, 2), (16, 3))])),
             ("kda_decode_verify.json", plot_kda),
             ("mla_profile_s7c9.json", lambda d: plot_mla(d, _load("mla_profile.json"))),
             ("bench_decode.json", plot_slice))
