@@ -12,7 +12,7 @@ every swept router tuning, layer vs reference at T in {1, 3, 16}, every swept tu
   - the profiler's per-kernel device times of the best config at T = 1 (after the sweep) and at `--profile-ts`
     (default T = 6; at the end), cold weights, inside the chain, with three device times per layer (profile_chain:
     the timeline span / NL, which includes the chain's once-per-call start; the same from the first layer's first
-    kernel, "layers", the T = 1 verdict's measure since session 11; the steady-state period) and the first call's
+    kernel, "layers", quoted first for T = 1 since session 11; the steady-state period) and the first call's
     timeline in the JSON.
 `--verify-router FIELDS` / `--verify-experts FIELDS`: every T > 1 runs router.VERIFY_TUNING / experts.VERIFY_TUNING
 with these fields replaced instead of the default by T (e.g. `prefetch_chunk_bytes=0`: the shared-expert prefetch
@@ -183,8 +183,9 @@ def profile_chain(layer_fn, layers, xs, n=5):
       - span: the call's first event to its last kernel's end, / NL. It includes what happens once per call before
         the first layer (here a copy of the chain's input and a gap: 2.6-2.9 µs at T = 1, S11 4-5), so it depends
         on NL;
-      - layers: the same from the first layer's first kernel (the router GEMV), / NL: every layer, the first one
-        included, and nothing else;
+      - layers: the same from the first layer's first kernel (the router GEMV), / NL: at T = 1 in the "direct" and
+        "residual" chains every layer, the first one included, and nothing else (at T > 1 and in the "add" chain a
+        fusion precedes each layer's GEMV, and the first layer's is left out);
       - period: between the ends of successive layers' down launches, / (NL - 1) (profile_ops.call_period_us): the
         steady state, which leaves out the first layer too (its GEMV is the only one not admitted early by a
         preceding down kernel's PDL trigger).

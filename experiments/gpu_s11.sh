@@ -4,7 +4,8 @@
 # is among the arguments, and the compiled `tests/ops/test_moe.py` for "tests". Run on the GPU from the repo root:
 # `bash experiments/gpu_s11.sh s11c1 bench` (~3 min), `bash experiments/gpu_s11.sh s11c2 tests` (~5 min);
 # "prewait": experiments/probe_gemv_prewait.py's set s11c3 and its PTX report; "period": the production bench's
-# direct chain at NL = 8 (twice) and 16 with the span and the steady-state period.
+# direct chain at NL = 8 (twice) and 16 with its three per-layer measures (span / NL, from the first layer, the
+# steady-state period).
 export PYTHONPATH=.:experiments
 for arg in "$@"; do
   if [ "$arg" = period ]; then  # span / NL and the steady-state period, NL = 8 twice and 16 once

@@ -160,7 +160,8 @@ def split_calls(events, gap_us=20.0):
 def call_span_us(calls, first=None):
     """Median timeline span of the calls: first kernel start to last kernel end (gaps in, overlaps once); `first`:
     start at the first event whose name contains it instead (e.g. a chain's first layer, leaving out a copy of the
-    chain's input and the gap before the first layer). NaN for no calls."""
+    chain's input and the gap before the first layer); a call without such an event is skipped. NaN when no call
+    counts."""
     spans = []
     for c in calls:
         starts = [ts for name, ts, _ in c if first is None or first in name]
