@@ -131,16 +131,16 @@ def sass_report():
     """The pre-wait GEMV kernel compiled for sm_90 on this machine: its loads, wait and stores in SASS order."""
     from jax._src.pallas.triton import gpu_info
 
-    import probe_moe_down_inflight as pdi
+    import triton_resources as tr
 
     gpu_info.get_gpu_info = lambda *a, **k: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
     sys.modules[__name__].interpret_mode = lambda: False
     sds = jax.ShapeDtypeStruct
-    (name, ir_bytes, nw, ns), = pdi._lowered_kernels(gemv_prewait, sds((1, pt.D), jnp.bfloat16),
-                                                     sds((pt.E, pt.D), F32))
-    sass, regs = pdi._sass(ir_bytes, nw, ns)
-    print(f"{name}: {regs} registers")
-    for line in sass.splitlines():
+    (name, ir_bytes, nw, ns), = tr.lowered_kernels(gemv_prewait, sds((1, pt.D), jnp.bfloat16),
+                                                   sds((pt.E, pt.D), F32))
+    r = tr.compile_sm90(ir_bytes, nw, ns, sass=True)
+    print(f"{name}: {r['regs']} registers")
+    for line in r["sass"].splitlines():
         if re.search(r"\b(LDG|STG|ACQBULK|EXIT)", line):
             print("   ", line.split(";")[0].strip())
 

@@ -29,19 +29,12 @@ Run on the GPU: `PYTHONPATH=.:experiments python3 experiments/probe_moe_down_inf
 from __future__ import annotations
 
 import functools
-import os
 import re
-import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 from jax._src import core as jax_core
-from jax._src.lib.mlir import ir as mlir_ir
-from jax._src.lib.mlir.dialects import arith as arith_dialect
-from jax._src.lib.triton import dialect as tt_dialect
 from jax._src.pallas.triton import lowering
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
@@ -50,6 +43,7 @@ import probe_moe_down_rows_fused as pr
 import probe_moe_fused_router as pf
 import probe_moe_splitk as ps
 import probe_moe_t1 as pt
+import triton_resources as tr
 from pallas_kernels.common import interpret_mode
 from pallas_kernels.common import prefetch as prefetch_mod
 from pallas_kernels.common.pdl import launch_dependents
@@ -85,15 +79,7 @@ def _line_asm(n_bytes):
 
 @lowering.register_lowering(line_prefetch_p)
 def _line_prefetch_lowering(ctx, ptr, start, *, n_bytes):
-    i64 = mlir_ir.IntegerType.get_signless(64)
-    start = lowering._ensure_ir_value(start, ctx.avals_in[1])
-    if mlir_ir.IntegerType(start.type).width < 64:
-        start = arith_dialect.extsi(i64, start)
-    itemsize = jnp.dtype(ctx.avals_in[0].dtype).itemsize
-    offset = arith_dialect.muli(start, arith_dialect.constant(i64, mlir_ir.IntegerAttr.get(i64, itemsize)))
-    addr = arith_dialect.addi(tt_dialect.ptr_to_int(i64, ptr), offset)
-    tt_dialect.elementwise_inline_asm([mlir_ir.IntegerType.get_signless(32)], _line_asm(n_bytes),
-                                      constraints="=r,l", pure=False, packed_element=1, args=[addr])
+    prefetch_mod.emit_asm_at(ctx, ptr, start, _line_asm(n_bytes))
     return []
 
 
@@ -415,46 +401,6 @@ VARIANTS = {
 
 # --sass: static analysis on the CPU ---------------------------------------------------------------------------------
 
-def _lowered_kernels(fn, *shapes):
-    """[(name, Triton IR bytes, num_warps, num_stages)] of the Pallas-Triton calls in fn lowered for CUDA sm_90."""
-    import triton_resources as tr
-
-    txt = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
-    out = []
-    for m in re.finditer(r"grid_x = \d+ : i32, grid_y = \d+ : i32, grid_z = \d+ : i32, ", txt):
-        tail = txt[m.end():]
-        rest = tail[tail.index('ir = "') + 6:]
-        out.append((re.search(r'name = "(\w+)"', rest).group(1), tr._unescape(rest),
-                    int(re.search(r"num_warps = (\d+)", rest).group(1)),
-                    int(re.search(r"num_stages = (\d+)", rest).group(1))))
-    return out
-
-
-def _sass(ir_bytes, num_warps, num_stages):
-    """(SASS text, registers) of the IR compiled for sm_90 by the venv's Triton (as triton_resources.compile_sm90)."""
-    import triton
-    from triton._C.libtriton import ir
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import CUDABackend
-
-    target = GPUTarget("cuda", 90, 32)
-    ctx = ir.context()
-    ir.load_dialects(ctx)
-    CUDABackend(target).load_dialects(ctx)
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-    with tempfile.TemporaryDirectory() as d:
-        bc = Path(d, "k.mlirbc")
-        bc.write_bytes(ir_bytes)
-        src = Path(d, "k.ttir")
-        src.write_text(str(ir.parse_mlir_module(str(bc), ctx)))
-        k = triton.compile(str(src), target=target, options={"num_warps": num_warps, "num_stages": num_stages})
-        cubin = Path(d, "k.cubin")
-        cubin.write_bytes(k.asm["cubin"])
-        sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True).stdout
-        res = subprocess.run([tool, "--dump-resource-usage", str(cubin)], capture_output=True, text=True).stdout
-    return sass, int(re.search(r"REG:(\d+)", res).group(1))
-
-
 def loads_in_flight(sass, lanes=32):
     """Bytes of global loads outstanding right after each LDG, per warp: an LDG counts from its issue until the
     first later instruction that reads one of its destination registers (program order: a static proxy)."""
@@ -497,19 +443,20 @@ def sass_report():
                                                else gate_up_ahead(x, ids, dict(wg=wg, wu=wu, sg=sg, su=su), **v))
 
     for v in [None] + GATE_UP_SASS_VARIANTS:
-        (name, ir_bytes, nw, ns), = _lowered_kernels(gu(v), *gu_shapes)
+        (name, ir_bytes, nw, ns), = tr.lowered_kernels(gu(v), *gu_shapes)
         report(f"gate/up {v or 'production'}", ir_bytes, nw, ns, (k + 1) * i // (v or {}).get("bi", TU.block_i))
     rows = [("production", lambda h, w, ids, wd, sd: ex.down_and_combine(h, ids, w, wd, sd, n=1, tuning=TU))]
     rows += [(", ".join(f"{k} {x}" for k, x in v.items()),
               functools.partial(lambda h, w, ids, wd, sd, v: down_ahead(h, w, ids, wd, sd, **v), v=v))
              for v in SASS_VARIANTS]
     for label, fn in rows:
-        (name, ir_bytes, nw, ns), = _lowered_kernels(fn, *shapes)
+        (name, ir_bytes, nw, ns), = tr.lowered_kernels(fn, *shapes)
         report("down " + label, ir_bytes, nw, ns, d)
 
 
 def report(label, ir_bytes, nw, ns, n_programs, n_sm=132):
-    sass, regs = _sass(ir_bytes, nw, ns)
+    r = tr.compile_sm90(ir_bytes, nw, ns, sass=True)
+    sass, regs = r["sass"], r["regs"]
     fl = loads_in_flight(sass)
     per_sm = min(32, 65536 // (-(-regs // 8) * 8 * 32 * nw))
     print(f"{label:40s} regs {regs:3d} ({per_sm} programs/SM, {min(per_sm * n_sm, n_programs)} of {n_programs} "

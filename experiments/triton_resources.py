@@ -67,7 +67,9 @@ def mla_ir(tuning, t, length):
     return _unescape(txt[txt.index('ir = "') + 6:]), tuple(int(g) for g in grid)
 
 
-def compile_sm90(ir_bytes, num_warps, num_stages):
+def compile_sm90(ir_bytes, num_warps, num_stages, sass=False):
+    """Registers, spill stack, shared memory and MMA kinds of the Triton IR compiled for sm_90 by the venv's Triton
+    (+ "sass": the cuobjdump SASS text, when asked)."""
     import triton
     from triton._C.libtriton import ir
     from triton.backends.compiler import GPUTarget
@@ -77,6 +79,7 @@ def compile_sm90(ir_bytes, num_warps, num_stages):
     ctx = ir.context()
     ir.load_dialects(ctx)
     CUDABackend(target).load_dialects(ctx)
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
     with tempfile.TemporaryDirectory() as d:
         bc = os.path.join(d, "k.mlirbc")
         Path(bc).write_bytes(ir_bytes)
@@ -86,12 +89,29 @@ def compile_sm90(ir_bytes, num_warps, num_stages):
         k = triton.compile(src, target=target, options={"num_warps": num_warps, "num_stages": num_stages})
         cubin = os.path.join(d, "k.cubin")
         Path(cubin).write_bytes(k.asm["cubin"])
-        tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
         res = subprocess.run([tool, "--dump-resource-usage", cubin], capture_output=True, text=True).stdout
+        text = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True).stdout if sass else None
     ptx = k.asm["ptx"]
     regs = re.search(r"REG:(\d+) STACK:(\d+)", res)
-    return dict(regs=int(regs.group(1)), stack=int(regs.group(2)), smem=k.metadata.shared,
-                wgmma=ptx.count("wgmma.mma_async"), mma_sync=ptx.count("mma.sync"))
+    out = dict(regs=int(regs.group(1)), stack=int(regs.group(2)), smem=k.metadata.shared,
+               wgmma=ptx.count("wgmma.mma_async"), mma_sync=ptx.count("mma.sync"))
+    if sass:
+        out["sass"] = text
+    return out
+
+
+def lowered_kernels(fn, *shapes):
+    """[(name, Triton IR bytes, num_warps, num_stages)] of the Pallas-Triton calls in jit(fn) lowered for CUDA on
+    this machine (the caller points gpu_info at the target GPU and turns interpret mode off first)."""
+    txt = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    out = []
+    for m in re.finditer(r"grid_x = \d+ : i32, grid_y = \d+ : i32, grid_z = \d+ : i32, ", txt):
+        rest = txt[m.end():]
+        rest = rest[rest.index('ir = "') + 6:]
+        out.append((re.search(r'name = "(\w+)"', rest).group(1), _unescape(rest),
+                    int(re.search(r"num_warps = (\d+)", rest).group(1)),
+                    int(re.search(r"num_stages = (\d+)", rest).group(1))))
+    return out
 
 
 def main(argv=None):

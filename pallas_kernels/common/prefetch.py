@@ -65,8 +65,9 @@ def _asm(n_bytes: int, evict_last: bool) -> str:
     return "\n\t".join(lines)
 
 
-@lowering.register_lowering(l2_prefetch_p)
-def _l2_prefetch_lowering(ctx: lowering.LoweringRuleContext, ptr, start, *, n_bytes, evict_last):
+def emit_asm_at(ctx: lowering.LoweringRuleContext, ptr, start, asm: str):
+    """In a Triton lowering rule of a (ref, start) primitive: emit `asm` (side effects, no result used) with $1 the
+    64-bit address of the ref's flat element `start` ($0: a dummy 32-bit output the asm must set)."""
     i64 = ir.IntegerType.get_signless(64)
     start = lowering._ensure_ir_value(start, ctx.avals_in[1])
     if ir.IntegerType(start.type).width < 64:
@@ -74,8 +75,13 @@ def _l2_prefetch_lowering(ctx: lowering.LoweringRuleContext, ptr, start, *, n_by
     itemsize = jnp.dtype(ctx.avals_in[0].dtype).itemsize
     offset = arith_dialect.muli(start, arith_dialect.constant(i64, ir.IntegerAttr.get(i64, itemsize)))
     addr = arith_dialect.addi(tt_dialect.ptr_to_int(i64, ptr), offset)
-    tt_dialect.elementwise_inline_asm([ir.IntegerType.get_signless(32)], _asm(n_bytes, evict_last),
-                                      constraints="=r,l", pure=False, packed_element=1, args=[addr])
+    tt_dialect.elementwise_inline_asm([ir.IntegerType.get_signless(32)], asm, constraints="=r,l", pure=False,
+                                      packed_element=1, args=[addr])
+
+
+@lowering.register_lowering(l2_prefetch_p)
+def _l2_prefetch_lowering(ctx: lowering.LoweringRuleContext, ptr, start, *, n_bytes, evict_last):
+    emit_asm_at(ctx, ptr, start, _asm(n_bytes, evict_last))
     return []
 
 
