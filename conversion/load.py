@@ -142,13 +142,13 @@ def validate(cfg: LingConfig, catalog: dict[str, TensorInfo], entries: list[hf.E
 
 
 def load_hf(hf_dir: str | Path, *, dtype=jnp.bfloat16, shardings: Any = None, with_mtp: bool = True,
-            progress: bool = True) -> tuple[LingConfig, Any]:
+            progress: bool = True, router_weight_dtype: str | None = None) -> tuple[LingConfig, Any]:
     """Read an official checkpoint directory into (cfg, params).
 
     Args:
       hf_dir: directory with config.json and `model.safetensors.index.json` + shards (or one `model.safetensors`).
-      dtype: dtype of COMPUTE params; FP32-class params (A_log, dt_bias, convs, router, expert_bias) load as
-        float32 whatever this is (`ParamSpec.dtype`).
+      dtype: dtype of COMPUTE params; FP32-class params (A_log, dt_bias, convs, expert_bias) load as float32
+        whatever this is (`ParamSpec.dtype`), the routers as `router_weight_dtype` says.
       shardings: None (default device), one `jax.sharding.Sharding` for every leaf, or a pytree of shardings
         shaped like `param_specs(cfg)` (extra leaves, e.g. an unused "mtp" subtree, are ignored).
       with_mtp: True loads the MTP layer `model.layers.{num_hidden_layers}.*` when config.json declares it. If
@@ -156,15 +156,22 @@ def load_hf(hf_dir: str | Path, *, dtype=jnp.bfloat16, shardings: Any = None, wi
         the model loads without it and a warning says so; a partial MTP layer is an error. False skips the MTP
         tensors (they are not reported as unexpected).
       progress: show a tqdm bar over the bytes read.
+      router_weight_dtype: None keeps the routers (`mlp.gate.weight`) as stored: bfloat16 when every loaded one is
+        stored BF16, else float32 (`stored_router_dtype`); "float32" widens them anyway. Either gives the same
+        logits (fp32 products of the stored values); a bf16 router reads half the bytes.
 
     Returns:
       (cfg, params). `cfg` always describes `params`: when the MTP layer is not loaded, `cfg.num_mtp_layers` is 0,
       so `param_specs(cfg)` has the structure of `params`. Main-model logits never need the MTP layer.
+      `cfg.router_weight_dtype` is the routers' dtype.
 
     Raises:
       ConfigError: config.json is missing, of an unknown model_type, or invalid.
       CheckpointError: the tensors differ from what config.json implies (every difference listed).
     """
+    if router_weight_dtype not in (None, "float32"):
+        raise ValueError(f"{router_weight_dtype=} must be None (the routers as stored) or 'float32' (widened); a "
+                         "bf16 copy of an fp32 router would move near-tie selections")
     hf_dir = Path(hf_dir)
     cfg = from_hf(hf_dir)
     catalog, problems = read_catalog(hf_dir)
@@ -175,8 +182,9 @@ def load_hf(hf_dir: str | Path, *, dtype=jnp.bfloat16, shardings: Any = None, wi
                f"no {mtp_prefix}* tensors (transformers' save_pretrained drops them); loading without the MTP layer")
         warnings.warn(msg, stacklevel=2)
         load_mtp = False
-    entries = hf.plan(cfg, with_mtp=load_mtp)
     ignore = mtp_prefix if (cfg.num_mtp_layers and not load_mtp) else None
+    cfg = cfg.replace(router_weight_dtype=router_weight_dtype or stored_router_dtype(catalog, ignore_prefix=ignore))
+    entries = hf.plan(cfg, with_mtp=load_mtp)
     validate(cfg, catalog, entries, ignore_prefix=ignore, problems=problems)
     out_cfg = cfg if load_mtp else without_mtp(cfg)
 
@@ -216,6 +224,15 @@ def _host_arrays(entry: hf.Entry, read: Callable[[tuple[str, ...]], np.ndarray],
         return [out]
     xs = entry.transform.to_params(read(entry.sources[0]), entry.item_shapes)
     return [np.ascontiguousarray(x.astype(t)) for x, t in zip(xs, targets)]
+
+
+def stored_router_dtype(catalog: dict[str, TensorInfo], *, ignore_prefix: str | None = None) -> str:
+    """"bfloat16" when every MoE router (`*.mlp.gate.weight`, outside `ignore_prefix`) is stored BF16, else
+    "float32" (F32 as stored; F16 or F64 widened or rounded to float32 as before). Kept bf16, a router reads half
+    the bytes and its fp32 products are those of the widened copy transformers computes with."""
+    kinds = {info.dtype for name, info in catalog.items()
+             if name.endswith(".mlp.gate.weight") and not (ignore_prefix and name.startswith(ignore_prefix))}
+    return "bfloat16" if kinds == {"BF16"} else "float32"
 
 
 def without_mtp(cfg: LingConfig) -> LingConfig:

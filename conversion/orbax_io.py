@@ -45,7 +45,8 @@ def load_params(path: str | Path, *, shardings: Any = None, dtype=None) -> tuple
     Args:
       shardings: None (default device), one Sharding for every leaf, or a pytree shaped like `param_specs(cfg)`.
       dtype: None keeps the stored dtypes; otherwise COMPUTE params become `dtype` and FP32-class params stay
-        float32 (`ParamSpec.dtype`).
+        float32 (`ParamSpec.dtype`). The routers stay as stored either way (`cfg.router_weight_dtype`: bfloat16
+        when every stored router is, else float32).
     """
     path = Path(path).absolute()
     cfg = from_hf(path / "config.json")
@@ -54,6 +55,7 @@ def load_params(path: str | Path, *, shardings: Any = None, dtype=None) -> tuple
         stored = jax.tree.map(lambda m: (tuple(m.shape), jnp.dtype(m.dtype)), stored,
                               is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
         stored_by_path = _check_structure(cfg, stored, str(path / PARAMS_DIR))
+        cfg = cfg.replace(router_weight_dtype=_stored_router_dtype(stored_by_path))
         specs = param_specs(cfg)
         sharding_of = _sharding_lookup(shardings)
         default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -67,14 +69,21 @@ def load_params(path: str | Path, *, shardings: Any = None, dtype=None) -> tuple
 
 
 def convert(hf_dir: str | Path, out_dir: str | Path, *, dtype=jnp.bfloat16, shardings: Any = None,
-            with_mtp: bool = True, progress: bool = True, force: bool = False) -> LingConfig:
+            with_mtp: bool = True, progress: bool = True, force: bool = False,
+            router_weight_dtype: str | None = None) -> LingConfig:
     """`load_hf` then `save_params`. The whole model passes through device memory: for the full-size preset pass
     `shardings` that spread it over the devices (or a CPU sharding on a host with the RAM)."""
-    cfg, params = load_hf(hf_dir, dtype=dtype, shardings=shardings, with_mtp=with_mtp, progress=progress)
+    cfg, params = load_hf(hf_dir, dtype=dtype, shardings=shardings, with_mtp=with_mtp, progress=progress,
+                          router_weight_dtype=router_weight_dtype)
     if progress:
         print(f"saving orbax checkpoint to {out_dir}", file=sys.stderr)
     save_params(out_dir, cfg, params, force=force)
     return cfg
+
+
+def _stored_router_dtype(stored_by_path: dict[hf.Path, tuple]) -> str:
+    kinds = {jnp.dtype(dt) for p, (_, dt) in stored_by_path.items() if p[-1] == "router"}
+    return "bfloat16" if kinds == {jnp.dtype(jnp.bfloat16)} else "float32"
 
 
 def _is_pair(x: Any) -> bool:

@@ -31,7 +31,10 @@ output is x_{l+1} + MoE_l(input), the experts' `residual` input as the model pas
 kernel's epilogue) and the next layer's input; "stacked": the same with the x's sliced from one array; "direct":
 layer l's output MoE_l(input) is the next layer's input, no add (the probes' dependent chain: the MoE layer alone).
 RESULTS.md "Session 10" has the T = 1 layer in all four.
-Bytes: router fp32 D·E·4 + (distinct experts + shared) · 3·D·I·2; % of 4.3 TB/s (measured H200 copy rate).
+`--router-dtype bfloat16`: the routers held in bf16, as the BF16 release stores `mlp.gate.weight` and the model
+keeps it (LingConfig.router_weight_dtype; the kernels widen it exactly, same selection as its fp32 copy); default
+float32 (every run before session 12, and transformers' save_pretrained).
+Bytes: router D·E·(4 or 2) + (distinct experts + shared) · 3·D·I·2; % of 4.3 TB/s (measured H200 copy rate).
 """
 
 from __future__ import annotations
@@ -107,7 +110,7 @@ def short(c):
     return f"{type(c).__name__}({diff})"
 
 
-def make_layers(nl, key):
+def make_layers(nl, key, router_dtype=jnp.float32):
     k = jax.random.split(key, 8)
     bf = jnp.bfloat16
     base = dict(  # every expert matrix [out, in] (ling_jax/params.py): gate/up [.., I, D], down [.., D, I]
@@ -122,7 +125,8 @@ def make_layers(nl, key):
     for l in range(nl):
         c = jnp.asarray(1.0 + 0.01 * l, bf)
         lay = {n: (w * c) for n, w in base.items()}  # distinct buffers per layer (cold), same statistics
-        lay["router"] = jax.random.normal(jax.random.fold_in(k[6], l), (E, D), jnp.float32) * (D ** -0.5)  # [E, D]
+        lay["router"] = (jax.random.normal(jax.random.fold_in(k[6], l), (E, D), jnp.float32)
+                         * (D ** -0.5)).astype(router_dtype)  # [E, D]
         lay["expert_bias"] = 0.01 * jax.random.normal(jax.random.fold_in(k[7], l), (E,), jnp.float32)
         layers.append(jax.block_until_ready(lay))
     del base
@@ -232,6 +236,8 @@ def main(argv=None):
     ap.add_argument("--verify-experts", default="",
                     help="T > 1: experts.VERIFY_TUNING with these fields (e.g. verify_gate_up=fma_tokens,block_i=2,"
                          "warps_gate_up=1)")
+    ap.add_argument("--router-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="the routers' dtype: bfloat16 as the BF16 release stores them (session 12 on)")
     ap.add_argument("--toy", action="store_true", help="tiny sizes, to check the script on CPU")
     args = ap.parse_args(argv)
     global D, E, I, VERIFY_ROUTER, VERIFY_EXPERTS, CHAIN
@@ -246,7 +252,7 @@ def main(argv=None):
     header = run_header()
     nl = args.layers
     t_start = time.time()
-    layers = make_layers(nl, jax.random.key(0))
+    layers = make_layers(nl, jax.random.key(0), jnp.dtype(args.router_dtype))
     print(f"made {nl} layers in {time.time() - t_start:.1f}s", flush=True)
     rng = np.random.default_rng(0)
     xs_cache = {}
@@ -258,7 +264,7 @@ def main(argv=None):
 
     results = {**header, "layers": nl, "method": "chain of R·NL layers in one executable, slope R=1..3",
                "limit": LIMIT, "shared_limit": SHARED_LIMIT, "hbm_bytes_per_s": HBM, "rows": [], "checks": {},
-               "profile": {}}
+               "profile": {}, "router_dtype": args.router_dtype}
 
     # Correctness, compiled.
     lay = layers[0]
@@ -295,7 +301,7 @@ def main(argv=None):
         distinct = statistics.mean(
             len(set(np.asarray(moe.route(xs[l], layers[l]["router"], layers[l]["expert_bias"], **ROUTE_KW)[1])
                     .reshape(-1).tolist())) for l in range(nl))
-        return D * E * 4 + (distinct + 1) * 3 * D * I * 2, distinct
+        return D * E * jnp.dtype(args.router_dtype).itemsize + (distinct + 1) * 3 * D * I * 2, distinct
 
     def row(kind, backend, t, us, spread, nbytes, distinct, note=""):
         gbs = nbytes / (us * 1e-6) / 1e9

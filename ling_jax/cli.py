@@ -1,6 +1,6 @@
 """`ling-jax` command line: convert | generate.
 
-    ling-jax convert --hf-dir DIR --out DIR [--dtype bfloat16|float32]
+    ling-jax convert --hf-dir DIR --out DIR [--dtype bfloat16|float32] [--router-fp32]
     ling-jax generate (--checkpoint DIR | --hf-dir DIR | --preset NAME)
                       (--prompt-ids 1,2,3 | --prompt TEXT --tokenizer tokenizer.json) --max-new-tokens N
                       [--temperature T --top-p P --seed S] [--dtype float32|bfloat16] [--backend reference|pallas]
@@ -30,6 +30,9 @@ def _parser() -> argparse.ArgumentParser:
     conv.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     conv.add_argument("--no-mtp", action="store_true", help="leave the MTP layer out")
     conv.add_argument("--force", action="store_true", help="overwrite an existing --out checkpoint")
+    conv.add_argument("--router-fp32", action="store_true",
+                      help="widen bf16-stored MoE routers to float32 (same logits, twice the router bytes); by "
+                           "default they stay as stored")
 
     gen = sub.add_parser("generate", help="generate tokens")
     src = gen.add_mutually_exclusive_group()
@@ -153,7 +156,8 @@ def _convert(args) -> int:
     import jax.numpy as jnp
 
     from conversion.orbax_io import convert
-    convert(args.hf_dir, args.out, dtype=jnp.dtype(args.dtype), with_mtp=not args.no_mtp, force=args.force)
+    convert(args.hf_dir, args.out, dtype=jnp.dtype(args.dtype), with_mtp=not args.no_mtp, force=args.force,
+            router_weight_dtype="float32" if args.router_fp32 else None)
     print(f"wrote {args.out}")
     return 0
 

@@ -19,6 +19,9 @@ DENSE = "dense"
 MOE = "moe"
 
 
+ROUTER_WEIGHT_DTYPES = ("float32", "bfloat16")
+
+
 class ConfigError(ValueError):
     """A config.json or preset that ling-jax cannot run; the message names the field and the fix."""
 
@@ -60,6 +63,11 @@ class LingConfig:
     pad_token_id: int | None
     # Off reproduces transformers' BailingHybrid (which ignores the limit lists); on is SGLang's serving numerics.
     apply_swiglu_clamps: bool = True
+    # The dtype the MoE routers (`mlp.gate.weight`) are held in: the checkpoint's own, "bfloat16" or "float32"
+    # (conversion's loaders read it from the stored tensors; config.json does not say). The router GEMV multiplies
+    # in fp32 either way and a bf16 weight widens exactly, so both give the logits of transformers' fp32 router
+    # over the stored values; bf16 reads half the bytes (2.6 MB per layer for Flash).
+    router_weight_dtype: str = "float32"
 
     def __post_init__(self):
         _validate(self)
@@ -150,6 +158,9 @@ def _validate(c: LingConfig) -> None:
              f"config field {name} has {len(limits)} entries; expected num_hidden_layers={c.num_layers} "
              f"(or {c.total_layers} with the MTP layer)")
         need(all(v >= 0 for v in limits), f"config field {name} has a negative limit; 0 means no clamp")
+    need(c.router_weight_dtype in ROUTER_WEIGHT_DTYPES,
+         f"router_weight_dtype={c.router_weight_dtype!r} must be one of {ROUTER_WEIGHT_DTYPES} (the dtype the "
+         "checkpoint stores mlp.gate.weight in)")
     for t in c.eos_token_ids + ((c.pad_token_id,) if c.pad_token_id is not None else ()):
         need(0 <= t < c.vocab_size, f"config eos/pad token id {t} lies outside vocab_size={c.vocab_size}")
 

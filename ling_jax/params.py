@@ -16,7 +16,7 @@ experts.py)):
                   w_kv_a [D, R + P] · kv_a_norm [R] · w_k_b [R, H, Dn] · w_v_b [R, H, Dv] · w_gate [D, H]
                   w_o [H, Dv, D]
       ffn, dense: w_gate w_up [D, I] · w_down [I, D]
-      ffn, MoE:   router [E, D] (fp32) · expert_bias [E] (fp32) · we_gate we_up [E, Ie, D] · we_down [E, D, Ie]
+      ffn, MoE:   router [E, D] (fp32, or bf16 as stored) · expert_bias [E] (fp32) · we_gate we_up [E, Ie, D] · we_down [E, D, Ie]
                   ws_gate ws_up [Is, D] · ws_down [D, Is]   (shared expert; absent when num_shared_experts = 0)
                   (all [out, in]: the exception above)
     mtp (when num_mtp_layers = 1) = {enorm, hnorm [D], eh_proj [2D, D], final_norm [D], layer = MLA + MoE layer}
@@ -42,6 +42,8 @@ from ling_jax.config import KDA, MLA, MOE, LingConfig
 # transformers pins them with `_keep_in_fp32_modules_strict`.
 FP32 = "fp32"
 COMPUTE = "compute"
+# bfloat16 whatever the compute dtype: the MoE router when the checkpoint stores it so (`router_weight_dtype`).
+BF16 = "bf16"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +57,8 @@ class ParamSpec:
         assert len(self.shape) == len(self.axes), (self.shape, self.axes)
 
     def dtype(self, compute_dtype) -> jnp.dtype:
-        return jnp.dtype(jnp.float32 if self.dtype_class == FP32 else compute_dtype)
+        fixed = {FP32: jnp.float32, BF16: jnp.bfloat16}
+        return jnp.dtype(fixed.get(self.dtype_class, compute_dtype))
 
 
 def _norm(n: int) -> ParamSpec:
@@ -106,8 +109,10 @@ def dense_specs(c: LingConfig) -> dict[str, ParamSpec]:
 def moe_specs(c: LingConfig) -> dict[str, ParamSpec]:
     D, E, Ie, Is = c.hidden_size, c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
     specs = {
-        # Router [E, D] (torch's [out, in]): a router GEMV program streams contiguous D-splits of expert rows.
-        "router": ParamSpec((E, D), (None, "embed"), FP32, init="fan_in_last"),
+        # Router [E, D] (torch's [out, in]): a router GEMV program streams contiguous D-splits of expert rows. Held
+        # in the checkpoint's dtype (fp32 products either way; ling_jax.config.LingConfig.router_weight_dtype).
+        "router": ParamSpec((E, D), (None, "embed"), BF16 if c.router_weight_dtype == "bfloat16" else FP32,
+                            init="fan_in_last"),
         "expert_bias": ParamSpec((E,), (None,), FP32, init="small"),
         # Expert matrices [out, in] (torch's layout; see the module docstring): init's fan-in is the last axis.
         "we_gate": ParamSpec((E, Ie, D), ("experts", "ffn", "embed"), init="fan_in_last"),

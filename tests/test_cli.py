@@ -46,6 +46,19 @@ def test_convert_then_generate_from_checkpoint(tmp_path, capsys):
     assert from_ckpt["tokens"] == from_hf["tokens"]
 
 
+def test_convert_keeps_a_bf16_router_unless_asked(tmp_path, capsys):
+    from conversion.orbax_io import load_params
+    from conversion.synthetic import write_synthetic
+
+    write_synthetic(tmp_path / "hf", preset("toy", router_weight_dtype="bfloat16"), seed=1, progress=False)
+    for flags, want in (([], "bfloat16"), (["--router-fp32"], "float32")):
+        out = tmp_path / f"ck{len(flags)}"
+        assert main(["convert", "--hf-dir", str(tmp_path / "hf"), "--out", str(out), *flags]) == 0
+        cfg, params = load_params(out)
+        assert cfg.router_weight_dtype == want and params["layers"][-1]["ffn"]["router"].dtype == want
+    capsys.readouterr()
+
+
 @pytest.mark.parametrize("args, message", [
     (["generate", "--temperature", "-1"], "temperature=-1.0 must be >= 0"),
     (["generate", "--top-p", "1.5", "--temperature", "1"], "top_p=1.5 must lie in"),

@@ -185,6 +185,54 @@ def test_synthetic_round_trip_toy(toy_synthetic):
     assert abs(float(jnp.std(w)) * math.sqrt(cfg.hidden_size) - 1.0) < 0.1
 
 
+def test_bf16_router_kept_as_stored(tmp_path):
+    """Routers stored BF16 (the release's dtype) load as bf16, exactly as stored, through load_hf and an orbax
+    round trip (with or without a dtype); --router-fp32 widens them; any other storage loads float32."""
+    from conversion.load import TensorInfo, stored_router_dtype
+
+    cfg = preset("toy").replace(router_weight_dtype="bfloat16")
+    path = write_synthetic(tmp_path / "hf", cfg, seed=5, progress=False)
+    header = json.loads((path / INDEX_NAME).read_text())["weight_map"]
+    gates = [n for n in header if n.endswith(".mlp.gate.weight")]
+    assert len(gates) == sum(1 for l in range(cfg.total_layers) if l >= cfg.first_k_dense_replace)
+    loaded_cfg, params = load_hf(path, dtype=jnp.float32, progress=False)
+    assert loaded_cfg == cfg
+    got = leaves_by_path(params)
+    routers = {k: v for k, v in got.items() if k.endswith(".router")}
+    assert routers and {v.dtype for v in routers.values()} == {jnp.dtype(jnp.bfloat16)}
+    assert got["layers.1.ffn.expert_bias"].dtype == jnp.float32 and got["embed"].dtype == jnp.float32
+    entry = next(e for e in hf.plan(cfg) if e.names[0] == gates[0])
+    np.testing.assert_array_equal(np.asarray(got[hf.path_str(entry.paths[0])]).astype(np.float32),
+                                  synthetic.synthetic_tensor(entry, 0, seed=5).astype(np.float32))
+
+    cfg32, wide = load_hf(path, dtype=jnp.float32, progress=False, router_weight_dtype="float32")
+    assert cfg32 == cfg.replace(router_weight_dtype="float32")
+    for k, v in routers.items():
+        w = leaves_by_path(wide)[k]
+        assert w.dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(w), np.asarray(v.astype(jnp.float32)))
+    with pytest.raises(ValueError, match="router_weight_dtype='bfloat16' must be None .* or 'float32'"):
+        load_hf(path, router_weight_dtype="bfloat16")
+
+    save_params(tmp_path / "ck", loaded_cfg, params)
+    for dtype in (None, jnp.bfloat16):
+        cfg_back, restored = load_params(tmp_path / "ck", dtype=dtype)
+        assert cfg_back == cfg
+        for k, v in routers.items():
+            r = leaves_by_path(restored)[k]
+            assert r.dtype == jnp.bfloat16
+            np.testing.assert_array_equal(np.asarray(r), np.asarray(v))
+
+    info = lambda dt: TensorInfo("a.safetensors", (4, 2), dt)  # noqa: E731
+    assert stored_router_dtype({"model.layers.1.mlp.gate.weight": info("BF16")}) == "bfloat16"
+    mixed = {"model.layers.1.mlp.gate.weight": info("BF16"), "model.layers.2.mlp.gate.weight": info("F32")}
+    assert stored_router_dtype(mixed) == "float32"
+    assert stored_router_dtype(mixed, ignore_prefix="model.layers.2.") == "bfloat16"
+    assert stored_router_dtype({"model.layers.1.mlp.gate.weight": info("F16")}) == "float32"
+    with pytest.raises(ConfigError, match="router_weight_dtype='float16' must be one of"):
+        preset("toy", router_weight_dtype="float16")
+
+
 def test_synthetic_without_mtp_is_skipped_quietly(toy_synthetic):
     path, cfg = toy_synthetic
     with warnings.catch_warnings():

@@ -63,6 +63,47 @@ def test_bfloat16_logits(case):
     assert rel_err(logits, case["ref"][:, :T_PROMPT]) < TOL_BF16
 
 
+def test_bf16_stored_router(case, tmp_path):
+    """The BF16 release stores the routers in bf16: the checkpoint rewritten so is loaded with its routers kept
+    bf16 (half the GEMV bytes) and still gives transformers' logits to float32 tolerance, transformers' float64
+    model holding the same rounded router values (it widens a bf16 router to fp32 on load)."""
+    import copy
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    hf_dir = tmp_path / "bf16_router"
+    shutil.copytree(case["hf_dir"], hf_dir)
+    rounded = 0
+    for shard in hf_dir.glob("*.safetensors"):
+        tensors = load_file(shard)
+        routers = [k for k in tensors if k.endswith(".mlp.gate.weight")]
+        rounded += len(routers)
+        save_file({k: v.to(torch.bfloat16) if k in routers else v for k, v in tensors.items()}, shard,
+                  metadata={"format": "pt"})
+    assert rounded == sum(1 for k in case["m64"].state_dict() if k.endswith(".mlp.gate.weight")) > 0
+    m64 = copy.deepcopy(case["m64"])
+    with torch.no_grad():
+        for k, v in m64.state_dict().items():
+            if k.endswith(".mlp.gate.weight"):
+                v.copy_(v.to(torch.bfloat16).double())
+    ref = logits64(m64, case["ids"][:, :T_PROMPT])
+    assert rel_err(ref, case["ref"][:, :T_PROMPT]) > 0  # the rounding reached the logits
+
+    cfg, params = load_hf(hf_dir, dtype=jnp.float32, progress=False)
+    assert cfg.router_weight_dtype == "bfloat16"
+    routers = [p["ffn"]["router"] for p in params["layers"] if "router" in p["ffn"]]
+    assert routers and {r.dtype for r in routers} == {jnp.dtype(jnp.bfloat16)}
+    logits, _, _ = model.prefill(params, jnp.asarray(case["ids"][:, :T_PROMPT]), cfg, max_len=T_PROMPT,
+                                 all_logits=True)
+    assert rel_err(logits, ref) < TOL_F32
+    cfg32, params32 = load_hf(hf_dir, dtype=jnp.float32, progress=False, router_weight_dtype="float32")
+    assert cfg32.router_weight_dtype == "float32" and params32["layers"][-1]["ffn"]["router"].dtype == jnp.float32
+    logits32, _, _ = model.prefill(params32, jnp.asarray(case["ids"][:, :T_PROMPT]), cfg32, max_len=T_PROMPT,
+                                   all_logits=True)
+    assert rel_err(logits32, logits) < 1e-6  # the same products: only XLA's summation order may differ
+
+
 def test_prefill_then_40_decode_steps(case):
     cfg, params = load_hf(case["hf_dir"], dtype=jnp.float32, progress=False)
     ids = jnp.asarray(case["ids"])

@@ -18,7 +18,8 @@ def route(x, router, expert_bias, *, n_group, topk_group, top_k, routed_scaling_
 
     Args:
       x: [N, D] compute dtype (float32 or bfloat16).
-      router: [E, D] float32 (torch's [out, in]: the checkpoint's `mlp.gate.weight` as it is).
+      router: [E, D] float32 or bfloat16 (torch's [out, in]: the checkpoint's `mlp.gate.weight` as it is, in its
+        stored dtype); the logits are fp32 sums of fp32 products either way (a bf16 weight widens exactly).
       expert_bias: [E] float32; added to the sigmoid scores for selection only.
       n_group, topk_group, top_k: E splits into n_group equal groups; the best topk_group groups (by the sum of
         their top-2 biased scores) are kept and top_k experts are chosen among them. Ties go to the lower index.
@@ -41,7 +42,7 @@ def route(x, router, expert_bias, *, n_group, topk_group, top_k, routed_scaling_
         hint = " (a [D, E] router from before: pass router.T)" if router.shape[0] == d else ""
         raise ValueError(f"router.shape={tuple(router.shape)} must be [E, D] (torch's [out, in], the checkpoint's "
                          f"mlp.gate.weight as it is) with D = x.shape[1] = {d}{hint}")
-    check_dtype("router", router, (jnp.float32,))
+    check_dtype("router", router, (jnp.float32, jnp.bfloat16))
     e = router.shape[0]
     check_shape("expert_bias", expert_bias, (e,), "[E]")
     check_dtype("expert_bias", expert_bias, (jnp.float32,))

@@ -1,6 +1,7 @@
 """Pure-jnp MoE router and experts: the specification the Pallas kernels are tested against (SPEC §2.5).
 
-Router (`route`): fp32 GEMV over the router [E, D] (torch's [out, in], contracted in place), sigmoid,
+Router (`route`): fp32 GEMV over the router [E, D] (torch's [out, in], contracted in place; a bf16-stored router
+widened exactly), sigmoid,
 `expert_bias` for selection only, grouped top-k (sum of the top-2 biased scores per group, best `topk_group`
 groups, then `top_k` experts among them; ties toward the lower index, which is what `lax.top_k` does), weights
 from the unbiased scores, renormalised (eps 1e-20) and scaled.
@@ -27,7 +28,7 @@ _HI = lax.Precision.HIGHEST
 
 
 def route(x, router, expert_bias, *, n_group, topk_group, top_k, routed_scaling_factor, norm_topk_prob=True):
-    """x [N, D], router [E, D] fp32 ([out, in]), expert_bias [E] fp32 -> (weights [N, top_k] fp32,
+    """x [N, D], router [E, D] fp32 or bf16 ([out, in]), expert_bias [E] fp32 -> (weights [N, top_k] fp32,
     ids [N, top_k] int32)."""
     # [N, E] = x·routerᵀ, contracting the router's D axis in place (no transposed copy).
     logits = lax.dot_general(x.astype(jnp.float32), router.astype(jnp.float32), (((1,), (1,)), ((), ())),

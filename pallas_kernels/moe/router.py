@@ -1,8 +1,10 @@
 """Pallas-Triton router: fp32 GEMV over expert rows (kernel 1), then sigmoid + grouped top-k by masked argmax
 (kernel 2).
 
-Layout: the router is stored [E, D] fp32, torch's [out, in] (the checkpoint's `mlp.gate.weight` as it is;
-ling_jax/params.py), so an expert's weights are one contiguous 10 KB D-row at Flash size.
+Layout: the router is stored [E, D], torch's [out, in] (the checkpoint's `mlp.gate.weight` as it is, in its stored
+dtype, fp32 or bf16; ling_jax/params.py), so an expert's weights are one contiguous 10 KB (fp32) or 5 KB (bf16) D-row
+at Flash size. Each weight tile is widened to fp32 in registers before its products, so a bf16 router gives exactly
+the partial logits of its fp32 copy (same products, same order) from half the bytes.
 
 Kernel 1 (`router_fwd_kernel_gemv`), grid (E / BE, KS, NP / BN): program (j, k, n) owns expert rows
 [j·BE, (j+1)·BE) and reads their D-split k, [k·D/KS, (k+1)·D/KS), end to end in [BE, BK] tiles (row-contiguous
@@ -16,8 +18,8 @@ Products of a one-token program (T = 1, or N > 1 with `multi_token="per_token"`)
 N > 1 with `multi_token="dot"`: a tensor-core fp32 dot (precision HIGHEST) of BN tokens (padded to >= 16 rows)
 per program, BE >= 16; `dot_gemv` picks the orientation: `dot_x` x·Wᵀ (the [BE, BK] weight tile as the
 transposed operand) or `dot_w` W·xᵀ (the weight tile as the left operand).
-The router stays fp32 (5.2 MB for Flash, +0.6 µs over a bf16 copy at 4.3 TB/s) so the logits equal the
-reference's up to fp32 summation order and the selection is the reference's (a bf16 copy would move near-ties).
+The router is never rounded: an fp32-stored router stays fp32 (5.2 MB for Flash) so the logits equal the
+reference's up to fp32 summation order (a bf16 copy would move near-ties); a bf16-stored one (2.6 MB) is read as is.
 Tunings by T (`default_tuning`): `DECODE_TUNING` (T = 1: one-warp programs of one expert row split 5 ways, the
 best of the H200 sweep), `VERIFY_TUNING` (2 <= N <= 16: the same one-warp programs, one token each,
 `multi_token="per_token"`, 2 splits: a weight tile's reads after the first come from L2; their cost grows ~0.6 µs
@@ -129,21 +131,25 @@ def default_tuning(n_tokens: int) -> RouterTuning:
     return VERIFY_TUNING if n_tokens <= PER_TOKEN_MAX else WIDE_TUNING
 
 
+def _f32(w):
+    return w if w.dtype == jnp.float32 else w.astype(jnp.float32)  # exact for bf16
+
+
 def _gemv_rows(x_ref, w_ref, *, BK, n_chunks, mode):
     """Partial logits [BN, BE] fp32 of x_ref [BN, D/KS] (compute dtype) · w_ref [BE, D/KS]ᵀ (one D-split of BE fp32
-    expert rows, read end to end)."""
+    or bf16 expert rows, read end to end, widened to fp32)."""
     bn, be = x_ref.shape[0], w_ref.shape[0]
     if mode == "fma":
         def body_fma(c, acc):
             ks = pl.ds(pl.multiple_of(c * BK, BK), BK)
-            return acc + w_ref[:, ks] * x_ref[:, ks].astype(jnp.float32)  # [BE, BK] · [1, BK]
+            return acc + _f32(w_ref[:, ks]) * x_ref[:, ks].astype(jnp.float32)  # [BE, BK] · [1, BK]
 
         acc = lax.fori_loop(0, n_chunks, body_fma, jnp.zeros((be, BK), jnp.float32))
         return jnp.sum(acc, axis=1)[None, :]
     if mode == "fma_reduce":
         def body_red(c, acc):
             ks = pl.ds(pl.multiple_of(c * BK, BK), BK)
-            return acc + jnp.sum(w_ref[:, ks] * x_ref[:, ks].astype(jnp.float32), axis=1)[None, :]
+            return acc + jnp.sum(_f32(w_ref[:, ks]) * x_ref[:, ks].astype(jnp.float32), axis=1)[None, :]
 
         return lax.fori_loop(0, n_chunks, body_red, jnp.zeros((1, be), jnp.float32))
     rows = max(16, bn)  # dot tiles need >= 16 rows
@@ -152,7 +158,7 @@ def _gemv_rows(x_ref, w_ref, *, BK, n_chunks, mode):
     def body_dot(c, acc):
         ks = pl.ds(pl.multiple_of(c * BK, BK), BK)
         b_x = jnp.broadcast_to(x_ref[:, ks].astype(jnp.float32), (rows, BK))  # [rows, BK]
-        a, b = (w_ref[:, ks], b_x) if w_left else (b_x, w_ref[:, ks])
+        a, b = (_f32(w_ref[:, ks]), b_x) if w_left else (b_x, _f32(w_ref[:, ks]))
         return acc + lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
                                      preferred_element_type=jnp.float32)
 
@@ -165,7 +171,7 @@ def _gemv_rows(x_ref, w_ref, *, BK, n_chunks, mode):
 
 
 def router_fwd_kernel_gemv(x_ref, w_ref, l_ref, *, BK, n_chunks, mode):
-    # x_ref [BN, D/KS] compute dtype (BN = 1: one token); w_ref [BE, D/KS] fp32, one D-split of BE expert rows;
+    # x_ref [BN, D/KS] compute dtype (BN = 1: one token); w_ref [BE, D/KS] fp32 or bf16, one D-split of BE rows;
     # l_ref [BN, BE] fp32 partial logits of that split
     l_ref[...] = _gemv_rows(x_ref, w_ref, BK=BK, n_chunks=n_chunks, mode=mode)
 
@@ -309,7 +315,7 @@ def gemv_partials(x, router, tuning: RouterTuning):
                                              "norm_topk_prob", "tuning"))
 def route(x, router, expert_bias, *, n_group, topk_group, top_k, routed_scaling_factor, norm_topk_prob=True,
           tuning: RouterTuning | None = None, prefetch=()):
-    """Same contract as `reference.route` (router [E, D] fp32); shapes already validated by the dispatcher.
+    """Same contract as `reference.route` (router [E, D] fp32 or bf16); shapes already validated by the dispatcher.
     `tuning` None: `default_tuning(N)`. `prefetch`: arrays the caller reads next, handed to L2 by the top-k launch
     when `tuning.prefetch_chunk_bytes` > 0 (a hint: no result depends on it)."""
     n = x.shape[0]

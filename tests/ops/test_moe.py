@@ -208,8 +208,8 @@ def test_dispatch_errors():
     with pytest.raises(ValueError, match=r"we_gate.dtype=bfloat16 must be one of \['float32'\]"):
         moe.moe_experts(x, w, ids, wg.astype(jnp.bfloat16), wu, wd)
     router = jnp.zeros((512, 128), jnp.float32)  # [E, D]
-    with pytest.raises(ValueError, match=r"router.dtype=bfloat16"):
-        moe.route(x, router.astype(jnp.bfloat16), jnp.zeros(512), **ROUTE_KW)
+    with pytest.raises(ValueError, match=r"router.dtype=float16 must be one of \['float32', 'bfloat16'\]"):
+        moe.route(x, router.astype(jnp.float16), jnp.zeros(512), **ROUTE_KW)
     with pytest.raises(ValueError, match="n_group=7 must divide"):
         moe.route(x, router, jnp.zeros(512), **{**ROUTE_KW, "n_group": 7})
     # A [D, E] router (the layout before): the message names the shape, the layout and the fix.
@@ -231,6 +231,35 @@ def test_route_pallas(n):
         np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids_ref))
         np.testing.assert_allclose(np.asarray(w), np.asarray(w_ref), rtol=1e-5, atol=1e-6)
         assert ids.dtype == jnp.int32 and w.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("n,mode", [(1, None), (1, "fma"), (1, "dot"), (7, None), (40, None)])
+def test_route_bf16_router_is_its_fp32_copy(n, mode):
+    """A bf16-stored router (the BF16 release's `mlp.gate.weight`, kept as stored) gives exactly what its fp32
+    copy gives: the kernels widen each weight tile before the same products in the same order, so ids and weights
+    are bit-identical (reference backend likewise), and the ids are the reference's, random inputs and near ties.
+    T = 1 by each product mode (None: DECODE_TUNING's fma_reduce), 7 tokens (per-token programs), 40 (the dot)."""
+    from pallas_kernels.moe import router as router_mod
+
+    tu = None if mode is None else router_mod.RouterTuning(t1_gemv=mode, block_e=16 if mode == "dot" else 2,
+                                                           block_k=64, num_warps=1)
+    for seed in range(4):
+        x, router, bias = _router_inputs(300 + seed, n, ties=seed % 2 == 1)
+        r16 = jnp.asarray(router, jnp.bfloat16)
+        assert float(jnp.max(jnp.abs(r16.astype(jnp.float32) - router))) > 0  # the rounding moved values
+        x, bias = jnp.asarray(x), jnp.asarray(bias)
+        w16, i16 = router_mod.route(x, r16, bias, **ROUTE_KW, tuning=tu)
+        w32, i32 = router_mod.route(x, r16.astype(jnp.float32), bias, **ROUTE_KW, tuning=tu)
+        np.testing.assert_array_equal(np.asarray(i16), np.asarray(i32))
+        np.testing.assert_array_equal(np.asarray(w16), np.asarray(w32))
+        w_ref, ids_ref = moe.route(x, r16, bias, **ROUTE_KW)
+        w_ref32, ids_ref32 = moe.route(x, r16.astype(jnp.float32), bias, **ROUTE_KW)
+        np.testing.assert_array_equal(np.asarray(ids_ref), np.asarray(ids_ref32))
+        np.testing.assert_array_equal(np.asarray(w_ref), np.asarray(w_ref32))
+        np.testing.assert_array_equal(np.asarray(i16), np.asarray(ids_ref))
+        np.testing.assert_allclose(np.asarray(w16), np.asarray(w_ref), rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(np.asarray(ids_ref), np_route(np.asarray(x), np.asarray(r16, np.float32),
+                                                                     np.asarray(bias), **ROUTE_KW)[1])
 
 
 @pytest.mark.parametrize("mode,dot", [("fma", "dot_x"), ("fma_reduce", "dot_x"), ("dot", "dot_x"), ("dot", "dot_w")])
@@ -661,9 +690,10 @@ def test_router_variants_lower_for_cuda(monkeypatch):
                   (3, RT(dot_gemv="dot_w", k_splits=5)), (40, None), (6, router_mod.VERIFY_TUNING),
                   (6, RT(multi_token="per_token", t1_gemv="fma", block_e=4))):
         fn = lambda x, r, b, tu=tu: router_mod.route(x, r, b, **ROUTE_KW, tuning=tu)  # noqa: E731
-        txt = lower_for_cuda(monkeypatch, [router_mod], fn, sds((n, 2560), jnp.bfloat16),
-                             sds((512, 2560), jnp.float32), sds((512,), jnp.float32))
-        assert txt.count("stablehlo.custom_call") == 2
+        for router_dtype in (jnp.float32, jnp.bfloat16):  # as the checkpoint stores it
+            txt = lower_for_cuda(monkeypatch, [router_mod], fn, sds((n, 2560), jnp.bfloat16),
+                                 sds((512, 2560), router_dtype), sds((512,), jnp.float32))
+            assert txt.count("stablehlo.custom_call") == 2
 
 
 @pytest.mark.parametrize("gate_up,down,gpu", [(False, True, "H200"), (True, True, "H200"), (True, False, "H200"),
