@@ -1,19 +1,21 @@
 #!/bin/bash
 # Session 12: the T = 1 MoE layer with the router held in bf16, as the BF16 release stores it. Run on the GPU from
 # the repo root, arguments in order:
-#   s12c1       experiments/probe_router_bf16.py --set s12c1 (fp32 / bf16 router and bf16 GEMV tunings, ~80 s)
-#   bench16 / bench32   the production bench's direct chain, NL = 8, with bf16 / fp32 routers (~60 s each)
+#   s12c1, s12c2        experiments/probe_router_bf16.py --set ... (fp32 / bf16 router, bf16 GEMV tunings, ~80 s)
+#   bench16 / bench32   the production bench's direct chain, NL = 8, with bf16 / fp32 routers (~60 s each);
+#                       bench16:FIELDS passes `--router FIELDS` (e.g. bench16:block_e=2)
 #   tests_router        compiled tests/ops/test_moe.py -k route (~60 s); tests: the whole file (~190 s)
 export PYTHONPATH=.:experiments
 for arg in "$@"; do
   case "$arg" in
-    s12c1)
-      timeout 200 python3 experiments/probe_router_bf16.py --set s12c1 2>&1 | grep -v "^WARNING\|^I0000\|^E0000"
-      cp experiments/results/probe_router_bf16_s12c1.json "${OUT:-/tmp}/probe_router_bf16_s12c1_$((++run)).json" ;;
-    bench16|bench32)
-      dt=$([ "$arg" = bench16 ] && echo bfloat16 || echo float32)
+    s12c*)
+      timeout 200 python3 experiments/probe_router_bf16.py --set "$arg" 2>&1 | grep -v "^WARNING\|^I0000\|^E0000"
+      cp "experiments/results/probe_router_bf16_$arg.json" "${OUT:-/tmp}/probe_router_bf16_${arg}_$((++run)).json" ;;
+    bench16*|bench32*)
+      dt=$([ "${arg:0:7}" = bench16 ] && echo bfloat16 || echo float32)
+      fields=$([ "${arg#*:}" != "$arg" ] && echo "${arg#*:}")
       timeout 200 python3 experiments/bench_moe.py --quick --no-ts --iters 1 --chain direct --layers 8 \
-        --router-dtype $dt 2>&1 | grep -E "profile T=1|µs/layer|check router" | head -8
+        --router-dtype $dt --router "$fields" 2>&1 | grep -E "profile T=1|µs/layer|check router" | head -8
       cp experiments/results/bench_moe.json "${OUT:-/tmp}/bench_moe_s12_${dt}_$((++run)).json" ;;
     tests_router)
       XLA_FLAGS=--xla_allow_excess_precision=false timeout 200 python3 -m pytest -q tests/ops/test_moe.py -k route \

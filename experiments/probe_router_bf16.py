@@ -9,7 +9,7 @@ around router.DECODE_TUNING (one-warp programs of one expert row split 5 ways, 5
 against 2 KB in fp32): two rows per program, fewer and more splits. Each row is checked on layer 0 against the
 reference layer over the same router values.
 
-Run on the GPU: `PYTHONPATH=.:experiments python3 experiments/probe_router_bf16.py --set s12c1`; `--toy`: a CPU
+Run on the GPU: `PYTHONPATH=.:experiments python3 experiments/probe_router_bf16.py --set s12c1` (s12c2); `--toy`: a CPU
 smoke run in interpret mode.
 """
 
@@ -56,6 +56,16 @@ VARIANTS = {
         ("dep: bf16 router, 10 splits (256-wide)", layer(ROUTER16, k_splits=10, block_k=256), reference(ROUTER16)),
         ("dep: production layer, fp32 router again", layer(ROUTER32), reference(ROUTER32)),
         ("dep: production layer, bf16 router again", layer(ROUTER16), reference(ROUTER16)),
+    ],
+    # S12 1: 2 rows per program won (33.38 µs against 33.90-34.01 for 1 row, 34.12-34.19 fp32): rows around it
+    "s12c2": lambda: [
+        ("dep: production layer, bf16 router", layer(ROUTER16), reference(ROUTER16)),
+        ("dep: bf16 router, 2 rows per GEMV program", layer(ROUTER16, block_e=2), reference(ROUTER16)),
+        ("dep: bf16 router, 4 rows per GEMV program", layer(ROUTER16, block_e=4), reference(ROUTER16)),
+        ("dep: bf16 router, 2 rows, 256-wide tiles", layer(ROUTER16, block_e=2, block_k=256), reference(ROUTER16)),
+        ("dep: fp32 router, 2 rows per GEMV program", layer(ROUTER32, block_e=2), reference(ROUTER32)),
+        ("dep: bf16 router, 2 rows per GEMV program again", layer(ROUTER16, block_e=2), reference(ROUTER16)),
+        ("dep: production layer, fp32 router", layer(ROUTER32), reference(ROUTER32)),
     ],
 }
 
