@@ -220,7 +220,7 @@ def main(argv=None):
     ap.add_argument("--experts", default="",
                     help="--quick: DECODE_TUNING with these fields, e.g. block_i=4,warps_gate_up=2")
     ap.add_argument("--router", default="",
-                    help="--quick: router.DECODE_TUNING with these fields, e.g. t1_gemv=fma,block_e=4")
+                    help="--quick: router.default_tuning(1, --router-dtype) with these fields, e.g. t1_gemv=fma")
     ap.add_argument("--router-only", action="store_true", help="sweep the router only (experts DECODE_TUNING)")
     ap.add_argument("--no-ts", action="store_true", help="stop after the sweep (and the T = 1 profile)")
     ap.add_argument("--layers", type=int, default=8)
@@ -287,7 +287,8 @@ def main(argv=None):
         assert mism == 0, label
 
     check_router(None, 512)
-    for rt in ROUTER_SWEEP if not args.quick else [parse_tuning(ROUTER_DECODE, args.router)]:
+    for rt in ROUTER_SWEEP if not args.quick else [parse_tuning(router_mod.default_tuning(1, args.router_dtype),
+                                                                args.router)]:
         check_router(rt, 64)
     for t in (1, 2, 3, 16):  # T = 2: experts.FMA_TOKENS_TUNING; T = 3, 16: VERIFY_TUNING (or --verify-* overrides)
         x = xs_for(t)[0]
@@ -351,7 +352,8 @@ def main(argv=None):
         return best[0]
 
     if args.quick:
-        et_best, rt_best = parse_tuning(DECODE_TUNING, args.experts), parse_tuning(ROUTER_DECODE, args.router)
+        et_best = parse_tuning(DECODE_TUNING, args.experts)
+        rt_best = parse_tuning(router_mod.default_tuning(1, args.router_dtype), args.router)
     else:
         et_best = DECODE_TUNING if args.router_only else sweep("sweep_exp", EXPERTS_SWEEP, lambda c: (c, None))
         rt_best = sweep("sweep_rtr", ROUTER_SWEEP, lambda c: (et_best, c))

@@ -16,7 +16,8 @@ experts.py)):
                   w_kv_a [D, R + P] · kv_a_norm [R] · w_k_b [R, H, Dn] · w_v_b [R, H, Dv] · w_gate [D, H]
                   w_o [H, Dv, D]
       ffn, dense: w_gate w_up [D, I] · w_down [I, D]
-      ffn, MoE:   router [E, D] (fp32, or bf16 as stored) · expert_bias [E] (fp32) · we_gate we_up [E, Ie, D] · we_down [E, D, Ie]
+      ffn, MoE:   router [E, D] (fp32, or bf16 as stored) · expert_bias [E] (fp32)
+                  we_gate we_up [E, Ie, D] · we_down [E, D, Ie]
                   ws_gate ws_up [Is, D] · ws_down [D, Is]   (shared expert; absent when num_shared_experts = 0)
                   (all [out, in]: the exception above)
     mtp (when num_mtp_layers = 1) = {enorm, hnorm [D], eh_proj [2D, D], final_norm [D], layer = MLA + MoE layer}

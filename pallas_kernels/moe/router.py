@@ -21,10 +21,10 @@ transposed operand) or `dot_w` W·xᵀ (the weight tile as the left operand).
 The router is never rounded: an fp32-stored router stays fp32 (5.2 MB for Flash) so the logits equal the
 reference's up to fp32 summation order (a bf16 copy would move near-ties); a bf16-stored one (2.6 MB) is read as is.
 Tunings by T (`default_tuning`): `DECODE_TUNING` (T = 1: one-warp programs of one expert row split 5 ways, the
-best of the H200 sweep), `VERIFY_TUNING` (2 <= N <= 16: the same one-warp programs, one token each,
-`multi_token="per_token"`, 2 splits: a weight tile's reads after the first come from L2; their cost grows ~0.6 µs
-per token) and `WIDE_TUNING` (N > 16: the dot with BN tokens per program, flat at 14.6 µs over T = 2..16; 2.1× the
-per-token programs at T = 6, 1.1× at T = 16).
+best of the H200 sweep; `DECODE_TUNING_BF16` for a bf16 router, two rows per program), `VERIFY_TUNING`
+(2 <= N <= 16: the same one-warp programs, one token each, `multi_token="per_token"`, 2 splits: a weight tile's
+reads after the first come from L2; their cost grows ~0.6 µs per token) and `WIDE_TUNING` (N > 16: the dot with BN
+tokens per program, flat at 14.6 µs over T = 2..16; 2.1× the per-token programs at T = 6, 1.1× at T = 16).
 
 Kernel 2 (`router_fwd_kernel_topk`), grid (N,), one program per token over its scores laid out [G, E/G]: sums
 the KS partials in split order, sigmoid, then few serial reductions: per-group top-2 sums for all groups at once
@@ -118,6 +118,12 @@ class RouterTuning:
 # on; not measured past 16); with no split the dot took 54 µs at T = 6.
 DECODE_TUNING = RouterTuning(block_e=1, block_k=512, k_splits=5, num_warps=1, t1_gemv="fma_reduce",
                              prefetch_chunk_bytes=120 * 1024)
+# A bf16 router (as the BF16 release stores it) at T = 1: two expert rows per program, 1280 programs of 2 KB as
+# DECODE_TUNING's fp32 programs read (one bf16 row per program: 1 KB each, no faster than fp32). MoE layer on the
+# H200, probes' chain: 33.38-33.75 µs against 33.90-34.01 for one row and 34.12-34.31 with the fp32 router; the
+# production bench 33.40-33.44 from the first layer (RESULTS.md, "Session 12", S12 1-2). Two rows cost the fp32
+# router +0.0-0.1 (34.19 against 34.12-34.31), four rows the bf16 one +1.0.
+DECODE_TUNING_BF16 = dataclasses.replace(DECODE_TUNING, block_e=2)
 # The shared-expert prefetch is on for 2 <= N <= 16 too (off before session 9): MoE layer span at T = 2 77.36 -> 76.93 µs (two runs each),
 # T = 6 unchanged within noise (171.8 -> 171.7; RESULTS.md, "Session 9", S9 6).
 VERIFY_TUNING = dataclasses.replace(DECODE_TUNING, multi_token="per_token", k_splits=2, block_k=256)
@@ -125,9 +131,11 @@ WIDE_TUNING = RouterTuning(dot_gemv="dot_w", k_splits=4)
 PER_TOKEN_MAX = 16  # the largest N given VERIFY_TUNING by default
 
 
-def default_tuning(n_tokens: int) -> RouterTuning:
+def default_tuning(n_tokens: int, router_dtype=jnp.float32) -> RouterTuning:
+    """The tuning for N tokens and a router held in `router_dtype` (only T = 1 tells the two apart; the N > 1
+    tunings were measured with fp32 routers only)."""
     if n_tokens == 1:
-        return DECODE_TUNING
+        return DECODE_TUNING_BF16 if jnp.dtype(router_dtype) == jnp.bfloat16 else DECODE_TUNING
     return VERIFY_TUNING if n_tokens <= PER_TOKEN_MAX else WIDE_TUNING
 
 
@@ -316,11 +324,11 @@ def gemv_partials(x, router, tuning: RouterTuning):
 def route(x, router, expert_bias, *, n_group, topk_group, top_k, routed_scaling_factor, norm_topk_prob=True,
           tuning: RouterTuning | None = None, prefetch=()):
     """Same contract as `reference.route` (router [E, D] fp32 or bf16); shapes already validated by the dispatcher.
-    `tuning` None: `default_tuning(N)`. `prefetch`: arrays the caller reads next, handed to L2 by the top-k launch
-    when `tuning.prefetch_chunk_bytes` > 0 (a hint: no result depends on it)."""
+    `tuning` None: `default_tuning(N, router.dtype)`. `prefetch`: arrays the caller reads next, handed to L2 by the
+    top-k launch when `tuning.prefetch_chunk_bytes` > 0 (a hint: no result depends on it)."""
     n = x.shape[0]
     e = router.shape[0]
-    tuning = tuning or default_tuning(n)
+    tuning = tuning or default_tuning(n, router.dtype)
     for name, v in (("E", e), ("E/n_group", e // n_group), ("top_k", top_k)):
         if v & (v - 1):
             raise ValueError(f"the Pallas router needs power-of-two sizes: {name}={v}")

@@ -694,6 +694,15 @@ def test_router_variants_lower_for_cuda(monkeypatch):
             txt = lower_for_cuda(monkeypatch, [router_mod], fn, sds((n, 2560), jnp.bfloat16),
                                  sds((512, 2560), router_dtype), sds((512,), jnp.float32))
             assert txt.count("stablehlo.custom_call") == 2
+    # T = 1 defaults by the router's dtype: DECODE_TUNING's one row per GEMV program (512 x 5 programs) for fp32,
+    # DECODE_TUNING_BF16's two rows (256 x 5) for bf16.
+    for router_dtype, rows in ((jnp.float32, 512), (jnp.bfloat16, 256)):
+        fn = lambda x, r, b: router_mod.route(x, r, b, **ROUTE_KW)  # noqa: E731
+        txt = lower_for_cuda(monkeypatch, [router_mod], fn, sds((1, 2560), jnp.bfloat16),
+                             sds((512, 2560), router_dtype), sds((512,), jnp.float32))
+        gemv = txt.split("stablehlo.custom_call")[1]
+        assert re.search(r'name = "([^"]+)"', gemv).group(1) == "router_fwd_kernel_gemv"
+        assert f"grid_x = {rows}" in gemv and "grid_y = 5" in gemv
 
 
 @pytest.mark.parametrize("gate_up,down,gpu", [(False, True, "H200"), (True, True, "H200"), (True, False, "H200"),
