@@ -4,6 +4,7 @@
 #   s12c1, s12c2        experiments/probe_router_bf16.py --set ... (fp32 / bf16 router, bf16 GEMV tunings, ~80 s)
 #   bench16 / bench32   the production bench's direct chain, NL = 8, with bf16 / fp32 routers (~60 s each);
 #                       bench16:FIELDS passes `--router FIELDS` (e.g. bench16:block_e=2)
+#   period16            bench16 with the default tunings at NL = 8, 8 and 16 (~3 min)
 #   tests_router        compiled tests/ops/test_moe.py -k route (~60 s); tests: the whole file (~190 s)
 export PYTHONPATH=.:experiments
 for arg in "$@"; do
@@ -17,6 +18,12 @@ for arg in "$@"; do
       timeout 200 python3 experiments/bench_moe.py --quick --no-ts --iters 1 --chain direct --layers 8 \
         --router-dtype $dt --router "$fields" 2>&1 | grep -E "profile T=1|µs/layer|check router" | head -8
       cp experiments/results/bench_moe.json "${OUT:-/tmp}/bench_moe_s12_${dt}_$((++run)).json" ;;
+    period16)  # the default tuning by router dtype (bf16: DECODE_TUNING_BF16), NL = 8 twice and 16 once
+      for nl in 8 8 16; do
+        timeout 200 python3 experiments/bench_moe.py --quick --no-ts --iters 1 --chain direct --layers $nl \
+          --router-dtype bfloat16 2>&1 | grep -E "profile T=1|µs/layer" | head -6
+        cp experiments/results/bench_moe.json "${OUT:-/tmp}/bench_moe_s12_period16_nl${nl}_$((++run)).json"
+      done ;;
     tests_router)
       XLA_FLAGS=--xla_allow_excess_precision=false timeout 200 python3 -m pytest -q tests/ops/test_moe.py -k route \
         2>&1 | tee "${OUT:-/tmp}/pytest_moe_route_s12.log" | tail -4 ;;
