@@ -29,7 +29,9 @@ default): layer l's input is x_l + 1e-3·y_{l-1}, one bf16 [T, D] add (at T > 1 
 at T = 1, since session 10, the down kernel writes y and the add is its own small fusion); "residual": layer l's
 output is x_{l+1} + MoE_l(input), the experts' `residual` input as the model passes it (at T = 1 in the down
 kernel's epilogue) and the next layer's input; "stacked": the same with the x's sliced from one array; "direct":
-layer l's output MoE_l(input) is the next layer's input, no add (the probes' dependent chain: the MoE layer alone).
+layer l's output MoE_l(input) is the next layer's input, no add (the probes' dependent chain: the MoE layer alone);
+"norm" (session 12): the next input is an RMSNorm of the output, an XLA fusion between layers as the model's
+post-attention norm, so no layer's router GEMV is admitted early by the previous down kernel (the model's case).
 RESULTS.md "Session 10" has the T = 1 layer in all four.
 `--router-dtype bfloat16`: the routers held in bf16, as the BF16 release stores `mlp.gate.weight` and the model
 keeps it (LingConfig.router_weight_dtype; the kernels widen it exactly, same selection as its fp32 copy); default
@@ -154,11 +156,24 @@ def moe_layer(x, lay, backend, et=None, rt=None, residual=None):
                              tuning=et, residual=residual)
 
 
+def rms_norm(y):
+    """RMSNorm without weight, an XLA fusion between MoE layers in the "norm" chain (the model's post-attention
+    norm stands there)."""
+    y32 = y.astype(jnp.float32)
+    return (y32 * jax.lax.rsqrt(jnp.mean(y32 * y32, axis=-1, keepdims=True) + 1e-6)).astype(y.dtype)
+
+
 def make_chain(layer_fn, nl, reps):
     """One executable: reps·nl layers in a chain, layer_fn(x, layer, residual), linked as CHAIN says (module
     docstring)."""
     @jax.jit
     def run(layers, xs):
+        if CHAIN == "norm":
+            x = xs[0]
+            for _ in range(reps):
+                for l in range(nl):
+                    x = rms_norm(layer_fn(x, layers[l], None))
+            return x
         if CHAIN == "add":
             y = jnp.zeros_like(xs[0])
             for _ in range(reps):
@@ -192,10 +207,15 @@ def profile_chain(layer_fn, layers, xs, n=5):
         fusion precedes each layer's GEMV, and the first layer's is left out);
       - period: between the ends of successive layers' down launches, / (NL - 1) (profile_ops.call_period_us): the
         steady state, which leaves out the first layer too (its GEMV is the only one not admitted early by a
-        preceding down kernel's PDL trigger).
+        preceding down kernel's PDL trigger);
+      - own: each layer's router GEMV start to its down launch's end, median over layers and calls
+        (profile_ops.call_layer_span_us): the layer alone. In the "norm" chain an XLA fusion (as the model's norm)
+        precedes each GEMV, which is then admitted when the fusion ends, not early by the previous down kernel:
+        the model's MoE layer; in the "direct" chain it counts the early-admitted GEMV's wait too.
     With PDL the kernel sum overstates: a kernel admitted early (experts.ExpertsTuning.early_launch_*) shows its
     wait for the predecessor in its own duration."""
-    from profile_ops import call_period_us, call_span_us, durations_by_name, split_calls, trace_kernels
+    from profile_ops import (call_layer_span_us, call_period_us, call_span_us, durations_by_name, split_calls,
+                             trace_kernels)
 
     nl = len(layers)
     run = make_chain(layer_fn, nl, 1)
@@ -210,7 +230,8 @@ def profile_chain(layer_fn, layers, xs, n=5):
     t0 = calls[0][0][1] if calls else 0.0
     timeline = [(name[:48], round(ts - t0, 2), round(dur, 2)) for name, ts, dur in (calls[0] if calls else [])]
     per_layer = dict(span=call_span_us(calls) / nl, layers=call_span_us(calls, "router_fwd_kernel_gemv") / nl,
-                     period=call_period_us(calls, "experts_fwd_kernel_down", nl))
+                     period=call_period_us(calls, "experts_fwd_kernel_down", nl),
+                     own=call_layer_span_us(calls, "router_fwd_kernel_gemv", "experts_fwd_kernel_down", nl))
     return kernels, {k: round(v, 2) for k, v in per_layer.items()}, timeline
 
 
@@ -227,7 +248,7 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--ts", default="1,2,3,4,5,6,7,8,9,16")
     ap.add_argument("--no-profile", action="store_true")
-    ap.add_argument("--chain", choices=("add", "residual", "stacked", "direct"), default="add",
+    ap.add_argument("--chain", choices=("add", "residual", "stacked", "direct", "norm"), default="add",
                     help="how layers chain (make_chain, module docstring): x_l + 1e-3·y, the experts' residual input "
                          "from separate arrays or one stacked array, or none (each output is the next input)")
     ap.add_argument("--profile-ts", default="6", help="T values > 1 profiled at the end (T = 1 is after the sweep)")
@@ -377,10 +398,11 @@ def main(argv=None):
         results["profile"][f"T{t}_span_us_per_layer"] = times["span"]
         results["profile"][f"T{t}_layers_us_per_layer"] = times["layers"]
         results["profile"][f"T{t}_period_us_per_layer"] = times["period"]
+        results["profile"][f"T{t}_own_us_per_layer"] = times["own"]
         results["profile"][f"T{t}_timeline_first_call"] = timeline
         print(f"\nprofile T={t} (device µs per layer, cold): timeline span {times['span']:.2f}, from the first layer "
-              f"{times['layers']:.2f}, steady-state period {times['period']:.2f}, kernel sum "
-              f"{sum(k['us_per_layer'] for k in ks):.2f}")
+              f"{times['layers']:.2f}, steady-state period {times['period']:.2f}, own (GEMV start to down end) "
+              f"{times['own']:.2f}, kernel sum {sum(k['us_per_layer'] for k in ks):.2f}")
         for k in ks:
             print(f"  {k['us_per_layer']:8.2f} µs/layer  ({k['per_layer']}× median {k['median_us']} µs)  "
                   f"{k['kernel']}", flush=True)

@@ -185,6 +185,20 @@ def call_period_us(calls, marker, n_layers):
     return statistics.median(periods) if periods else float("nan")
 
 
+def call_layer_span_us(calls, first, last, n_layers):
+    """Median over the calls and layers of one layer's own span: the end of its `last` launch minus the start of
+    its `first` launch (the l-th of each in the call), where both markers name kernels launched exactly once per
+    layer (a call with other counts is skipped; NaN when none qualifies). It counts the layer alone, not what runs
+    between layers; with a first kernel admitted early by PDL it also counts that kernel's wait."""
+    spans = []
+    for c in calls:
+        starts = sorted(ts for name, ts, dur in c if first in name)
+        ends = sorted(ts + dur for name, ts, dur in c if last in name)
+        if len(starts) == len(ends) == n_layers:
+            spans.extend(e - s for s, e in zip(starts, ends))
+    return statistics.median(spans) if spans else float("nan")
+
+
 def kernel_family(name, width=60):
     """A kernel's name without arguments and XLA's instance numbers: loop_add_fusion_3 -> loop_add_fusion."""
     return re.sub(r"[_.\d]+$", "", name.split("(")[0])[:width]

@@ -66,3 +66,17 @@ def test_measures_are_medians_over_calls():
     assert math.isclose(profile_ops.call_period_us(calls, DOWN, 4), 2.5 + 10.5 - 0.2, rel_tol=1e-9)
     assert math.isclose(profile_ops.call_span_us(calls, first="router_fwd_kernel_gemv"), 4 * 12.8 + 0.1,
                         rel_tol=1e-9)
+
+
+def test_layer_own_span():
+    """Each layer's first kernel start to its last kernel end: 33.5 of kernels minus 3 inner overlaps of 0.1; a
+    fusion between layers (the "norm" chain) is not counted; the first layer's extra counts once in the median of
+    NL values (not at all here, being one of 8); a marker launched twice per layer gives NaN."""
+    gemv = "router_fwd_kernel_gemv"
+    with_norm = LAYER + (("loop_reduce_fusion", 1.5),)
+    for layer, want in ((LAYER, 33.2), (with_norm, 33.2)):
+        calls = profile_ops.split_calls(_chain_call(0.0, 8, layer=layer, first_extra=0.8)[0])
+        assert math.isclose(profile_ops.call_layer_span_us(calls, gemv, DOWN, 8), want, rel_tol=1e-9)
+    doubled = LAYER + (("experts_fwd_kernel_down_combine", 1.0),)
+    calls = profile_ops.split_calls(_chain_call(0.0, 4, layer=doubled)[0])
+    assert math.isnan(profile_ops.call_layer_span_us(calls, gemv, DOWN, 4))
