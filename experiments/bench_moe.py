@@ -285,7 +285,7 @@ def main(argv=None):
 
     results = {**header, "layers": nl, "method": "chain of R·NL layers in one executable, slope R=1..3",
                "limit": LIMIT, "shared_limit": SHARED_LIMIT, "hbm_bytes_per_s": HBM, "rows": [], "checks": {},
-               "profile": {}, "router_dtype": args.router_dtype}
+               "profile": {}, "router_dtype": args.router_dtype, "chain": args.chain}
 
     # Correctness, compiled.
     lay = layers[0]

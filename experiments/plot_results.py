@@ -149,6 +149,50 @@ def plot_moe_t1_s11(probes, benches) -> Path:
     return _save(fig, "moe_t1_s11.png")
 
 
+def plot_moe_t1_s12(probes, benches) -> Path:
+    """Session 12: the T = 1 layer with fp32 and bf16 routers. Left: the S12 1-2 probe rows' span (the probes'
+    direct chain), fp32 grey, bf16 with one row per GEMV program light, with DECODE_TUNING_BF16's two rows dark.
+    Right: the production bench per run, each measure as a point: in the direct chain the span / NL, the span from
+    the first layer / NL and the steady-state period; in the "norm" chain (an XLA fusion before every layer, the
+    model's case) each layer's own span, GEMV start to down end (median)."""
+    fig, (a, b) = plt.subplots(1, 2, figsize=(14, 6.5), gridspec_kw=dict(width_ratios=[3, 2]))
+    labels, spans, colors = [], [], []
+    for call, data in probes:
+        for r in data["rows"]:
+            label = r["label"].replace("dep: ", "")
+            fp32, two_rows = "fp32" in label, "2 rows per GEMV program" in label
+            labels.append(f"S12 {call}: {label}")
+            spans.append(r["span_us"])
+            colors.append("grey" if fp32 else ("C0" if two_rows else "lightsteelblue"))
+    y = list(range(len(labels)))
+    a.barh(y, spans, color=colors)
+    a.axvline(34.0, color="k", ls="--", lw=1, label="issue target 34 µs")
+    a.set(yticks=y, xlabel="µs per MoE layer (span / NL, NL = 8)", xlim=(32, max(spans) + 0.5),
+          title="T = 1 probe rows, S12 1-2 (grey: fp32 router; dark: bf16, 2 rows per GEMV program)")
+    a.set_yticklabels(labels, fontsize=7)
+    a.invert_yaxis()
+    a.legend(fontsize=7)
+    marks = dict(span=("o", "C1", "span / NL (direct)"), layers=("D", "C2", "from the first layer (direct)"),
+                 period=("s", "C0", "steady-state period (direct)"), own=("*", "C3", "own span (norm chain)"))
+    seen = set()
+    for i, (run, data) in enumerate(benches):
+        prof = data["profile"]
+        keys = ("own",) if data.get("chain") == "norm" or "norm" in run else ("span", "layers", "period")
+        for k in keys:
+            marker, color, label = marks[k]
+            hollow = data.get("router_dtype", "float32") == "float32"
+            b.plot(i, prof[f"T1_{k}_us_per_layer"], marker, color=color, mfc="none" if hollow else color, ms=8,
+                   label=None if k in seen else label)
+            seen.add(k)
+    b.axhline(34.0, color="k", ls="--", lw=1)
+    b.set(xticks=range(len(benches)), ylabel="µs per MoE layer",
+          title="production bench (hollow: fp32 router, filled: bf16)")
+    b.set_xticklabels([run for run, _ in benches], fontsize=7, rotation=30)
+    b.legend(fontsize=7)
+    fig.suptitle(f"MoE layer at T = 1 with the router in bf16 as stored, {probes[0][1]['device']}")
+    return _save(fig, "moe_t1_s12.png")
+
+
 def plot_kda(data) -> Path:
     """Device time per layer (profiler: kernel + gated norm, commit copies for verify) against the floor and fla."""
     rows = data["rows"]
@@ -234,6 +278,16 @@ def main():
                   ("3", _load("probe_gemv_prewait_s11c3_a.json")), ("4", d)],
                  [(f"S11 {c} #{i}, NL {nl}", _load(f"bench_moe_s11c{c}_direct_nl{nl}_{i}.json"))
                   for c in (4, 5, 7) for nl, i in ((8, 1), (8, 2), (16, 3))])),
+            ("probe_router_bf16_s12c2.json",
+             lambda d: plot_moe_t1_s12(
+                 [("1", _load("probe_router_bf16_s12c1.json")), ("2", d)],
+                 [(label, _load(f"bench_moe_{name}.json")) for label, name in (
+                     ("S12 1 fp32", "s12c1_fp32"), ("S12 1 bf16 1 row", "s12c1_bf16"),
+                     ("S12 2 fp32", "s12c2_fp32"), ("S12 2 bf16", "s12c2_bf16_be2_a"),
+                     ("S12 2 bf16", "s12c2_bf16_be2_b"), ("S12 3 bf16", "s12c3_bf16_nl8_1"),
+                     ("S12 3 bf16", "s12c3_bf16_nl8_2"), ("S12 3 bf16 NL 16", "s12c3_bf16_nl16_3"),
+                     ("S12 4 bf16", "s12c4_direct_bfloat16_4"), ("S12 4 norm fp32", "s12c4_norm_float32_2"),
+                     ("S12 4 norm bf16", "s12c4_norm_bfloat16_1"), ("S12 4 norm bf16", "s12c4_norm_bfloat16_3"))])),
             ("kda_decode_verify.json", plot_kda),
             ("mla_profile_s7c9.json", lambda d: plot_mla(d, _load("mla_profile.json"))),
             ("bench_decode.json", plot_slice))
