@@ -59,8 +59,10 @@ def load_params(path: str | Path, *, shardings: Any = None, dtype=None) -> tuple
         specs = param_specs(cfg)
         sharding_of = _sharding_lookup(shardings)
         default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        # Routers always as cfg says: stored bf16 stays bf16, any other storage (mixed too) comes back float32.
         targets = [jax.ShapeDtypeStruct(spec.shape,
-                                        stored_by_path[p][1] if dtype is None else spec.dtype(dtype),
+                                        stored_by_path[p][1] if dtype is None and p[-1] != "router"
+                                        else spec.dtype(dtype),
                                         sharding=sharding_of(p) or default)
                    for p, spec in hf.spec_paths(specs).items()]
         target = jax.tree.unflatten(jax.tree.structure(specs, is_leaf=is_spec), targets)

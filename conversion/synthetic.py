@@ -6,8 +6,9 @@ transforms. Each tensor has its own generator seeded from (seed, name), so `synt
 of them. Shards are planned from the shapes alone, then written tensor by tensor (header first, then the bytes),
 so the writer holds one tensor at a time: the full `ling-3.0-flash` preset (~255 GB) only needs disk.
 
-COMPUTE params are written in `dtype`; FP32-class params (A_log, dt_bias, convs, router, expert_bias) in float32,
-as transformers writes them.
+COMPUTE params are written in `dtype`; FP32-class params (A_log, dt_bias, convs, expert_bias) in float32, as
+transformers writes them; the routers in `cfg.router_weight_dtype` (float32 by default, as transformers writes them;
+bfloat16 for a checkpoint laid out as a BF16 release may store them).
 """
 
 from __future__ import annotations

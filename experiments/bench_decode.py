@@ -31,7 +31,7 @@ from bench_common import HBM_BYTES_PER_S
 from ling_jax.config import KDA, MOE, preset
 from ling_jax.engine import generate as G
 from ling_jax.engine.sampling import Greedy
-from ling_jax.params import init_params, is_spec, param_specs
+from ling_jax.params import COMPUTE, init_params, is_spec, param_specs
 from ling_jax.sharding import make_mesh, param_shardings
 
 
@@ -47,7 +47,8 @@ def slice_config(layers: int, base: str = "ling-3.0-flash"):
 def step_bytes(cfg, context: int, dtype_bytes: int = 2) -> dict[str, float]:
     """HBM bytes one decode step must move: weights read once, KDA state read + written, MLA cache read."""
     specs = param_specs(cfg, with_mtp=False)
-    size = lambda tree: sum(int(np.prod(s.shape)) * (4 if s.dtype_class == "fp32" else dtype_bytes)  # noqa: E731
+    item = lambda s: dtype_bytes if s.dtype_class == COMPUTE else jnp.dtype(s.dtype(None)).itemsize  # noqa: E731
+    size = lambda tree: sum(int(np.prod(s.shape)) * item(s)  # noqa: E731
                             for s in jax.tree.leaves(tree, is_leaf=is_spec))
     out = {"lm_head": size(specs["lm_head"]), "embed_row": cfg.hidden_size * dtype_bytes, "kda_state": 0,
            "mla_cache": 0, "mixers": 0, "ffn": 0}

@@ -32,8 +32,8 @@ kernel's epilogue) and the next layer's input; "stacked": the same with the x's 
 layer l's output MoE_l(input) is the next layer's input, no add (the probes' dependent chain: the MoE layer alone);
 "norm" (session 12): the next input is an RMSNorm of the output, an XLA fusion between layers as the model's
 post-attention norm, so no layer's router GEMV is admitted early by the previous down kernel (the model's case).
-RESULTS.md "Session 10" has the T = 1 layer in all four.
-`--router-dtype bfloat16`: the routers held in bf16, as the BF16 release stores `mlp.gate.weight` and the model
+RESULTS.md "Session 10" has the T = 1 layer in the first four, "Session 12" in "norm".
+`--router-dtype bfloat16`: the routers held in bf16, as a BF16 checkpoint stores `mlp.gate.weight` and the model
 keeps it (LingConfig.router_weight_dtype; the kernels widen it exactly, same selection as its fp32 copy); default
 float32 (every run before session 12, and transformers' save_pretrained).
 Bytes: router D·E·(4 or 2) + (distinct experts + shared) · 3·D·I·2; % of 4.3 TB/s (measured H200 copy rate).
@@ -250,7 +250,8 @@ def main(argv=None):
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--chain", choices=("add", "residual", "stacked", "direct", "norm"), default="add",
                     help="how layers chain (make_chain, module docstring): x_l + 1e-3·y, the experts' residual input "
-                         "from separate arrays or one stacked array, or none (each output is the next input)")
+                         "from separate arrays or one stacked array, none (each output is the next input), or an "
+                         "RMSNorm of the output (an XLA fusion between layers, as in the model)")
     ap.add_argument("--profile-ts", default="6", help="T values > 1 profiled at the end (T = 1 is after the sweep)")
     ap.add_argument("--verify-router", default="",
                     help="T > 1: router.VERIFY_TUNING with these fields (e.g. prefetch_chunk_bytes=0)")
@@ -258,7 +259,7 @@ def main(argv=None):
                     help="T > 1: experts.VERIFY_TUNING with these fields (e.g. verify_gate_up=fma_tokens,block_i=2,"
                          "warps_gate_up=1)")
     ap.add_argument("--router-dtype", choices=("float32", "bfloat16"), default="float32",
-                    help="the routers' dtype: bfloat16 as the BF16 release stores them (session 12 on)")
+                    help="the routers' dtype: bfloat16 as a BF16 checkpoint stores them (session 12)")
     ap.add_argument("--toy", action="store_true", help="tiny sizes, to check the script on CPU")
     args = ap.parse_args(argv)
     global D, E, I, VERIFY_ROUTER, VERIFY_EXPERTS, CHAIN

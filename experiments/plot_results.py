@@ -160,7 +160,7 @@ def plot_moe_t1_s12(probes, benches) -> Path:
     for call, data in probes:
         for r in data["rows"]:
             label = r["label"].replace("dep: ", "")
-            fp32, two_rows = "fp32" in label, "2 rows per GEMV program" in label
+            fp32, two_rows = "fp32" in label, "2 rows" in label
             labels.append(f"S12 {call}: {label}")
             spans.append(r["span_us"])
             colors.append("grey" if fp32 else ("C0" if two_rows else "lightsteelblue"))

@@ -1,4 +1,4 @@
-"""Probe: the T = 1 MoE layer with its router held in bf16, as the BF16 release stores `mlp.gate.weight`.
+"""Probe: the T = 1 MoE layer with its router held in bf16, as a BF16 checkpoint stores `mlp.gate.weight`.
 
 The model keeps a router in the dtype the checkpoint stores (LingConfig.router_weight_dtype); the router GEMV widens
 each bf16 weight tile to fp32 before the same products, so the selection is exactly its fp32 copy's
@@ -7,7 +7,8 @@ session 12 the layer was measured with fp32 routers only. Rows ("dep:": the depe
 bench's `--chain direct`): the production layer with the fp32 router and with the bf16 one, and bf16 GEMV tunings
 around router.DECODE_TUNING (one-warp programs of one expert row split 5 ways, 512-wide: 1 KB per program in bf16
 against 2 KB in fp32): two rows per program, fewer and more splits. Each row is checked on layer 0 against the
-reference layer over the same router values.
+reference layer over the same router values. (S12 1-2 recorded the rows "bf16 router, 1 row (DECODE_TUNING)" as
+"production layer, bf16 router": the production default for a bf16 router is now DECODE_TUNING_BF16, two rows.)
 
 Run on the GPU: `PYTHONPATH=.:experiments python3 experiments/probe_router_bf16.py --set s12c1` (s12c2); `--toy`: a CPU
 smoke run in interpret mode.
@@ -49,17 +50,17 @@ def reference(router_key):
 VARIANTS = {
     "s12c1": lambda: [
         ("dep: production layer, fp32 router", layer(ROUTER32), reference(ROUTER32)),
-        ("dep: production layer, bf16 router", layer(ROUTER16), reference(ROUTER16)),
+        ("dep: bf16 router, 1 row (DECODE_TUNING)", layer(ROUTER16), reference(ROUTER16)),
         ("dep: bf16 router, 2 rows per GEMV program", layer(ROUTER16, block_e=2), reference(ROUTER16)),
         ("dep: bf16 router, 2 splits (256-wide tiles)", layer(ROUTER16, k_splits=2, block_k=256),
          reference(ROUTER16)),
         ("dep: bf16 router, 10 splits (256-wide)", layer(ROUTER16, k_splits=10, block_k=256), reference(ROUTER16)),
         ("dep: production layer, fp32 router again", layer(ROUTER32), reference(ROUTER32)),
-        ("dep: production layer, bf16 router again", layer(ROUTER16), reference(ROUTER16)),
+        ("dep: bf16 router, 1 row (DECODE_TUNING) again", layer(ROUTER16), reference(ROUTER16)),
     ],
     # S12 1: 2 rows per program won (33.38 µs against 33.90-34.01 for 1 row, 34.12-34.19 fp32): rows around it
     "s12c2": lambda: [
-        ("dep: production layer, bf16 router", layer(ROUTER16), reference(ROUTER16)),
+        ("dep: bf16 router, 1 row (DECODE_TUNING)", layer(ROUTER16), reference(ROUTER16)),
         ("dep: bf16 router, 2 rows per GEMV program", layer(ROUTER16, block_e=2), reference(ROUTER16)),
         ("dep: bf16 router, 4 rows per GEMV program", layer(ROUTER16, block_e=4), reference(ROUTER16)),
         ("dep: bf16 router, 2 rows, 256-wide tiles", layer(ROUTER16, block_e=2, block_k=256), reference(ROUTER16)),

@@ -223,6 +223,16 @@ def test_bf16_router_kept_as_stored(tmp_path):
             assert r.dtype == jnp.bfloat16
             np.testing.assert_array_equal(np.asarray(r), np.asarray(v))
 
+    # Mixed storage (a hand-edited checkpoint): every router comes back float32, as cfg then says.
+    mixed_params = jax.tree.map(lambda x: x, params)
+    moe_layers = [lay for lay in mixed_params["layers"] if "router" in lay["ffn"]]
+    moe_layers[0]["ffn"]["router"] = moe_layers[0]["ffn"]["router"].astype(jnp.float32)
+    save_params(tmp_path / "mixed", loaded_cfg, mixed_params)
+    cfg_mixed, restored = load_params(tmp_path / "mixed")
+    assert cfg_mixed.router_weight_dtype == "float32"
+    assert {lay["ffn"]["router"].dtype for lay in restored["layers"] if "router" in lay["ffn"]} == {
+        jnp.dtype(jnp.float32)}
+
     info = lambda dt: TensorInfo("a.safetensors", (4, 2), dt)  # noqa: E731
     assert stored_router_dtype({"model.layers.1.mlp.gate.weight": info("BF16")}) == "bfloat16"
     mixed = {"model.layers.1.mlp.gate.weight": info("BF16"), "model.layers.2.mlp.gate.weight": info("F32")}

@@ -1,10 +1,9 @@
 """Pure-jnp MoE router and experts: the specification the Pallas kernels are tested against (SPEC §2.5).
 
 Router (`route`): fp32 GEMV over the router [E, D] (torch's [out, in], contracted in place; a bf16-stored router
-widened exactly), sigmoid,
-`expert_bias` for selection only, grouped top-k (sum of the top-2 biased scores per group, best `topk_group`
-groups, then `top_k` experts among them; ties toward the lower index, which is what `lax.top_k` does), weights
-from the unbiased scores, renormalised (eps 1e-20) and scaled.
+widened exactly), sigmoid, `expert_bias` for selection only, grouped top-k (sum of the top-2 biased scores per
+group, best `topk_group` groups, then `top_k` experts among them; ties toward the lower index, which is what
+`lax.top_k` does), weights from the unbiased scores, renormalised (eps 1e-20) and scaled.
 
 Experts (`moe_experts`): SwiGLU MLP per selected expert in the compute dtype (fp32-accumulated matmuls rounded to
 the compute dtype), the optional post-SiLU clamp min(silu(g), L) * clip(u, -L, L) (SGLang's `BailingMLP` form),

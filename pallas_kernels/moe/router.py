@@ -118,11 +118,11 @@ class RouterTuning:
 # on; not measured past 16); with no split the dot took 54 µs at T = 6.
 DECODE_TUNING = RouterTuning(block_e=1, block_k=512, k_splits=5, num_warps=1, t1_gemv="fma_reduce",
                              prefetch_chunk_bytes=120 * 1024)
-# A bf16 router (as the BF16 release stores it) at T = 1: two expert rows per program, 1280 programs of 2 KB as
-# DECODE_TUNING's fp32 programs read (one bf16 row per program: 1 KB each, no faster than fp32). MoE layer on the
-# H200, probes' chain: 33.38-33.75 µs against 33.90-34.01 for one row and 34.12-34.31 with the fp32 router; the
-# production bench 33.40-33.44 from the first layer (RESULTS.md, "Session 12", S12 1-2). Two rows cost the fp32
-# router +0.0-0.1 (34.19 against 34.12-34.31), four rows the bf16 one +1.0.
+# A bf16 router (as a BF16 checkpoint may store it) at T = 1: two expert rows per program, 1280 programs of 2 KB as
+# DECODE_TUNING's fp32 programs read. MoE layer on the H200, probes' chain: 33.38-33.75 µs against 33.90-34.01 with
+# one bf16 row per program (1 KB) and 34.12-34.31 with the fp32 router; the production bench 33.40-33.44 from the
+# first layer (RESULTS.md, "Session 12", S12 1-2). Two rows per program gain the fp32 router nothing (34.19), four
+# cost the bf16 one +1.0-1.35.
 DECODE_TUNING_BF16 = dataclasses.replace(DECODE_TUNING, block_e=2)
 # The shared-expert prefetch is on for 2 <= N <= 16 too (off before session 9): MoE layer span at T = 2 77.36 -> 76.93 µs (two runs each),
 # T = 6 unchanged within noise (171.8 -> 171.7; RESULTS.md, "Session 9", S9 6).
