@@ -125,7 +125,7 @@ def profile_step(params, cfg, backend: str, prompt, block: int, top: int = 25, d
 
 
 def run(args) -> list[dict]:
-    cfg = slice_config(args.layers, args.preset)
+    cfg = slice_config(args.layers, args.preset).replace(router_weight_dtype=args.router_dtype)
     dtype = jnp.dtype(args.dtype)
     mesh = make_mesh(args.tp) if args.tp > 1 else None
     # Each weight made on its shards directly: made whole on one device first, then resharded, the 6-layer slice's
@@ -181,6 +181,9 @@ def main():
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--backends", default="reference,pallas")
     parser.add_argument("--profile", action="store_true", help="per-kernel device time of a step (JAX profiler)")
+    parser.add_argument("--router-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the MoE routers' dtype (LingConfig.router_weight_dtype): bfloat16 as a BF16 checkpoint "
+                             "stores them; float32 (the default, every run before session 12) as transformers does")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: weights sharded over N devices")
     parser.add_argument("--out", default="experiments/results/bench_decode.json")
     args = parser.parse_args()
