@@ -8,7 +8,7 @@ so the writer holds one tensor at a time: the full `ling-3.0-flash` preset (~255
 
 COMPUTE params are written in `dtype`; FP32-class params (A_log, dt_bias, convs, expert_bias) in float32, as
 transformers writes them; the routers in `cfg.router_weight_dtype` (float32 by default, as transformers writes them;
-bfloat16 for a checkpoint laid out as a BF16 release may store them).
+bfloat16 to mimic a checkpoint that stores them so).
 """
 
 from __future__ import annotations
