@@ -186,8 +186,9 @@ def test_synthetic_round_trip_toy(toy_synthetic):
 
 
 def test_bf16_router_kept_as_stored(tmp_path):
-    """Routers stored BF16 (the release's dtype) load as bf16, exactly as stored, through load_hf and an orbax
-    round trip (with or without a dtype); --router-fp32 widens them; any other storage loads float32."""
+    """Routers stored BF16 (as a BF16 checkpoint may store them) load as bf16, exactly as stored, through load_hf
+    and an orbax round trip (with or without a dtype); router_weight_dtype="float32" widens them; any other storage
+    loads float32."""
     from conversion.load import TensorInfo, stored_router_dtype
 
     cfg = preset("toy").replace(router_weight_dtype="bfloat16")
