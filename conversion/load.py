@@ -230,9 +230,15 @@ def stored_router_dtype(catalog: dict[str, TensorInfo], *, ignore_prefix: str | 
     """"bfloat16" when every MoE router (`*.mlp.gate.weight`, outside `ignore_prefix`) is stored BF16, else
     "float32" (F32 as stored; F16 or F64 widened or rounded to float32 as before). Kept bf16, a router reads half
     the bytes and its fp32 products are those of the widened copy transformers computes with."""
-    kinds = {info.dtype for name, info in catalog.items()
-             if name.endswith(".mlp.gate.weight") and not (ignore_prefix and name.startswith(ignore_prefix))}
-    return "bfloat16" if kinds == {"BF16"} else "float32"
+    return router_dtype_of({"BF16": "bfloat16"}.get(info.dtype, info.dtype) for name, info in catalog.items()
+                           if name.endswith(".mlp.gate.weight")
+                           and not (ignore_prefix and name.startswith(ignore_prefix)))
+
+
+def router_dtype_of(stored_dtypes) -> str:
+    """`LingConfig.router_weight_dtype` for routers stored in these dtypes (names): "bfloat16" when all are, else
+    "float32"."""
+    return "bfloat16" if set(stored_dtypes) == {"bfloat16"} else "float32"
 
 
 def without_mtp(cfg: LingConfig) -> LingConfig:

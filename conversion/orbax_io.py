@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from conversion import hf
-from conversion.load import CheckpointError, _sharding_lookup, load_hf
+from conversion.load import CheckpointError, _sharding_lookup, load_hf, router_dtype_of
 from ling_jax.config import LingConfig, from_hf, to_hf_dict
-from ling_jax.params import is_spec, param_specs
+from ling_jax.params import COMPUTE, is_spec, param_specs
 
 PARAMS_DIR = "params"
 
@@ -44,9 +44,9 @@ def load_params(path: str | Path, *, shardings: Any = None, dtype=None) -> tuple
 
     Args:
       shardings: None (default device), one Sharding for every leaf, or a pytree shaped like `param_specs(cfg)`.
-      dtype: None keeps the stored dtypes; otherwise COMPUTE params become `dtype` and FP32-class params stay
-        float32 (`ParamSpec.dtype`). The routers stay as stored either way (`cfg.router_weight_dtype`: bfloat16
-        when every stored router is, else float32).
+      dtype: None keeps COMPUTE params' stored dtypes, otherwise they become `dtype`; FP32-class params are float32
+        either way (`ParamSpec.dtype`), the routers as stored (`cfg.router_weight_dtype`: bfloat16 when every
+        stored router is, else float32).
     """
     path = Path(path).absolute()
     cfg = from_hf(path / "config.json")
@@ -55,13 +55,15 @@ def load_params(path: str | Path, *, shardings: Any = None, dtype=None) -> tuple
         stored = jax.tree.map(lambda m: (tuple(m.shape), jnp.dtype(m.dtype)), stored,
                               is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
         stored_by_path = _check_structure(cfg, stored, str(path / PARAMS_DIR))
-        cfg = cfg.replace(router_weight_dtype=_stored_router_dtype(stored_by_path))
+        cfg = cfg.replace(router_weight_dtype=router_dtype_of(
+            jnp.dtype(dt).name for p, (_, dt) in stored_by_path.items() if p[-1] == "router"))
         specs = param_specs(cfg)
         sharding_of = _sharding_lookup(shardings)
         default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        # Routers always as cfg says: stored bf16 stays bf16, any other storage (mixed too) comes back float32.
+        # dtype None keeps COMPUTE params as stored; fixed-dtype params (FP32, the routers as cfg now says: mixed
+        # stored routers come back float32) always take their spec's dtype.
         targets = [jax.ShapeDtypeStruct(spec.shape,
-                                        stored_by_path[p][1] if dtype is None and p[-1] != "router"
+                                        stored_by_path[p][1] if dtype is None and spec.dtype_class == COMPUTE
                                         else spec.dtype(dtype),
                                         sharding=sharding_of(p) or default)
                    for p, spec in hf.spec_paths(specs).items()]
@@ -81,11 +83,6 @@ def convert(hf_dir: str | Path, out_dir: str | Path, *, dtype=jnp.bfloat16, shar
         print(f"saving orbax checkpoint to {out_dir}", file=sys.stderr)
     save_params(out_dir, cfg, params, force=force)
     return cfg
-
-
-def _stored_router_dtype(stored_by_path: dict[hf.Path, tuple]) -> str:
-    kinds = {jnp.dtype(dt) for p, (_, dt) in stored_by_path.items() if p[-1] == "router"}
-    return "bfloat16" if kinds == {jnp.dtype(jnp.bfloat16)} else "float32"
 
 
 def _is_pair(x: Any) -> bool:
