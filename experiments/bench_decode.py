@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench_common import HBM_BYTES_PER_S
+from common import HBM_BYTES_PER_S
 from ling_jax.config import KDA, MOE, preset
 from ling_jax.engine import generate as G
 from ling_jax.engine.sampling import Greedy
@@ -90,10 +90,10 @@ def profile_step(params, cfg, backend: str, prompt, block: int, top: int = 25, d
     """Device time of one decode step by kernel family (JAX profiler over one jitted block of `block` steps).
 
     Families merge XLA's numbered fusions (loop_add_fusion_3 → loop_add_fusion) so the table reads per op kind;
-    "exclusive" is each family's time not overlapped by earlier kernels (profile_ops.exclusive_by_family).
+    "exclusive" is each family's time not overlapped by earlier kernels (ling_jax.profiling.exclusive_by_family).
     """
     import tempfile
-    from profile_ops import exclusive_by_family, gpu_events, kernel_family
+    from ling_jax.profiling import exclusive_by_family, gpu_events, kernel_family
 
     eos = jnp.zeros((0,), jnp.int32)
     max_len = prompt.shape[1] + 4 * block

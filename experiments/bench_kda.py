@@ -317,7 +317,7 @@ def device_profile(fn, carry, calls, n=5):
         return None, None, carry
     import collections
     import tempfile
-    from profile_ops import gpu_events
+    from ling_jax.profiling import gpu_events
     try:
         with tempfile.TemporaryDirectory() as d:
             with jax.profiler.trace(d, create_perfetto_trace=True):

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_common import print_table, run_header, slope_per_call, write_results  # noqa: E402
+from common import print_table, run_header, slope_per_call, write_results  # noqa: E402
 from bench_moe import HBM, rel_err  # noqa: E402
 
 from pallas_kernels import mla  # noqa: E402

@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench_common import HBM_BYTES_PER_S, print_table, run_header, slope_per_call, write_results
+from common import HBM_BYTES_PER_S, print_table, run_header, slope_per_call, write_results
 from pallas_kernels import moe
 from pallas_kernels.moe import router as router_mod
 from pallas_kernels.moe.experts import DECODE_TUNING, VERIFY_TUNING, ExpertsTuning, moe_experts_fused
@@ -205,16 +205,16 @@ def profile_chain(layer_fn, layers, xs, n=5):
       - layers: the same from the first layer's first kernel (the router GEMV), / NL: at T = 1 in the "direct" and
         "residual" chains every layer, the first one included, and nothing else (at T > 1 and in the "add" chain a
         fusion precedes each layer's GEMV, and the first layer's is left out);
-      - period: between the ends of successive layers' down launches, / (NL - 1) (profile_ops.call_period_us): the
+      - period: between the ends of successive layers' down launches, / (NL - 1) (ling_jax.profiling.call_period_us): the
         steady state, which leaves out the first layer too (its GEMV is the only one not admitted early by a
         preceding down kernel's PDL trigger);
       - own: each layer's router GEMV start to its down launch's end, median over layers and calls
-        (profile_ops.call_layer_span_us): the layer alone. In the "norm" chain an XLA fusion (as the model's norm)
+        (ling_jax.profiling.call_layer_span_us): the layer alone. In the "norm" chain an XLA fusion (as the model's norm)
         precedes each GEMV, which is then admitted when the fusion ends, not early by the previous down kernel:
         the model's MoE layer; in the "direct" chain it counts the early-admitted GEMV's wait too.
     With PDL the kernel sum overstates: a kernel admitted early (experts.ExpertsTuning.early_launch_*) shows its
     wait for the predecessor in its own duration."""
-    from profile_ops import (call_layer_span_us, call_period_us, call_span_us, durations_by_name, split_calls,
+    from ling_jax.profiling import (call_layer_span_us, call_period_us, call_span_us, durations_by_name, split_calls,
                              trace_kernels)
 
     nl = len(layers)

@@ -1,14 +1,10 @@
-"""The timeline measures that RESULTS.md's device-time verdicts rest on (experiments/profile_ops.py), on synthetic
+"""The timeline measures that RESULTS.md's device-time verdicts rest on (ling_jax/profiling.py), on synthetic
 profiler events: calls split at host gaps, the span per call (from the call's first event, or from a named first
 kernel), and the steady-state period of a chain of layers."""
 
 import math
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-
-import profile_ops  # noqa: E402
+from ling_jax import profiling
 
 DOWN = "experts_fwd_kernel_down"
 LAYER = (("router_fwd_kernel_gemv", 2.5), ("topk", 3.5), ("gate_up", 17.0), ("experts_fwd_kernel_down_t1", 10.5))
@@ -32,17 +28,17 @@ def test_split_calls_drops_a_truncated_call():
     a, _ = _chain_call(0.0, 4)
     b, _ = _chain_call(1000.0, 4)
     c, _ = _chain_call(2000.0, 2)  # cut by the end of the trace: fewer kernels than the others
-    calls = profile_ops.split_calls(a + b + c)
+    calls = profiling.split_calls(a + b + c)
     assert [len(x) for x in calls] == [len(a), len(b)]
 
 
 def test_three_measures_of_a_chain():
     for n_layers in (8, 16):
         events, layers_time = _chain_call(0.0, n_layers, first_extra=0.8)
-        calls = profile_ops.split_calls(events)
-        span = profile_ops.call_span_us(calls) / n_layers
-        layers = profile_ops.call_span_us(calls, first="router_fwd_kernel_gemv") / n_layers
-        period = profile_ops.call_period_us(calls, DOWN, n_layers)
+        calls = profiling.split_calls(events)
+        span = profiling.call_span_us(calls) / n_layers
+        layers = profiling.call_span_us(calls, first="router_fwd_kernel_gemv") / n_layers
+        period = profiling.call_period_us(calls, DOWN, n_layers)
         assert math.isclose(layers, layers_time / n_layers, rel_tol=1e-9)  # every layer, nothing before them
         assert math.isclose(span, layers + 2.8 / n_layers, rel_tol=1e-9)  # plus the start, spread over NL
         assert math.isclose(period, 33.1, rel_tol=1e-9)  # 33.5 of kernels minus 4 overlaps of 0.1
@@ -51,10 +47,10 @@ def test_three_measures_of_a_chain():
 
 def test_period_needs_one_marked_launch_per_layer():
     doubled = LAYER + (("experts_fwd_kernel_down_combine", 1.0),)  # the marker matches two kernels per layer
-    calls = profile_ops.split_calls(_chain_call(0.0, 4, layer=doubled)[0])
-    assert math.isnan(profile_ops.call_period_us(calls, DOWN, 4))
-    one_layer = profile_ops.split_calls(_chain_call(0.0, 1)[0])
-    assert math.isnan(profile_ops.call_period_us(one_layer, DOWN, 1))
+    calls = profiling.split_calls(_chain_call(0.0, 4, layer=doubled)[0])
+    assert math.isnan(profiling.call_period_us(calls, DOWN, 4))
+    one_layer = profiling.split_calls(_chain_call(0.0, 1)[0])
+    assert math.isnan(profiling.call_period_us(one_layer, DOWN, 1))
 
 
 def test_measures_are_medians_over_calls():
@@ -63,8 +59,8 @@ def test_measures_are_medians_over_calls():
         layer = (("router_fwd_kernel_gemv", 2.5), ("experts_fwd_kernel_down_t1", down))
         events, _ = _chain_call(1000.0 * i, 4, layer=layer)
         calls.append(events)
-    assert math.isclose(profile_ops.call_period_us(calls, DOWN, 4), 2.5 + 10.5 - 0.2, rel_tol=1e-9)
-    assert math.isclose(profile_ops.call_span_us(calls, first="router_fwd_kernel_gemv"), 4 * 12.8 + 0.1,
+    assert math.isclose(profiling.call_period_us(calls, DOWN, 4), 2.5 + 10.5 - 0.2, rel_tol=1e-9)
+    assert math.isclose(profiling.call_span_us(calls, first="router_fwd_kernel_gemv"), 4 * 12.8 + 0.1,
                         rel_tol=1e-9)
 
 
@@ -75,8 +71,8 @@ def test_layer_own_span():
     gemv = "router_fwd_kernel_gemv"
     with_norm = LAYER + (("loop_reduce_fusion", 1.5),)
     for layer, want in ((LAYER, 33.2), (with_norm, 33.2)):
-        calls = profile_ops.split_calls(_chain_call(0.0, 8, layer=layer, first_extra=0.8)[0])
-        assert math.isclose(profile_ops.call_layer_span_us(calls, gemv, DOWN, 8), want, rel_tol=1e-9)
+        calls = profiling.split_calls(_chain_call(0.0, 8, layer=layer, first_extra=0.8)[0])
+        assert math.isclose(profiling.call_layer_span_us(calls, gemv, DOWN, 8), want, rel_tol=1e-9)
     doubled = LAYER + (("experts_fwd_kernel_down_combine", 1.0),)
-    calls = profile_ops.split_calls(_chain_call(0.0, 4, layer=doubled)[0])
-    assert math.isnan(profile_ops.call_layer_span_us(calls, gemv, DOWN, 4))
+    calls = profiling.split_calls(_chain_call(0.0, 4, layer=doubled)[0])
+    assert math.isnan(profiling.call_layer_span_us(calls, gemv, DOWN, 4))

@@ -1,7 +1,9 @@
-"""What every benchmark script shares: the bandwidth ceiling, where results go, and the markdown table."""
+"""What every benchmark script shares: the bandwidth ceiling, the error measure, tuning strings, timing helpers,
+where results go, and the markdown table."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -58,3 +60,50 @@ def slope_per_call(make_run, n_per_rep: int, reps=(1, 3), iters: int = 10) -> tu
         totals[r] = (statistics.median(ts), np.percentile(ts, 75) - np.percentile(ts, 25))
     (r0, (t0, _)), (r1, (t1, s1)) = sorted(totals.items())
     return (t1 - t0) / ((r1 - r0) * n_per_rep) * 1e6, s1 / (r1 * n_per_rep) * 1e6
+
+
+def rel_err(a, b) -> float:
+    """||a - b|| / ||b|| in float64 (inf when a has a non-finite entry): the suite's and the benches' one measure."""
+    a = np.asarray(np.asarray(a, np.float32), np.float64)
+    b = np.asarray(np.asarray(b, np.float32), np.float64)
+    if not np.isfinite(a).all():
+        return float("inf")
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def parse_tuning(base, text: str):
+    """`block_i=32,num_warps=2` -> `base` (a frozen tuning dataclass) with those fields replaced. Values are ints,
+    true/false, none, or else strings; `default` or an empty string leaves base as it is."""
+    kw = {}
+    for item in filter(None, text.strip().split(",")):
+        if item.strip() == "default":
+            continue
+        k, v = (s.strip() for s in item.split("="))
+        kw[k] = {"true": True, "false": False, "none": None}.get(v.lower(), int(v) if v.lstrip("-").isdigit() else v)
+    return dataclasses.replace(base, **kw)
+
+
+def parse_tunings(base, spec: str) -> list:
+    """`a=1,b=2;default;c=3`: one tuning per `;`-separated item (see parse_tuning)."""
+    return [parse_tuning(base, item) for item in spec.split(";")]
+
+
+def short(tuning) -> str:
+    """A tuning as its non-default fields only, e.g. `block_l=32,num_warps=4` (`default` when none differs)."""
+    default = type(tuning)()
+    diff = [f"{f.name}={getattr(tuning, f.name)}" for f in dataclasses.fields(tuning)
+            if getattr(tuning, f.name) != getattr(default, f.name)]
+    return ",".join(diff) or "default"
+
+
+def median_time(fn, *args, n_rep: int = 30, n_warm: int = 3):
+    """(median wall seconds of fn(*args) after n_warm untimed calls, the last output), each call blocked on."""
+    out = None
+    for _ in range(n_warm):
+        out = jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(n_rep):
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts), out
