@@ -1,4 +1,4 @@
-"""The official Ling-3 safetensors layout (SPEC §3, §4) and how each tensor becomes a ling-jax param.
+"""The official Ling-3 safetensors layout (docs/model.md §4, §5) and how each tensor becomes a ling-jax param.
 
 One table, `TABLE`, maps every official name to a params path and a transform. Names are templates: `{e}` is
 the expert index, and layer-level names sit under `model.layers.{l}.`. Each rule has a scope saying which layers

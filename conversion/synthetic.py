@@ -1,4 +1,4 @@
-"""Random checkpoints in the official Ling-3 layout (SPEC §3, §4) for any config, MTP layer included.
+"""Random checkpoints in the official Ling-3 layout (docs/model.md §4, §5) for any config, MTP layer included.
 
 The names, shapes and order come from `conversion.hf.plan`; values are drawn in the params layout with the scales
 of `ling_jax.params.init_value` (so activations stay O(1)) and mapped to the official layout with the inverse

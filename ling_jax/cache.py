@@ -12,7 +12,7 @@ kernel tiles L by 16, and bucketing keeps the number of compiled shapes small as
 layer's cache (`mla_cache`) is passed to `model.mtp_forward` explicitly; it is not part of ModelState yet.
 
 `verify` returns a `StagedState` whose KDA entries hold every position's post-state (`KDAStaged`, design A in
-DESIGN §3) and whose MLA caches already hold all T new positions; `commit(staged, n)` keeps the first n positions
+docs/design.md §2) and whose MLA caches already hold all T new positions; `commit(staged, n)` keeps the first n positions
 with device-side indexing only. MLA slots past `length` are stale and are never read (masked by position).
 """
 

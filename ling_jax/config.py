@@ -2,7 +2,7 @@
 
 It is a static argument of every jitted function, so it must hash; it holds tuples, never lists.
 `from_hf` is the one place that reads a `config.json` (official names, DeepSeek-style aliases and the names
-transformers writes); `PRESETS` holds `ling-3.0-flash` (exact, SPEC §1.1), `ling-3.0-tiny` (SPEC §1.2) and `toy`
+transformers writes); `PRESETS` holds `ling-3.0-flash` (exact, docs/model.md §2), `ling-3.0-tiny` (docs/model.md §2) and `toy`
 (the same structure at tiny widths, MTP layer included; the embedded default).
 """
 
@@ -56,7 +56,7 @@ class LingConfig:
     routed_scaling_factor: float
     norm_topk_prob: bool
     num_mtp_layers: int
-    # One entry per layer including the MTP layers; 0 means no clamp (SPEC §2.5).
+    # One entry per layer including the MTP layers; 0 means no clamp (docs/model.md §3.5).
     expert_swiglu_limits: tuple[float, ...]
     shared_swiglu_limits: tuple[float, ...]
     eos_token_ids: tuple[int, ...]
@@ -85,7 +85,7 @@ class LingConfig:
         return self.num_layers + self.num_mtp_layers
 
     def mixer_kind(self, layer: int) -> str:
-        """SPEC §2.6: MLA closes every group, and takes any trailing partial group."""
+        """docs/model.md §1: MLA closes every group, and takes any trailing partial group."""
         g = self.layer_group_size
         full = (self.num_layers // g) * g
         return MLA if (layer + 1) % g == 0 or layer >= full else KDA

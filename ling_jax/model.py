@@ -138,7 +138,7 @@ def verify(params: dict, state: ModelState, tokens: jax.Array, cfg: LingConfig, 
 
 def mtp_forward(params: dict, hidden: jax.Array, next_tokens: jax.Array, cache: MLACache, start: jax.Array,
                 cfg: LingConfig, *, mode: str, backend: str = "reference"):
-    """The NextN layer (SPEC §4) for tokens at positions start..start+T-1.
+    """The NextN layer (docs/model.md §5) for tokens at positions start..start+T-1.
 
     hidden [B, T, D]: the main model's final-normed hidden state at each position i; next_tokens [B, T]: the token
     at i + 1. Returns (logits [B, T, V] f32 predicting the token at i + 2, the layer's final-normed output

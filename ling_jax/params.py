@@ -39,7 +39,7 @@ import numpy as np
 
 from ling_jax.config import KDA, MLA, MOE, LingConfig
 
-# Parameters kept in float32 whatever the compute dtype: every implementation keeps them so (SPEC §3), and
+# Parameters kept in float32 whatever the compute dtype: every implementation keeps them so (docs/model.md §4), and
 # transformers pins them with `_keep_in_fp32_modules_strict`.
 FP32 = "fp32"
 COMPUTE = "compute"

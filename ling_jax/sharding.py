@@ -1,4 +1,4 @@
-"""Tensor parallelism over one mesh axis `tp` (DESIGN §4): logical axes -> mesh axes, in one table.
+"""Tensor parallelism over one mesh axis `tp` (docs/design.md §3): logical axes -> mesh axes, in one table.
 
 Column-parallel by head (KDA q/k/v/f/g/b, MLA q, kv_b, gate) and by intermediate (dense, shared and every
 expert's gate/up: all experts on every device, so batch-1 load stays balanced); row-parallel for o_proj/dense and

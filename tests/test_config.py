@@ -15,7 +15,7 @@ def test_flash_preset_is_exact():
     assert cfg.swiglu_limits(34) == (0.0, 5.0) and cfg.swiglu_limits(35) == (4.0, 5.0)
     assert cfg.swiglu_limits(41) == (4.0, 7.0) and cfg.swiglu_limits(42) == (0.0, 0.0)  # MTP: out of range
     assert cfg.replace(apply_swiglu_clamps=False).swiglu_limits(41) == (0.0, 0.0)
-    # SPEC §1.1: 124.4B without the MTP layer, 127.5B with it.
+    # docs/model.md §2: 124.4B without the MTP layer, 127.5B with it.
     assert round(count_params(cfg, with_mtp=False) / 1e9, 1) == 124.4
     assert round(count_params(cfg) / 1e9, 1) == 127.5
     assert round(count_params(preset("ling-3.0-tiny")) / 1e9, 2) == 7.89

@@ -278,7 +278,7 @@ def test_synthetic_mid_size_streams(tmp_path):
 
 
 def test_flash_layout_matches_spec():
-    """SPEC §3/§4 names and shapes of the full preset, and its size, without writing ~255 GB."""
+    """docs/model.md §4/§5 names and shapes of the full preset, and its size, without writing ~255 GB."""
     cfg = preset("ling-3.0-flash")
     shapes = {n: e.hf_shape for e in hf.plan(cfg) for n in e.names}
     assert len(shapes) == 3 + 42 * 2 + 35 * 13 + 7 * 6 + 2 * 3 + 40 * (2 + 3 * 512 + 3) + (4 + 2 + 6 + 2 + 3 * 512 + 3)

@@ -1,4 +1,4 @@
-"""The MTP (NextN) layer against a float64 implementation written here from SPEC §4.
+"""The MTP (NextN) layer against a float64 implementation written here from docs/model.md §5.
 
 transformers implements no MTP, so the test builds its own: the block itself is a transformers decoder layer
 (MLA + MoE) made as an extra layer N of an (N+1)-layer model, and the glue around it (enorm/hnorm, eh_proj over
@@ -65,7 +65,7 @@ def mtp_case(tmp_path_factory):
 
 
 def reference_mtp_logits(m64, extra, ids: np.ndarray) -> np.ndarray:
-    """SPEC §4 in float64: logits at i from h_i (main model, after model.norm) and the embedding of token i+1."""
+    """docs/model.md §5 in float64: logits at i from h_i (main model, after model.norm) and the embedding of token i+1."""
     inner = m64.model
     ids_t = torch.as_tensor(ids)
     inner.config.num_hidden_layers = N  # the main model: the first N layers only

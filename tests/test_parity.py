@@ -2,7 +2,7 @@
 
 The reference runs in float64 (its KDA casts to fp32 internally: that is the reference's own numerics). Our
 float32 logits must be within 1e-5 relative: transformers' own float32 run differs from its float64 run by ~1e-6
-(SPEC preface), so 1e-5 is an order of magnitude of headroom and far below any real bug (a wrong gate or rope
+(docs/model.md §6), so 1e-5 is an order of magnitude of headroom and far below any real bug (a wrong gate or rope
 layout gives O(1e-1)). bfloat16 weights: 2e-2, the size of a few bf16 roundings (2^-8) compounded over layers.
 The prompt is 100 tokens, not a multiple of 64, so the reference's chunked KDA path runs with a padded chunk.
 """

@@ -1,4 +1,4 @@
-"""Kimi Delta Attention layer (SPEC §2.2): projections here, everything between them in pallas_kernels.kda.
+"""Kimi Delta Attention layer (docs/model.md §3.2): projections here, everything between them in pallas_kernels.kda.
 
 The op boundary is the same for all modes: pre-conv q|k|v, gate input f, beta logits b and output gate z go in;
 the gated-RMSNorm output comes back. So a fused decode kernel (conv + L2 norm + gate + delta step + norm) and the

@@ -1,4 +1,4 @@
-"""Gated multi-head latent attention (SPEC §2.3).
+"""Gated multi-head latent attention (docs/model.md §3.3).
 
 Prefill expands the latents into per-head keys and values (the reference's eager attention). Decode and verify
 attend in the latent space ("absorbed"): q_nope is multiplied into W_uk so scores read the cached [c_kv | k_rope]

@@ -1,4 +1,4 @@
-"""Dense SwiGLU MLP (layers < first_k_dense_replace). Dense layers never clamp (SPEC §2.4)."""
+"""Dense SwiGLU MLP (layers < first_k_dense_replace). Dense layers never clamp (docs/model.md §3.4)."""
 
 import jax
 import jax.numpy as jnp

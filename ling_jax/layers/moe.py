@@ -1,4 +1,4 @@
-"""MoE FFN (SPEC §2.5): sigmoid router with grouped top-k, routed experts + shared expert, per-layer clamps."""
+"""MoE FFN (docs/model.md §3.5): sigmoid router with grouped top-k, routed experts + shared expert, per-layer clamps."""
 
 import functools
 

@@ -1,4 +1,4 @@
-"""Interleaved (GPT-J) RoPE on MLA's rope dims (SPEC §2.3).
+"""Interleaved (GPT-J) RoPE on MLA's rope dims (docs/model.md §3.3).
 
 All `qk_rope_head_dim` dims rotate (partial_rotary_factor is not applied to MLA). Pairs (x[2i], x[2i+1]) rotate by
 pos * theta^(-2i/P). Like the reference, the output is written de-interleaved, [rotated evens | rotated odds]; q

@@ -1,6 +1,6 @@
 """Chunked KDA prefill in Pallas-Triton (C = 64, any T, initial and final state).
 
-Pipeline (kernels.md §1.3, fla's ``chunk_kda_fwd`` with fewer launches):
+Pipeline (docs/model.md §7, fla's ``chunk_kda_fwd`` with fewer launches):
 
 1. conv + SiLU, one of three ways (H200, T = 8192, bf16; experiments/RESULTS.md):
    ``ChunkConfig.conv="pallas"`` (the default): ``conv.short_conv``, a standalone Pallas pass that reads x once

@@ -14,7 +14,7 @@ All modes share one signature: the part of a Ling-3.0 KDA layer between the inpu
 `backend="reference"` runs the pure-jnp spec (reference.py); `backend="pallas"` runs the Pallas-Triton kernels
 (interpret mode on CPU). Shapes the kernels cannot take raise; nothing falls back silently.
 
-Speculative verify keeps one of two staged forms (DESIGN §3):
+Speculative verify keeps one of two staged forms (docs/design.md §2):
   * ``store="states"`` (design A): every position's post-state; commit selects ``states[n-1]``.
   * ``store="inputs"`` (design B): the committed state plus per-token (k̂, v, g, beta); commit replays the
     accepted prefix into the committed state (``kda_replay``), bit-identical to design A's selected state.

@@ -1,4 +1,4 @@
-"""Pure-jnp reference for Ling-3.0 KDA (SPEC §2.2): the specification, slow and obvious.
+"""Pure-jnp reference for Ling-3.0 KDA (docs/model.md §3.2): the specification, slow and obvious.
 
 Everything accumulates in float32. Matmuls use ``precision=HIGHEST`` so that the reference is fp32 on GPU
 too (XLA's default there is TF32).
@@ -6,7 +6,7 @@ too (XLA's default there is TF32).
 Two cores, mirroring fla's ``naive.py``:
 
 * ``recurrent_kda``: the token loop (``lax.scan``), exactly fla's ``naive_recurrent_kda``.
-* ``chunk_kda``: the chunkwise WY/UT form (kernels.md §1.3) for any T, with every decay factor formed as
+* ``chunk_kda``: the chunkwise WY/UT form (docs/model.md §7) for any T, with every decay factor formed as
   ``exp(Γ_r − Γ_c)`` with ``c ≤ r`` so no factor exceeds 1 (no overflow for gates down to −5).
 
 Like fla's naive functions, both take **already L2-normalised** q and k and apply ``scale`` (default K^-1/2)
@@ -115,7 +115,7 @@ def recurrent_kda(q, k, v, g, beta, initial_state=None, *, scale=None, return_al
 
 
 def _chunk_factors(q, k, v, g, beta, chunk_size):
-    """Per-chunk WY/UT quantities of kernels.md §1.3 for [..., C, K] blocks (fp32, all decay factors ≤ 1)."""
+    """Per-chunk WY/UT quantities of docs/model.md §7 for [..., C, K] blocks (fp32, all decay factors ≤ 1)."""
     C = chunk_size
     G = jnp.cumsum(g, axis=-2)  # Γ, [..., C, K]
     r = jnp.arange(C)

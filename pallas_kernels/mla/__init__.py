@@ -1,4 +1,4 @@
-"""MLA attention (SPEC §2.3): `mla_decode_attention` (absorbed, latent cache), `mla_prefill_attention` (expanded
+"""MLA attention (docs/model.md §3.3): `mla_decode_attention` (absorbed, latent cache), `mla_prefill_attention` (expanded
 heads), and the pure-jnp `reference` they are tested against."""
 
 from pallas_kernels.mla import reference

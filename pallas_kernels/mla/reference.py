@@ -1,4 +1,4 @@
-"""Pure-jnp MLA attention: the specification the Pallas kernels are tested against (SPEC §2.3).
+"""Pure-jnp MLA attention: the specification the Pallas kernels are tested against (docs/model.md §3.3).
 
 `mla_prefill_attention` is transformers' eager attention over the expanded heads (scores rounded to the compute
 dtype, softmax in fp32, probabilities rounded before ·V). `mla_decode_attention` is the absorbed form over the

@@ -14,7 +14,7 @@ from pallas_kernels.moe import reference
 
 def route(x, router, expert_bias, *, n_group, topk_group, top_k, routed_scaling_factor, norm_topk_prob=True,
           backend="reference", prefetch=()):
-    """Grouped top-k sigmoid router (SPEC §2.5 steps 1-7).
+    """Grouped top-k sigmoid router (docs/model.md §3.5 steps 1-7).
 
     Args:
       x: [N, D] compute dtype (float32 or bfloat16).
@@ -84,7 +84,7 @@ def _check_down(name, w, want, names):
 
 def moe_experts(x, weights, ids, we_gate, we_up, we_down, ws_gate=None, ws_up=None, ws_down=None, *, limit=0.0,
                 shared_limit=0.0, backend="reference", residual=None):
-    """Routed SwiGLU experts with weighted combine, plus the optional shared expert (SPEC §2.5).
+    """Routed SwiGLU experts with weighted combine, plus the optional shared expert (docs/model.md §3.5).
 
     Args:
       x: [N, D] compute dtype (float32 or bfloat16).

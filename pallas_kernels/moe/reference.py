@@ -1,4 +1,4 @@
-"""Pure-jnp MoE router and experts: the specification the Pallas kernels are tested against (SPEC §2.5).
+"""Pure-jnp MoE router and experts: the specification the Pallas kernels are tested against (docs/model.md §3.5).
 
 Router (`route`): fp32 GEMV over the router [E, D] (torch's [out, in], contracted in place; a bf16-stored router
 widened exactly), sigmoid, `expert_bias` for selection only, grouped top-k (sum of the top-2 biased scores per

@@ -74,7 +74,7 @@ def to_t(x):
 def torch_layer(qkv, f, b, z, window, state, conv_w, A_log, dt_bias, o_norm_w, *, lower_bound=-5.0, eps=1e-6,
                 core="recurrent"):
     """Independent torch composition of the layer around fla's naive_recurrent_kda (or naive_chunk_kda,
-    T % 64 == 0) following SPEC §2.2, bf16-aware."""
+    T % 64 == 0) following docs/model.md §3.2, bf16-aware."""
     tdt = torch.bfloat16 if qkv.dtype == jnp.bfloat16 else torch.float32
     x = torch.cat([to_t(window), to_t(qkv)], 1)  # [B, W-1+T, 3, H, K]
     T = qkv.shape[1]
