@@ -1,45 +1,53 @@
 """Batch-1 decode TPOT of a Ling-3.0-flash slice on one GPU: exact widths, fewer layers, random bf16 weights.
 
 Question: how far is the engine's decode step (prefill, then jitted blocks of `fori_loop` steps) from the byte
-floor, per backend? The slice is `--layers` layers of the real config (5 KDA + 1 MLA per 6, all MoE, clamps of
-layers 35+ so they bite) plus the real embedding and lm_head; a full-model TPOT is extrapolated per layer and
-labelled so. Workload as SGLang's: random prompt, greedy, EOS ignored, batch 1.
+floor, per backend? The slice is `--layers` layers of the real config (5 KDA + 1 MLA per 6, all MoE, the last
+layers' SwiGLU clamps, which bite) plus the real embedding and lm_head; a full-model TPOT is extrapolated per layer
+and labelled so. Workload as SGLang's: random prompt, greedy, EOS ignored, batch 1. TPOT and TTFT are medians
+over `--repeats` generations after a warm-up one; the floor is the step's HBM bytes (weights once, KDA state read
+and written, MLA cache read) at 4.3 TB/s. `--profile` adds the device time of a step by kernel family (JAX
+profiler), `--tp N` shards the weights N ways over the first N devices (ling_jax/sharding.py) and decodes under
+that mesh; its floor is then the step's bytes split N ways, a lower bound (the router, norms and a few small
+tensors are read by every device).
 
-    python experiments/bench_decode.py --layers 6 --prompt-len 8192 --new-tokens 257 --backends reference,pallas
+    python experiments/bench_decode.py --layers 6 --prompt-len 2048 --new-tokens 257 --backends fast,reference \
+        --router-dtype bfloat16 --profile
 
-`--tp N` shards the weights N ways over the first N devices (ling_jax/sharding.py, tensor parallel as the model
-runs it) and decodes under that mesh; its floor is then the step's bytes split N ways (N × 4.3 TB/s), a lower
-bound, as the router, norms and a few small tensors are read by every device.
-
-Prints a table and writes experiments/results/bench_decode.json.
+Prints a table and writes experiments/results/bench_decode.json (and $OUT/bench_decode.json when OUT is set).
+`PYTHONPATH=. JAX_PLATFORMS=cpu python experiments/bench_decode.py --smoke`: the toy preset, 2 layers (KDA, MLA),
+a short prompt, one generation (no warm-up) per backend, reference and pallas, on the CPU in interpret mode; it
+writes nothing to the repo.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
+import functools
 import json
 import re
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from common import HBM_BYTES_PER_S
+from common import HBM_BYTES_PER_S, run_header, write_results
 from ling_jax.config import KDA, MOE, preset
 from ling_jax.engine import generate as G
 from ling_jax.engine.sampling import Greedy
 from ling_jax.params import COMPUTE, init_params, is_spec, param_specs
 from ling_jax.sharding import make_mesh, param_shardings
 
+SMOKE = dict(preset="toy", layers=2, prompt_len=16, new_tokens=9, block_size=4, warmup=0, repeats=1,
+             backends="reference,pallas")
 
 
 def slice_config(layers: int, base: str = "ling-3.0-flash"):
     flash = preset(base)
     start = flash.num_layers - layers  # take the last layers: clamps on, as in the real tail of the stack
-    return flash.replace(num_layers=layers, first_k_dense_replace=0, num_mtp_layers=0,
+    # A slice shorter than a group still ends its group: KDA layers, then MLA (docs/model.md §1).
+    return flash.replace(num_layers=layers, layer_group_size=min(flash.layer_group_size, layers),
+                         first_k_dense_replace=0, num_mtp_layers=0,
                          expert_swiglu_limits=flash.expert_swiglu_limits[start:],
                          shared_swiglu_limits=flash.shared_swiglu_limits[start:])
 
@@ -72,8 +80,9 @@ def kernels_per_step(params, cfg, backend: str) -> int:
     """Kernel launches in one compiled decode step: fusions and custom calls (cuBLAS, Pallas) outside fused
     computations, counted in the HLO of a one-step block (a few belong to the block's own bookkeeping)."""
     eos = jnp.zeros((0,), jnp.int32)
-    loop, _ = G.start(params, jnp.ones((1, 8), jnp.int32), jax.random.key(0), eos, cfg, Greedy(), max_len=16,
-                      backend=backend, pad_id=0)
+    # The loop state's shapes and shardings only: the step's program does not depend on the prefill's values.
+    loop, _ = jax.eval_shape(functools.partial(G.start, cfg=cfg, sampler=Greedy(), max_len=16, backend=backend,
+                                               pad_id=0), params, jnp.ones((1, 8), jnp.int32), jax.random.key(0), eos)
     hlo = G.decode_block.lower(params, loop, eos, cfg, Greedy(), steps=1, backend=backend,
                                pad_id=0).compile().as_text()
     count, computation = 0, ""
@@ -129,7 +138,7 @@ def run(args) -> list[dict]:
     dtype = jnp.dtype(args.dtype)
     mesh = make_mesh(args.tp) if args.tp > 1 else None
     # Each weight made on its shards directly: made whole on one device first, then resharded, the 6-layer slice's
-    # 43 GB expert stack and its copy did not fit beside JAX's preallocation (S8 9 on nvidia-h200-x2).
+    # 43 GB expert stack and its copy do not fit beside JAX's preallocation on a 2-GPU H200 machine.
     params = init_params(cfg, jax.random.key(0), dtype, with_mtp=False,
                          shardings=mesh and param_shardings(cfg, mesh, with_mtp=False))
     mesh_ctx = jax.set_mesh(mesh) if mesh else contextlib.nullcontext()
@@ -148,10 +157,11 @@ def run(args) -> list[dict]:
 
 
 def run_backend(args, cfg, params, prompt, backend, total, floor_us, full_bytes) -> dict:
-    """Compile and warm up, then TPOT / TTFT medians over args.repeats generations (+ the profile if asked)."""
+    """TPOT / TTFT medians over args.repeats generations after args.warmup untimed ones (+ the profile if asked)."""
     kwargs = dict(max_new_tokens=args.new_tokens, sampler=Greedy(), backend=backend,
                   block_size=args.block_size, ignore_eos=True)
-    G.generate(params, cfg, prompt, **kwargs)  # compile + warm up
+    for _ in range(args.warmup):  # compile + warm up
+        G.generate(params, cfg, prompt, **kwargs)
     tpots, ttfts = [], []
     for _ in range(args.repeats):
         res = G.generate(params, cfg, prompt, **kwargs)
@@ -170,37 +180,38 @@ def run_backend(args, cfg, params, prompt, backend, total, floor_us, full_bytes)
     return row
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--preset", default="ling-3.0-flash", help="widths to slice (toy: a CPU smoke run)")
+    parser.add_argument("--preset", default="ling-3.0-flash", help="the config whose widths are sliced")
     parser.add_argument("--prompt-len", type=int, default=8192)
     parser.add_argument("--new-tokens", type=int, default=257)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="timed generations")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed generations first (compile, warm up)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--backends", default="reference,pallas")
     parser.add_argument("--profile", action="store_true", help="per-kernel device time of a step (JAX profiler)")
     parser.add_argument("--router-dtype", choices=("float32", "bfloat16"), default="float32",
-                        help="the MoE routers' dtype (LingConfig.router_weight_dtype): bfloat16 as a BF16 checkpoint "
-                             "stores them; float32 (the default, every run before session 12) as transformers does")
+                        help="the MoE routers' dtype (LingConfig.router_weight_dtype): bfloat16 as the BF16 release "
+                             "stores them, float32 (LingConfig's default) as transformers' save_pretrained does")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: weights sharded over N devices")
-    parser.add_argument("--out", default="experiments/results/bench_decode.json")
-    args = parser.parse_args()
+    parser.add_argument("--json", default="bench_decode.json", help="results file name (experiments/results, $OUT)")
+    parser.add_argument("--smoke", action="store_true", help="toy preset on the CPU; writes nothing to the repo")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        vars(args).update(SMOKE)
+    header = run_header()
     rows, moved = run(args)
-    print(f"device: {jax.devices()[0].device_kind} x {max(args.tp, 1)}  jax {jax.__version__}  slice of "
-          f"{args.layers} layers, "
-          f"prompt {args.prompt_len}, {args.new_tokens} new tokens, block {args.block_size}")
+    print(f"slice of {args.layers} layers of {args.preset} x tp {max(args.tp, 1)}, prompt {args.prompt_len}, "
+          f"{args.new_tokens} new tokens, block {args.block_size}, router {args.router_dtype}")
     print("bytes per step: " + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in moved.items()))
     print(f"{'backend':10s} {'TPOT us':>9s} {'floor us':>9s} {'of floor':>9s} {'kernels':>8s} {'TTFT ms':>9s} "
           f"{'full model, extrapolated':>25s}")
     for r in rows:
         print(f"{r['backend']:10s} {r['tpot_us']:9.1f} {r['floor_us']:9.1f} {r['frac_of_floor']:9.1%} "
               f"{r['kernels_per_step']:8d} {r['ttft_ms']:9.1f} {r['extrapolated_full_tpot_ms']:22.2f} ms")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(dict(args=vars(args), rows=rows, bytes=moved, jax=jax.__version__,
-                                              device=jax.devices()[0].device_kind,
-                                              date=datetime.date.today().isoformat()), indent=1))
+    write_results(args.json, dict(args=vars(args), rows=rows, bytes=moved, **header), to_repo=not args.smoke)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 Lowers the op for CUDA on this (CPU) machine, takes the Triton IR that Pallas put in the custom call, and compiles
 it with the `triton` package of the venv (the one torch ships) for sm_90, ptxas included, then reads the cubin's
 resource usage. The Triton version differs from the one inside jaxlib, so the numbers are a close proxy, not the
-exact binary XLA will run; they were what chose the MLA tuning variants in bench_mla.py (spills: STACK > 0;
+exact binary XLA will run; bench_mla.py's tuning variants are ones that fit by this measure (spills: STACK > 0;
 shared memory above 227 KiB cannot launch; wgmma vs mma.sync tells whether Hopper's warpgroup MMA is used).
 
 `PYTHONPATH=. JAX_PLATFORMS=cpu python experiments/triton_resources.py --t 1 --tunings "default;block_l=16"`
@@ -23,8 +23,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_mla import parse_tunings, short  # noqa: E402
+from common import parse_tunings, short
+from pallas_kernels.mla.decode import MLADecodeTuning
 
 SMEM_LIMIT = 227 * 1024
 
@@ -67,9 +67,8 @@ def mla_ir(tuning, t, length):
     return _unescape(txt[txt.index('ir = "') + 6:]), tuple(int(g) for g in grid)
 
 
-def compile_sm90(ir_bytes, num_warps, num_stages, sass=False):
-    """Registers, spill stack, shared memory and MMA kinds of the Triton IR compiled for sm_90 by the venv's Triton
-    (+ "sass": the cuobjdump SASS text, when asked)."""
+def compile_sm90(ir_bytes, num_warps, num_stages):
+    """Registers, spill stack, shared memory and MMA kinds of the Triton IR compiled for sm_90 by the venv's Triton."""
     import triton
     from triton._C.libtriton import ir
     from triton.backends.compiler import GPUTarget
@@ -90,28 +89,10 @@ def compile_sm90(ir_bytes, num_warps, num_stages, sass=False):
         cubin = os.path.join(d, "k.cubin")
         Path(cubin).write_bytes(k.asm["cubin"])
         res = subprocess.run([tool, "--dump-resource-usage", cubin], capture_output=True, text=True).stdout
-        text = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True).stdout if sass else None
     ptx = k.asm["ptx"]
     regs = re.search(r"REG:(\d+) STACK:(\d+)", res)
-    out = dict(regs=int(regs.group(1)), stack=int(regs.group(2)), smem=k.metadata.shared,
-               wgmma=ptx.count("wgmma.mma_async"), mma_sync=ptx.count("mma.sync"))
-    if sass:
-        out["sass"] = text
-    return out
-
-
-def lowered_kernels(fn, *shapes):
-    """[(name, Triton IR bytes, num_warps, num_stages)] of the Pallas-Triton calls in jit(fn) lowered for CUDA on
-    this machine (the caller points gpu_info at the target GPU and turns interpret mode off first)."""
-    txt = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
-    out = []
-    for m in re.finditer(r"grid_x = \d+ : i32, grid_y = \d+ : i32, grid_z = \d+ : i32, ", txt):
-        rest = txt[m.end():]
-        rest = rest[rest.index('ir = "') + 6:]
-        out.append((re.search(r'name = "(\w+)"', rest).group(1), _unescape(rest),
-                    int(re.search(r"num_warps = (\d+)", rest).group(1)),
-                    int(re.search(r"num_stages = (\d+)", rest).group(1))))
-    return out
+    return dict(regs=int(regs.group(1)), stack=int(regs.group(2)), smem=k.metadata.shared,
+                wgmma=ptx.count("wgmma.mma_async"), mma_sync=ptx.count("mma.sync"))
 
 
 def main(argv=None):
@@ -120,7 +101,7 @@ def main(argv=None):
     ap.add_argument("--t", type=int, default=1)
     ap.add_argument("--length", type=int, default=8192)
     args = ap.parse_args(argv)
-    for tu in parse_tunings(args.tunings):
+    for tu in parse_tunings(MLADecodeTuning(), args.tunings):
         ir_bytes, grid = mla_ir(tu, args.t, args.length)
         r = compile_sm90(ir_bytes, tu.num_warps, tu.num_stages)
         flag = " SPILLS" if r["stack"] else ""

@@ -18,11 +18,11 @@ CHOICES = ("reference", "pallas")
 PROFILES = {
     "reference": dict.fromkeys(OPS, "reference"),
     "pallas": {op: "reference" if op in NO_KERNEL else "pallas" for op in OPS},
-    # RESULTS.md, 2026-11-29 (device times on the H200): MoE layer at T=1 ~54 us Pallas vs 186 us XLA; KDA decode
-    # 5.3 us per layer (kernel + norm); MLA decode Pallas 12 / 27 / 83 us at L = 1k / 8k / 32k (T=1) vs XLA's
-    # 18 / 51 / 147 us, and the 6-layer slice decodes at 1024 us per token all-Pallas vs 1055 with MLA on XLA.
-    # Every op with a kernel is faster in Pallas today, so "fast" equals "pallas"; it stays a separate profile
-    # because a kernel that loses a later measurement leaves "fast" and stays in "pallas" (what the tests run).
+    # Per op on the H200 (experiments/RESULTS.md): MoE layer at T = 1 33.4 µs Pallas vs 150-181 µs XLA; KDA decode
+    # 5.3 µs per layer vs fla's 5.3-6.4 µs core alone; MLA decode 11 / 23 / 50 µs at L = 1k / 8k / 32k vs XLA's
+    # 18 / 51 / 147 µs. Every op with a kernel is faster in Pallas today, so "fast" equals "pallas"; it stays a
+    # separate profile because a kernel that loses a later measurement leaves "fast" and stays in "pallas" (what the
+    # tests run).
     "fast": {"kda": "pallas", "moe_decode": "pallas", "moe_prefill": "reference", "mla_decode": "pallas",
              "mla_prefill": "reference"},
 }

@@ -7,13 +7,20 @@
                            state       [B, H, K, V] float32             delta-rule state
                  MLACache  kv          [B, L, R + P] compute dtype      [normalised c_kv | rotated k_rope]
 
+    StagedState (what `verify` returns; `commit` turns it back into a ModelState)
+      length   int32 []            tokens committed before the verified ones
+      layers   tuple, one entry per layer:
+                 KDAStaged conv_rows   [B, W-1+T, 3, H, K] compute dtype  old window ++ the T verified rows
+                           states      [B, T, H, K, V] float32            post-state of every verified position
+                 MLACache  (as above, already holding all T new positions)
+
 L, the latent cache length, is the requested maximum rounded up to a multiple of CACHE_BUCKET: the Pallas MLA
 kernel tiles L by 16, and bucketing keeps the number of compiled shapes small as prompt lengths vary. The MTP
 layer's cache (`mla_cache`) is passed to `model.mtp_forward` explicitly; it is not part of ModelState yet.
 
-`verify` returns a `StagedState` whose KDA entries hold every position's post-state (`KDAStaged`, design A in
-docs/design.md §2) and whose MLA caches already hold all T new positions; `commit(staged, n)` keeps the first n positions
-with device-side indexing only. MLA slots past `length` are stale and are never read (masked by position).
+`commit(staged, n)` keeps the first n verified positions with device-side indexing only (docs/design.md §2): a KDA
+layer's window is `conv_rows[:, n : n+W-1]` and its state `states[:, n-1]`. MLA slots past `length` are stale and
+are never read (masked by position).
 """
 
 from __future__ import annotations
@@ -24,12 +31,18 @@ import jax
 import jax.numpy as jnp
 
 from ling_jax.config import KDA, LingConfig
-from pallas_kernels.kda import KDAStaged, kda_commit
+from pallas_kernels.kda import kda_commit
 
 
 class KDACache(NamedTuple):
     conv_window: jax.Array  # [B, W-1, 3, H, K]
     state: jax.Array  # [B, H, K, V] float32
+
+
+class KDAStaged(NamedTuple):
+    """A KDA layer after verify: everything commit needs to pick the window and state after any position."""
+    conv_rows: jax.Array  # [B, W-1+T, 3, H, K]: the window after position t is conv_rows[:, t+1 : t+W]
+    states: jax.Array  # [B, T, H, K, V] float32
 
 
 class MLACache(NamedTuple):
@@ -80,5 +93,6 @@ def commit(staged: StagedState, n: jax.Array) -> ModelState:
     if n.ndim != 0:
         raise ValueError(f"n.shape={n.shape}: commit keeps one count for the whole batch (the sequences share "
                          "one length); pass an int32 scalar")
-    layers = tuple(KDACache(*kda_commit(e, n)) if isinstance(e, KDAStaged) else e for e in staged.layers)
+    layers = tuple(KDACache(*kda_commit(e.conv_rows, e.states, n)) if isinstance(e, KDAStaged) else e
+                   for e in staged.layers)
     return ModelState(staged.length + n, layers)

@@ -66,7 +66,10 @@ class LingConfig:
     # The dtype the MoE routers (`mlp.gate.weight`) are held in: the checkpoint's own, "bfloat16" or "float32"
     # (conversion's loaders read it from the stored tensors; config.json does not say). The router GEMV multiplies
     # in fp32 either way and a bf16 weight widens exactly, so both give the logits of transformers' fp32 router
-    # over the stored values; bf16 reads half the bytes (2.6 MB per layer for Flash).
+    # over the stored values; bf16 reads half the bytes (2.6 MB per layer for Flash). It lives in the config, not
+    # only in the arrays, because `params.param_specs(cfg)` declares every leaf's dtype before any array exists
+    # (abstract init, orbax restore targets, the synthetic writer), and the router is the one leaf whose dtype is
+    # the checkpoint's choice.
     router_weight_dtype: str = "float32"
 
     def __post_init__(self):

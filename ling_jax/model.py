@@ -108,8 +108,9 @@ def prefill(params: dict, tokens: jax.Array, cfg: LingConfig, *, max_len: int, b
     return logits, ModelState(jnp.asarray(T, jnp.int32), layers), hidden
 
 
-def decode_step(params: dict, state: ModelState, token: jax.Array, cfg: LingConfig, *, backend: str):
-    """`decode` without its jit: what the engine's decode loop calls inside its own jitted block."""
+def decode_forward(params: dict, state: ModelState, token: jax.Array, cfg: LingConfig, *, backend: str):
+    """`decode` without its jit or donation: the one-token forward the engine's loops call inside their own jitted
+    blocks."""
     logits, hidden, layers = forward(params, token[:, None], state.layers, state.length, cfg, mode="decode",
                                      backend=backend)
     return logits[:, 0], ModelState(state.length + 1, layers), hidden[:, 0]
@@ -120,7 +121,7 @@ def decode_step(params: dict, state: ModelState, token: jax.Array, cfg: LingConf
 def decode(params: dict, state: ModelState, token: jax.Array, cfg: LingConfig, *, backend: str = "reference"):
     """One token per sequence, token [B] -> (logits [B, V], ModelState, hidden [B, D]). `state` is donated."""
     _check_backend(backend)
-    return decode_step(params, state, token, cfg, backend=backend)
+    return decode_forward(params, state, token, cfg, backend=backend)
 
 
 @_guarded

@@ -373,8 +373,8 @@ def test_orbax_structure_mismatch(toy_synthetic, tmp_path):
 
 
 def test_orbax_old_down_layout(toy_synthetic, tmp_path, monkeypatch):
-    """A checkpoint from before session 10 holds every expert down projection [.., Ie, D]: loading names the
-    tensors and the layout change."""
+    """A checkpoint in the older expert layout holds every down projection [.., Ie, D]: loading names the tensors
+    and the layout change."""
     from conversion import orbax_io
 
     path, cfg = toy_synthetic

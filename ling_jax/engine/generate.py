@@ -27,8 +27,7 @@ import numpy as np
 from ling_jax.backends import check_partitioning, resolve
 from ling_jax.cache import ModelState, cache_len
 from ling_jax.config import LingConfig
-from ling_jax.model import decode_step as model_decode_step
-from ling_jax.model import prefill
+from ling_jax.model import decode_forward, prefill
 
 
 class LoopState(NamedTuple):
@@ -71,9 +70,9 @@ def start(params, prompt, key, eos, cfg: LingConfig, sampler, *, max_len: int, b
     return LoopState(model, first, done, key), first
 
 
-def decode_step(params, loop: LoopState, eos, cfg: LingConfig, sampler, *, backend: str, pad_id: int):
+def sample_step(params, loop: LoopState, eos, cfg: LingConfig, sampler, *, backend: str, pad_id: int):
     """Feed `loop.last`, sample the next token -> (LoopState, token [B])."""
-    logits, model, _ = model_decode_step(params, loop.model, loop.last, cfg, backend=backend)
+    logits, model, _ = decode_forward(params, loop.model, loop.last, cfg, backend=backend)
     key, sub = jax.random.split(loop.key)
     token = sampler.sample(logits, sub)
     token, done = _mask_eos(token, loop.done, eos, pad_id)
@@ -89,7 +88,7 @@ def decode_block(params, loop: LoopState, eos, cfg: LingConfig, sampler, *, step
 
     def body(i, carry):
         loop, out = carry
-        loop, token = decode_step(params, loop, eos, cfg, sampler, backend=backend, pad_id=pad_id)
+        loop, token = sample_step(params, loop, eos, cfg, sampler, backend=backend, pad_id=pad_id)
         return loop, jax.lax.dynamic_update_slice(out, token[:, None], (0, i))
 
     loop, out = jax.lax.fori_loop(0, steps, body, (loop, out))

@@ -8,24 +8,32 @@ chunked prefill can replace the reference one mode at a time.
 import functools
 
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
-from ling_jax.cache import KDACache
+from ling_jax.cache import KDACache, KDAStaged
 from ling_jax.config import LingConfig
 from ling_jax.layers.linear import proj
-from ling_jax.sharding import TP, per_shard
+from ling_jax.params import kda_specs
+from ling_jax.sharding import logical_to_spec, per_shard
 from pallas_kernels import kda as kda_ops
 
 _MODES = {"prefill": kda_ops.kda_prefill, "decode": kda_ops.kda_decode, "verify": kda_ops.kda_verify}
 
-# Every KDA head is independent, so a kernel runs per shard of heads. Layouts: qkv and conv window
-# [B, T|W-1, 3, H, K]; f, z [B, T, H, K]; b [B, T, H]; state [B, H, K, V]; conv_w [W, 3, H, K]; A_log [H];
-# dt_bias [H, K]; o_norm [K] (shared by heads).
-_ROWS = P(None, None, None, TP, None)
-_HEADS = P(None, None, TP, None)
-_STATE = P(None, TP, None, None)
-_IN_SPECS = (_ROWS, _HEADS, P(None, None, TP), _HEADS, _ROWS, _STATE, _HEADS, P(TP), P(TP, None), P())
-_STAGED_SPEC = kda_ops.KDAStaged(_ROWS, states=P(None, None, TP, None, None), backend="pallas")
+# Every KDA head is independent, so a kernel runs per shard of heads. The activations' and states' layouts (the
+# params' come from their declared axes):
+_ROWS = logical_to_spec((None, None, None, "heads", None))  # qkv, conv window, conv_rows [B, T | W-1 | W-1+T, 3, H, K]
+_PER_HEAD = logical_to_spec((None, None, "heads", None))  # f, z, y [B, T, H, K]
+_BETA = logical_to_spec((None, None, "heads"))  # b [B, T, H]
+_STATE = logical_to_spec((None, "heads", None, None))  # [B, H, K, V]
+_STATES = logical_to_spec((None, None, "heads", None, None))  # verify's per-position states [B, T, H, K, V]
+
+
+def _in_specs(cfg: LingConfig) -> tuple:
+    """Specs of the op's arguments, in the order of the dispatch signature."""
+    axes = {name: spec.axes for name, spec in kda_specs(cfg).items()}
+    taps = axes["conv_q"]  # [W, H, K]; the op takes q|k|v stacked at axis 1
+    params = [logical_to_spec(taps[:1] + (None,) + taps[1:])] + [logical_to_spec(axes[n])
+                                                                 for n in ("A_log", "dt_bias", "o_norm")]
+    return (_ROWS, _PER_HEAD, _BETA, _PER_HEAD, _ROWS, _STATE, *params)
 
 
 def kda_block(p: dict, x: jnp.ndarray, cache: KDACache, cfg: LingConfig, *, mode: str, backend: str):
@@ -38,11 +46,8 @@ def kda_block(p: dict, x: jnp.ndarray, cache: KDACache, cfg: LingConfig, *, mode
     args = (qkv, f, b, z, cache.conv_window, cache.state, conv_w, p["A_log"], p["dt_bias"], p["o_norm"])
     op = functools.partial(_MODES[mode], lower_bound=cfg.kda_lower_bound, eps=cfg.rms_norm_eps, backend=backend)
     if backend == "pallas":
-        out_specs = (_HEADS, _STAGED_SPEC) if mode == "verify" else (_HEADS, _ROWS, _STATE)
-        op = per_shard(op, _IN_SPECS, out_specs)
-    if mode == "verify":
-        y, new_cache = op(*args)
-    else:
-        y, window, state = op(*args)
-        new_cache = KDACache(window, state)
+        out_specs = (_PER_HEAD, _ROWS, _STATES if mode == "verify" else _STATE)
+        op = per_shard(op, _in_specs(cfg), out_specs)
+    y, rows, state = op(*args)
+    new_cache = KDAStaged(rows, state) if mode == "verify" else KDACache(rows, state)
     return proj("bthk,hkd->btd", y, p["w_o"]), new_cache

@@ -2,15 +2,16 @@
 
 XLA (jax 0.11.2) compiles its kernels for sm_90 with a `griddepcontrol.wait` at their entry and launches them with
 programmatic stream serialization: such a kernel may be admitted to the GPU before its predecessor ends but executes
-nothing before the predecessor has completed and flushed its memory (XLA's InsertPDLPass; observed on the H200 in
-RESULTS.md, "MoE, session 5"). By default a successor is admitted only when every program of its predecessor has
-exited. `launch_dependents()` at the start of a program admits it as soon as every program of this kernel has
-started, so the successor's launch and block distribution overlap this kernel's tail. It is only a scheduling hint:
-the successor's entry wait still orders every read, and a successor launched without PDL (cuBLAS, collectives,
-copies) waits for this kernel as always. Emitted only for CUDA GPUs of compute capability 9.0 and up (the PTX
-instruction does not exist before Hopper; ROCm has none); a no-op interpreted.
-Measured (RESULTS.md, "MoE, session 5"): worth it before a short successor (the combine fusion after the experts'
-down kernel, −0.5 µs per T = 1 layer); harmful before a wide one (gate/up admitted to wait during the top-k).
+nothing before the predecessor has completed and flushed its memory (XLA's InsertPDLPass). By default a successor
+is admitted only when every program of its predecessor has exited. `launch_dependents()` at the start of a program
+admits it as soon as every program of this kernel has started, so the successor's launch and block distribution
+overlap this kernel's tail. It is only a scheduling hint: the successor's entry wait still orders every read, and a
+successor launched without PDL (cuBLAS, collectives, copies) waits for this kernel as always. Emitted only for CUDA
+GPUs of compute capability 9.0 and up (the PTX instruction does not exist before Hopper; ROCm has none); a no-op
+interpreted.
+Worth it before a short successor (after the MoE experts' down kernel: T = 1 layer 37.52-37.63 -> 36.92-37.18 µs on
+the H200), harmful before a wide one (in the router's top-k, which admits the gate/up programs to wait: +1.2 µs;
+experiments/RESULTS.md, "MoE").
 """
 
 from __future__ import annotations

@@ -2,13 +2,10 @@
 
 Pipeline (docs/model.md §7, fla's ``chunk_kda_fwd`` with fewer launches):
 
-1. conv + SiLU, one of three ways (H200, T = 8192, bf16; experiments/RESULTS.md):
-   ``ChunkConfig.conv="pallas"`` (the default): ``conv.short_conv``, a standalone Pallas pass that reads x once
-   and writes y once, 194–238 µs, bit-identical to the reference compiled; ``conv="xla"``:
-   ``reference.short_conv``, 679 µs, since XLA first copies all of x into a window ++ x concatenation (475 µs);
-   ``conv="fused"``: inside the intra kernel's q/k/v loads (4 shifted tile loads per sub-block), which lengthens
-   the intra kernel by more than either pass costs (3.87 vs 3.27 ms per layer against "xla"). The new conv
-   window is a slice of the last W − 1 rows in every mode.
+1. conv + SiLU: ``conv.short_conv``, one Pallas pass that reads x once and writes y once, bit-identical to
+   ``reference.short_conv`` compiled (194 µs on the H200 at T = 8192 bf16 against 679 for XLA's form of the
+   reference, which first copies all of x into a window ++ x concatenation; a conv fused into the intra kernel
+   was slower still: experiments/FINDINGS.md). The new conv window is a slice of the last W − 1 rows.
 2. ``chunk_kda_fwd_kernel_intra``, grid (B, H, NT), every chunk in parallel: L2 norm and scale, safe gate and
    beta from the conv output and raw f/b, chunk-local Γ = cumsum(g),
    A_qk and L in 16-row sub-blocks, M = (I + L)^{-1} diag(beta) by forward substitution on the 16×16 diagonal
@@ -16,8 +13,6 @@ Pipeline (docs/model.md §7, fla's ``chunk_kda_fwd`` with fewer launches):
 3. ``chunk_kda_fwd_kernel_h``, grid (B, H, V / BV), chunks in sequence with the [K, BV] state in registers:
    Ũ = U − W S, O = (Q ⊙ e^Γ) S + A_qk Ũ, S ← e^{Γ_C} ⊙ S + (K ⊙ e^{Γ_C − Γ})ᵀ Ũ. With BV == V the gated
    RMSNorm is fused; otherwise it runs as an XLA fusion.
-   ``split_o=True`` (fla's layout): ``chunk_kda_fwd_kernel_hs`` carries only the state (storing each chunk's
-   entry state S_n and Ũ), then ``chunk_kda_fwd_kernel_o``, grid (B, H, NT), forms O and the gated norm.
 
 Numerical safety for gates down to −5: every decay factor is e^{Γ_r − ref} with ref the Γ of the first row of
 the query sub-block, times e^{ref − Γ_c} for the key. Off the diagonal both are ≤ 1; on a 16-row diagonal
@@ -45,26 +40,16 @@ BC = 16  # sub-block rows; also Triton's minimum dot dimension
 
 @dataclasses.dataclass(frozen=True)
 class ChunkConfig:
-    """Tiling and precision of the chunk kernels.
+    """Tiling and precision of the chunk kernels; conv_cfg tiles the conv pass.
 
     dot: "auto" (fp32 inputs → 3-pass TF32, bf16 inputs → bf16 operands with fp32 accumulation), "tf32x3",
     "ieee", "tf32" or "bf16". Interpret mode always computes fp32 dots.
-    conv: "pallas" (default: ``conv.short_conv``, the reference's arithmetic as one Pallas pass, tiled by
-    conv_cfg), "xla" (``reference.short_conv`` as a separate XLA pass) or "fused" (the intra kernel convolves
-    the raw rows as it loads them); the kernels after it are the same. Timings in the module docstring.
-    split_o: the sequential h kernel only carries the state (stores each chunk's entry state and Ũ) and a
-    third kernel, parallel over chunks, forms O = (Q ⊙ e^Γ) S + A_qk Ũ with the gated norm fused (fla's
-    h / o split): fewer dots on the serial chain, more HBM traffic. BV then tiles only the h kernel, and
-    num_warps_o sets the o kernel's warps.
     """
     BV: int = 64
     num_warps_intra: int = 4
     num_warps_h: int = 4
     num_stages_h: int = 2
     dot: str = "auto"
-    conv: str = "pallas"
-    split_o: bool = False
-    num_warps_o: int = 4
     conv_cfg: conv_lib.ConvConfig = conv_lib.ConvConfig()
 
     def __post_init__(self):
@@ -72,9 +57,7 @@ class ChunkConfig:
             raise ValueError(f"{self.BV=} must be a power of two >= 16")
         if self.dot not in ("auto", "tf32x3", "ieee", "tf32", "bf16"):
             raise ValueError(f"{self.dot=} must be auto, tf32x3, ieee, tf32 or bf16")
-        if self.conv not in ("fused", "xla", "pallas"):
-            raise ValueError(f"{self.conv=} must be fused, xla or pallas")
-        for name in ("num_warps_intra", "num_warps_h", "num_warps_o"):
+        for name in ("num_warps_intra", "num_warps_h"):
             if not is_pow2(getattr(self, name)):
                 raise ValueError(f"ChunkConfig.{name}={getattr(self, name)} must be a power of two")
 
@@ -103,9 +86,7 @@ def _make_dot(kind):
 
 
 def chunk_kda_fwd_kernel_intra(
-    y_ref,     # [B, T, 3, H, K] pre-conv rows q|k|v (CONV_W > 0) or the conv + SiLU output (compute dtype)
-    head_ref,  # [B, W-1+BC, 3, H, K] conv window ++ the first BC rows of y_ref, zero-padded (CONV_W > 0)
-    cw_ref,    # [W, 3, H, K] fp32 conv taps (CONV_W > 0)
+    y_ref,     # [B, T, 3, H, K] conv + SiLU output q|k|v (compute dtype)
     f_ref,     # [B, T, H, K] gate input
     b_ref,     # [B, T, H] beta logits
     alog_ref,  # [H] fp32
@@ -116,17 +97,11 @@ def chunk_kda_fwd_kernel_intra(
     kg_ref,    # [B, NT*C, H, K] out: K ⊙ e^{Γ_C − Γ}
     aqk_ref,   # [B, NT, H, C, C] out: causal A_qk
     gc_ref,    # [B, NT, H, K] fp32 out: e^{Γ_C}
-    *, T, C, K, lower_bound, dot, CONV_W,
+    *, T, C, K, lower_bound, dot,
 ):
     """L2 norm, scale, safe gate and beta are computed here from the conv output (as the reference: fp32,
     gate and beta rounded to the compute dtype); rows past T load as zeros (k = 0, beta = 0, g = 0), so
-    they leave the state unchanged.
-
-    With CONV_W > 0 the causal depthwise conv + SiLU is fused into the loads: row t sums tap j times row
-    t − (W−1−j) in fp32 (the reference's order) and the result is rounded to the compute dtype, as the
-    reference does before the L2 norm. The shifted tiles are mostly L1/L2 hits. Rows before 0 come from the
-    conv window through ``head_ref`` (whose tile starts are static, so no load ever starts below row 0,
-    which the interpret-mode discharge would clamp)."""
+    they leave the state unchanged."""
     i_b, i_h, i_n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     f32 = jnp.float32
     NC = C // BC
@@ -150,22 +125,7 @@ def chunk_kda_fwd_kernel_intra(
     def load_y(i, s):
         m = jnp.broadcast_to(valid(i)[:, None], (BC, K))
         # Masked-load indices must be traced values for the interpret-mode discharge rule.
-        s = jnp.int32(s)
-        ld = lambda ref, start: pltriton.load(ref.at[i_b, pl.ds(start, BC), s, i_h, :], mask=m,
-                                              other=0.0).astype(f32)
-        if not CONV_W:
-            return ld(y_ref, i_n * C + i * BC)
-        acc = jnp.zeros((BC, K), f32)
-        for j in range(CONV_W):
-            back = CONV_W - 1 - j  # tap j multiplies row t − back
-            if back == 0 or i > 0:
-                b_x = ld(y_ref, i_n * C + i * BC - back)
-            else:
-                # First sub-block: chunk 0 reads the window (head_ref rows W−1−back ..), later chunks y_ref.
-                b_x = jnp.where(i_n == 0, ld(head_ref, jnp.int32(CONV_W - 1 - back)),
-                                ld(y_ref, jnp.maximum(i_n * C - back, 0)))
-            acc = acc + cw_ref[j, s, i_h, :][None, :] * b_x
-        return jax.nn.silu(acc).astype(dtype).astype(f32)
+        return pltriton.load(y_ref.at[i_b, rows(i), jnp.int32(s), i_h, :], mask=m, other=0.0).astype(f32)
 
     def l2(x):
         return x * lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + 1e-6)
@@ -304,88 +264,19 @@ def chunk_kda_fwd_kernel_h(
     ht_ref[i_b, i_h, :, o_v] = lax.fori_loop(0, NT, body, b_h)
 
 
-def chunk_kda_fwd_kernel_hs(
-    w_ref,     # [B, NT*C, H, K]
-    u_ref,     # [B, NT*C, H, V]
-    kg_ref,    # [B, NT*C, H, K]
-    gc_ref,    # [B, NT, H, K] fp32
-    h0_ref,    # [B, H, K, V] fp32
-    hs_ref,    # [B, NT, H, K, V] out: the state entering each chunk (stored dtype)
-    vn_ref,    # [B, NT*C, H, V] out: Ũ = U − W S (stored dtype)
-    ht_ref,    # [B, H, K, V] fp32 out
-    *, NT, C, BV, dot,
-):
-    """``split_o`` h kernel: the state recurrence alone. hs and Ũ are stored in the dtype the output dots
-    round them to anyway, so the split changes no numerics."""
-    i_b, i_h, i_v = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    o_v = pl.ds(i_v * BV, BV)
-
-    def body(i_n, b_h):
-        t = pl.ds(i_n * C, C)
-        hs_ref[i_b, i_n, i_h, :, o_v] = b_h.astype(hs_ref.dtype)
-        b_vn = u_ref[i_b, t, i_h, o_v].astype(jnp.float32) - dot(w_ref[i_b, t, i_h, :], b_h)
-        vn_ref[i_b, t, i_h, o_v] = b_vn.astype(vn_ref.dtype)
-        b_gc = gc_ref[i_b, i_n, i_h, :]
-        return b_h * b_gc[:, None] + dot(kg_ref[i_b, t, i_h, :], b_vn, trans_a=True)
-
-    ht_ref[i_b, i_h, :, o_v] = lax.fori_loop(0, NT, body, h0_ref[i_b, i_h, :, o_v])
-
-
-def chunk_kda_fwd_kernel_o(
-    qg_ref,    # [B, NT*C, H, K]
-    aqk_ref,   # [B, NT, H, C, C]
-    hs_ref,    # [B, NT, H, K, V]
-    vn_ref,    # [B, NT*C, H, V]
-    z_ref,     # [B, T, H, V]
-    nw_ref,    # [V]
-    y_ref,     # [B, T, H, V] out
-    *, T, C, eps, dot,
-):
-    """``split_o`` output kernel, grid (B, H, NT): O = (Q ⊙ e^Γ) S_n + A_qk Ũ, rounded to the compute dtype,
-    then the gated RMSNorm over the whole head (as the h kernel's fused norm)."""
-    i_b, i_h, i_n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    f32 = jnp.float32
-    t = pl.ds(i_n * C, C)
-    b_o = dot(qg_ref[i_b, t, i_h, :], hs_ref[i_b, i_n, i_h, :, :]) + dot(aqk_ref[i_b, i_n, i_h, :, :],
-                                                                        vn_ref[i_b, t, i_h, :])
-    V = b_o.shape[1]
-    m_t = jnp.broadcast_to(((i_n * C + lax.iota(jnp.int32, C)) < T)[:, None], (C, V))
-    b_of = b_o.astype(y_ref.dtype).astype(f32)
-    b_z = pltriton.load(z_ref.at[i_b, t, i_h, :], mask=m_t, other=0.0).astype(f32)
-    b_y = b_of * lax.rsqrt(jnp.mean(b_of * b_of, axis=1, keepdims=True) + eps)
-    b_y = b_y * nw_ref[...].astype(f32)[None, :] * jax.nn.sigmoid(b_z)
-    pltriton.store(y_ref.at[i_b, t, i_h, :], b_y.astype(y_ref.dtype), mask=m_t)
-
-
-def _conv_head(qkv, conv_window):
-    """[B, W−1+BC, 3, H, K]: the window then the first BC rows of qkv (zero-padded): chunk 0's first conv taps."""
-    x = qkv[:, :BC]
-    x = jnp.pad(x, [(0, 0), (0, BC - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
-    return jnp.concatenate([conv_window.astype(qkv.dtype), x], axis=1)
-
-
 @functools.partial(jax.jit, static_argnames=("lower_bound", "eps", "chunk_size", "cfg"))
 def prefill(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, *, lower_bound=-5.0, eps=1e-6,
             chunk_size=64, cfg=DEFAULT):
-    if cfg.conv == "xla":
-        y_conv, new_window = reference.short_conv(qkv, conv_window, conv_w)
-        conv = None
-    elif cfg.conv == "pallas":
-        y_conv, new_window = conv_lib.short_conv(qkv, conv_window, conv_w, cfg=cfg.conv_cfg)
-        conv = None
-    else:
-        y_conv, new_window = qkv, conv_lib.new_window(qkv, conv_window)
-        conv = (_conv_head(qkv, conv_window), conv_w)
-    y, ht = core(y_conv, f, b, z, state, A_log, dt_bias, o_norm_w, conv=conv, lower_bound=lower_bound, eps=eps,
+    y_conv, new_window = conv_lib.short_conv(qkv, conv_window, conv_w, cfg=cfg.conv_cfg)
+    y, ht = core(y_conv, f, b, z, state, A_log, dt_bias, o_norm_w, lower_bound=lower_bound, eps=eps,
                  chunk_size=chunk_size, cfg=cfg)
     return y, new_window, ht
 
 
 @functools.partial(jax.jit, static_argnames=("lower_bound", "eps", "chunk_size", "cfg"))
-def core(qkv, f, b, z, state, A_log, dt_bias, o_norm_w, conv=None, *, lower_bound=-5.0, eps=1e-6,
-         chunk_size=64, cfg=DEFAULT):
-    """The intra and h kernels (with split_o: intra, hs and o) and the norm. conv = (head, conv_w) convolves qkv
-    inside the intra kernel; conv = None takes qkv as the conv + SiLU output already (also the conv-free core timing in experiments/bench_kda.py)."""
+def core(qkv, f, b, z, state, A_log, dt_bias, o_norm_w, *, lower_bound=-5.0, eps=1e-6, chunk_size=64, cfg=DEFAULT):
+    """The intra and h kernels and the norm on qkv = the conv + SiLU output (also experiments/bench_kda.py's
+    conv-free timing, the part fla's chunk_kda does)."""
     B, T, _, H, K = qkv.shape
     V = K
     C = chunk_size
@@ -396,44 +287,19 @@ def core(qkv, f, b, z, state, A_log, dt_bias, o_norm_w, conv=None, *, lower_boun
     kind = cfg.dot if cfg.dot != "auto" else ("bf16" if dtype == jnp.bfloat16 else "tf32x3")
     store_dt = jnp.bfloat16 if kind == "bf16" else jnp.float32
     dot = _make_dot(kind)
-    if conv is None:
-        head, conv_w, conv_W = jnp.zeros((1,), dtype), jnp.zeros((1,), jnp.float32), 0
-    else:
-        (head, conv_w), conv_W = conv, conv[1].shape[0]
-
     sds = jax.ShapeDtypeStruct
     TP = NT * C
     w, u, qg, kg, aqk, gc = pl.pallas_call(
-        functools.partial(chunk_kda_fwd_kernel_intra, T=T, C=C, K=K, lower_bound=float(lower_bound), dot=dot,
-                          CONV_W=conv_W),
+        functools.partial(chunk_kda_fwd_kernel_intra, T=T, C=C, K=K, lower_bound=float(lower_bound), dot=dot),
         out_shape=[sds((B, TP, H, K), store_dt), sds((B, TP, H, V), store_dt), sds((B, TP, H, K), store_dt),
                    sds((B, TP, H, K), store_dt), sds((B, NT, H, C, C), store_dt), sds((B, NT, H, K), jnp.float32)],
         grid=(B, H, NT),
         interpret=interpret_mode(),
         name="kda_chunk_intra",
         compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps_intra, num_stages=1),
-    )(qkv, head, conv_w, f, b, A_log, dt_bias)
+    )(qkv, f, b, A_log, dt_bias)
 
     BV = min(cfg.BV, V)
-    if cfg.split_o:
-        hs, vn, ht = pl.pallas_call(
-            functools.partial(chunk_kda_fwd_kernel_hs, NT=NT, C=C, BV=BV, dot=dot),
-            out_shape=[sds((B, NT, H, K, V), store_dt), sds((B, TP, H, V), store_dt),
-                       sds((B, H, K, V), jnp.float32)],
-            grid=(B, H, V // BV),
-            interpret=interpret_mode(),
-            name="kda_chunk_hs",
-            compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps_h, num_stages=cfg.num_stages_h),
-        )(w, u, kg, gc, state)
-        y = pl.pallas_call(
-            functools.partial(chunk_kda_fwd_kernel_o, T=T, C=C, eps=float(eps), dot=dot),
-            out_shape=sds((B, T, H, V), dtype),
-            grid=(B, H, NT),
-            interpret=interpret_mode(),
-            name="kda_chunk_o",
-            compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps_o, num_stages=1),
-        )(qg, aqk, hs, vn, z, o_norm_w)
-        return y, ht
     fuse_norm = BV == V
     y, ht = pl.pallas_call(
         functools.partial(chunk_kda_fwd_kernel_h, T=T, NT=NT, C=C, BV=BV, eps=float(eps), FUSE_NORM=fuse_norm,

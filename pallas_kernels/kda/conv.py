@@ -1,4 +1,4 @@
-"""Causal depthwise conv + SiLU of the KDA prefill as one Pallas-Triton pass (``ChunkConfig.conv="pallas"``).
+"""Causal depthwise conv + SiLU of the KDA prefill as one Pallas-Triton pass (the first pass of ``chunk.prefill``).
 
 Same contract and arithmetic as ``reference.short_conv``: per channel, fp32 ``acc = w0·x[t−3]`` then
 ``acc = acc + w_j·x[t−3+j]`` in tap order, SiLU in fp32, cast to x.dtype. Why a kernel: XLA runs the reference as a
@@ -30,8 +30,8 @@ class ConvConfig:
     c_fastest: launch order with the channel blocks of one row block consecutive (whole rows stream in order;
     the halo rows were read 1 row block = C / BC programs earlier) instead of the row blocks of one channel block
     (the halo was read by the program just before)."""
-    # H200, T = 8192, bf16, C = 12288 (RESULTS.md): BT 16 / BC 256 / 4 warps 194 µs; BT 8 / BC 1024 210; BT 32 /
-    # BC 256 238; BT 16 / BC 512 241; BT 32 / BC 512 / 8 warps 283; c_fastest no better. Floor 94 µs.
+    # BT 16 / BC 256 / 4 warps: 194 µs on the H200 at T = 8192 bf16 (floor 94), the fastest tiling swept
+    # (experiments/RESULTS.md, KDA).
     BT: int = 16
     BC: int = 256
     num_warps: int = 4

@@ -1,4 +1,4 @@
-"""Public KDA entry points: prefill, decode, verify (+ commit / replay), one per mode.
+"""Public KDA entry points: prefill, decode, verify (+ commit), one per mode.
 
 All modes share one signature: the part of a Ling-3.0 KDA layer between the input projections and o_proj.
 
@@ -14,16 +14,10 @@ All modes share one signature: the part of a Ling-3.0 KDA layer between the inpu
 `backend="reference"` runs the pure-jnp spec (reference.py); `backend="pallas"` runs the Pallas-Triton kernels
 (interpret mode on CPU). Shapes the kernels cannot take raise; nothing falls back silently.
 
-Speculative verify keeps one of two staged forms (docs/design.md §2):
-  * ``store="states"`` (design A): every position's post-state; commit selects ``states[n-1]``.
-  * ``store="inputs"`` (design B): the committed state plus per-token (k̂, v, g, beta); commit replays the
-    accepted prefix into the committed state (``kda_replay``), bit-identical to design A's selected state.
-Design A is the default: on the H200 (experiments/RESULTS.md, KDA) verify + commit measured 25–32 µs per layer
-for A against 26–41 µs for B at T = 2..6; B's cheaper verify is eaten by its separate replay launch. B would win
-only with the replay fused into the next step's verify kernel.
+Speculative verify keeps every position's post-state and commit selects ``states[n-1]`` (docs/design.md §2):
+on the H200 verify + commit measured 17.5 µs per layer at T = 6 against 21.6 for staging the inputs and replaying
+the accepted prefix on commit (experiments/FINDINGS.md).
 """
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -32,38 +26,7 @@ from jax import lax
 from pallas_kernels.kda import chunk, recurrent, reference
 
 BACKENDS = ("reference", "pallas")
-STORES = ("states", "inputs")
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class KDAStaged:
-    """What a verify step keeps so that commit can pick the state after any accepted position.
-
-    Attributes:
-        conv_rows: [B, W-1+T, 3, H, K] the old conv window followed by the T verify rows (pre-conv);
-            the window after position t is ``conv_rows[:, t+1 : t+W]``.
-        states: [B, T, H, K, V] fp32 post-state of every position (design A), else None.
-        state0: [B, H, K, V] fp32 committed state the verify started from (design B), else None.
-        k: [B, T, H, K] fp32 L2-normalised keys (design B), else None.
-        v: [B, T, H, V] fp32 values after the conv (design B), else None.
-        g: [B, T, H, K] fp32 log decay (design B), else None.
-        beta: [B, T, H] fp32 (design B), else None.
-        backend: static; the backend that produced it (and that commit uses for the replay).
-    """
-    conv_rows: jax.Array
-    states: jax.Array | None = None
-    state0: jax.Array | None = None
-    k: jax.Array | None = None
-    v: jax.Array | None = None
-    g: jax.Array | None = None
-    beta: jax.Array | None = None
-    backend: str = dataclasses.field(default="reference", metadata=dict(static=True))
-
-    @property
-    def store(self):
-        return "states" if self.states is not None else "inputs"
 
 
 def _check(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, lower_bound, backend,
@@ -128,50 +91,32 @@ def kda_decode(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_
 
 
 def kda_verify(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, *, lower_bound=-5.0,
-               eps=1e-6, backend="reference", store="states"):
-    """T draft positions from the committed ``state`` (read only). Returns ``(y, staged: KDAStaged)``.
+               eps=1e-6, backend="reference"):
+    """T draft positions from the committed ``state`` (read only).
 
-    store: "states" (design A, every post-state) or "inputs" (design B, replay on commit).
+    Returns ``(y, conv_rows, states)``: conv_rows [B, W-1+T, 3, H, K] = old window ++ qkv (the window after
+    position t is ``conv_rows[:, t+1 : t+W]``) and states [B, T, H, K, V] fp32, every position's post-state.
     """
     args = (qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w)
     _check(*args, lower_bound, backend, "verify", max_t=64)
-    if store not in STORES:
-        raise ValueError(f"{store=} must be one of {STORES}")
     if backend == "reference":
-        y, conv_rows, states, (k, v, g, beta) = _ref_verify(*args, lower_bound=lower_bound, eps=eps)
-        if store == "states":
-            return y, KDAStaged(conv_rows, states=states, backend=backend)
-        return y, KDAStaged(conv_rows, state0=state, k=k, v=v, g=g, beta=beta, backend=backend)
-    return recurrent.verify(*args, lower_bound=lower_bound, eps=eps, store=store)
+        return _ref_verify(*args, lower_bound=lower_bound, eps=eps)
+    return recurrent.verify(*args, lower_bound=lower_bound, eps=eps)
 
 
-def kda_commit(staged, n):
-    """Conv window and state after verify position n-1.
+def kda_commit(conv_rows, states, n):
+    """``(window, state)`` after verify position n-1, from ``kda_verify``'s conv_rows and states.
 
     n: int32 device scalar (or [B]) in [1, T], the number of verify positions kept. Never read on the host;
-    no lax.cond. Design A selects ``states[n-1]``; design B replays the first n tokens into ``state0``.
+    no lax.cond.
     """
-    conv_rows = staged.conv_rows
     B, R = conv_rows.shape[:2]
-    T = staged.states.shape[1] if staged.states is not None else staged.k.shape[1]
-    Wm1 = R - T
+    Wm1 = R - states.shape[1]
     n = jnp.broadcast_to(jnp.asarray(n, jnp.int32), (B,))
     window = jax.vmap(lambda rows, i: lax.dynamic_slice_in_dim(rows, i, Wm1, axis=0))(conv_rows, n)
-    if staged.states is not None:
-        state = jax.vmap(lambda s, i: lax.dynamic_index_in_dim(s, i - 1, axis=0, keepdims=False))(staged.states, n)
-        return window, state
-    return window, kda_replay(staged, n)
-
-
-def kda_replay(staged, n):
-    """Design B: replay the first n staged tokens into ``staged.state0``; returns the state only."""
-    if staged.state0 is None:
-        raise ValueError("kda_replay needs a staged form from kda_verify(..., store='inputs')")
-    if staged.backend == "reference":
-        return _ref_replay(staged.state0, staged.k, staged.v, staged.g, staged.beta, n)
-    return recurrent.replay(staged.state0, staged.k, staged.v, staged.g, staged.beta, n)
+    state = jax.vmap(lambda s, i: lax.dynamic_index_in_dim(s, i - 1, axis=0, keepdims=False))(states, n)
+    return window, state
 
 
 _ref_layer = jax.jit(reference.kda_layer, static_argnames=("lower_bound", "eps", "mode"))
 _ref_verify = jax.jit(reference.kda_verify_layer, static_argnames=("lower_bound", "eps"))
-_ref_replay = jax.jit(reference.replay_kda)

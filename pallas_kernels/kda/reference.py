@@ -13,11 +13,13 @@ Like fla's naive functions, both take **already L2-normalised** q and k and appl
 to q themselves; g is the log-space decay (after the gate), beta is after the sigmoid.
 
 The layer compositions (``kda_layer``, ``kda_verify_layer``) run conv → gate/beta → L2 norm → delta rule →
-gated RMSNorm with the roundings of the HF reference in bf16 (see the contract in ``dispatch.py``).
+gated RMSNorm with the roundings of the HF reference in bf16 (see the contract in ``dispatch.py``);
+``layer_inputs`` draws random inputs in that contract for the tests and experiments/bench_kda.py.
 """
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 HIGHEST = lax.Precision.HIGHEST
@@ -207,28 +209,35 @@ def kda_verify_layer(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o
                      eps=1e-6):
     """Verify: the recurrent layer keeping every position's post-state.
 
-    Returns ``(y [B, T, H, K], conv_rows [B, W-1+T, 3, H, K], states [B, T, H, K, V], inputs)`` where
-    ``conv_rows`` = old window ++ qkv (the window after position t is ``conv_rows[:, t+1 : t+W]``) and
-    ``inputs`` = fp32 (k̂, v, g, beta) per token for replay.
+    Returns ``(y [B, T, H, K], conv_rows [B, W-1+T, 3, H, K], states [B, T, H, K, V])`` where
+    ``conv_rows`` = old window ++ qkv (the window after position t is ``conv_rows[:, t+1 : t+W]``).
     """
     (q, k, v, g, beta), _ = kda_inputs(qkv, f, b, conv_window, conv_w, A_log, dt_bias, lower_bound)
     o, states = recurrent_kda(q, k, v, g, beta, state, return_all_states=True)
     y = gated_rms_norm(o.astype(qkv.dtype), z, o_norm_w, eps)
     conv_rows = jnp.concatenate([conv_window.astype(qkv.dtype), qkv], axis=1)
-    return y, conv_rows, states, (k, v, g, beta)
+    return y, conv_rows, states
 
 
-def replay_kda(state, k, v, g, beta, n):
-    """Design B commit: re-run the delta rule over the first n tokens (n: [B] or scalar int32, device).
+def layer_inputs(seed, B, T, H, K, dtype=jnp.float32, gate="mixed", fresh_window=False, W=4):
+    """Random inputs in the layer contract of ``dispatch.py`` (numpy-seeded, so a failure names its draw).
 
-    Tokens t ≥ n are masked to g = 0, beta = 0, which leaves the state bit-identical (exp(0) = 1 and the
-    update adds k·0). Matches the post-state of position n-1 of ``recurrent_kda`` bit for bit.
+    gate="strong": A_log and dt_bias push g to about −5 (the safe gate's bound); fresh_window: a zero window.
     """
-    B, T = k.shape[:2]
-    n = jnp.broadcast_to(jnp.asarray(n, jnp.int32), (B,))
-    keep = jnp.arange(T)[None, :] < n[:, None]  # [B, T]
-    g = jnp.where(keep[..., None, None], g, 0.0)
-    beta = jnp.where(keep[..., None], beta, 0.0)
-    q = jnp.zeros_like(k)
-    _, S = recurrent_kda(q, k, v, g, beta, state)
-    return S
+    rng = np.random.default_rng(seed)
+    n = lambda *s, sc=1.0: rng.standard_normal(s).astype(np.float32) * sc
+    qkv = jnp.asarray(n(B, T, 3, H, K), dtype)
+    f = jnp.asarray(n(B, T, H, K), dtype)
+    b = jnp.asarray(n(B, T, H, sc=2.0), dtype)
+    z = jnp.asarray(n(B, T, H, K), dtype)
+    window = jnp.zeros((B, W - 1, 3, H, K), dtype) if fresh_window else jnp.asarray(n(B, W - 1, 3, H, K), dtype)
+    state = jnp.asarray(n(B, H, K, K, sc=0.5))
+    conv_w = jnp.asarray(n(W, 3, H, K, sc=0.5))
+    if gate == "strong":
+        A_log = jnp.asarray(rng.uniform(1.5, 2.5, H).astype(np.float32))
+        dt_bias = jnp.asarray(rng.uniform(2.0, 4.0, (H, K)).astype(np.float32))
+    else:
+        A_log = jnp.asarray(n(H, sc=0.5))
+        dt_bias = jnp.asarray(n(H, K, sc=0.5))
+    o_norm_w = jnp.asarray(1.0 + n(K, sc=0.1))
+    return qkv, f, b, z, window, state, conv_w, A_log, dt_bias, o_norm_w

@@ -47,7 +47,7 @@ def mla_decode_attention(q_latent, q_rope, kv_cache, start, *, scale, backend="r
       start: int32 scalar (may be traced): cache position of the first new query.
       scale: softmax scale.
       backend: "reference" | "pallas".
-      tuning: optional `decode.MLADecodeTuning` for backend="pallas" (tiling, cheaper precision modes).
+      tuning: optional `decode.MLADecodeTuning` for backend="pallas" (tiling).
     Returns:
       o_latent [B, T, H, R] float32 (the caller applies W_uv and the head-wise gate).
     """

@@ -27,7 +27,7 @@ def route(x, router, expert_bias, *, n_group, topk_group, top_k, routed_scaling_
       norm_topk_prob: renormalise the selected unbiased scores to sum to 1 (eps 1e-20).
       backend: "reference" | "pallas".
       prefetch: arrays the caller reads right after routing (the shared expert's gate, up, down). With
-        backend="pallas" and a tuning that prefetches (router.DECODE_TUNING, T = 1), the top-k launch hands their
+        backend="pallas" and a tuning that prefetches (the defaults up to 16 tokens), the top-k launch hands their
         bytes to L2 while it computes (pallas_kernels/common/prefetch.py). A performance hint only: no result
         depends on it, and the reference backend has nothing to overlap it with, so it does not read them.
     Returns:
@@ -77,8 +77,8 @@ def _check_down(name, w, want, names):
     swapped = tuple(want[:-2]) + tuple(want[-2:][::-1])
     if tuple(w.shape) == swapped and swapped != tuple(want):
         raise ValueError(f"{name}.shape={tuple(w.shape)} must be {names} = {tuple(want)} (torch's [out, in]); it looks "
-                         f"like the [.., I, D] down layout of ling-jax before session 10: swap its last two axes "
-                         f"(jnp.swapaxes(w, -1, -2)) or re-convert the checkpoint")
+                         f"like the [.., I, D] down layout of an older ling-jax checkpoint: swap its last two axes "
+                         f"(jnp.swapaxes(w, -1, -2)), or convert the checkpoint again")
     check_shape(name, w, want, names)
 
 
@@ -95,7 +95,7 @@ def moe_experts(x, weights, ids, we_gate, we_up, we_down, ws_gate=None, ws_up=No
       limit, shared_limit: static floats, 0 = no clamp; else act = min(silu(g), L) · clip(u, -L, L).
       backend: "reference" | "pallas".
       residual: optional [N, D] in the compute dtype, added last (a pre-norm block's h + MoE(x)). The Pallas T = 1
-        down kernel adds it in its epilogue, saving the separate add launch (RESULTS.md, "Session 10").
+        down kernel adds it in its epilogue, saving the separate add launch.
     Returns:
       y [N, D] in the compute dtype: fp32 combine of the routed experts rounded once, plus the shared expert (plus
       `residual`, in the compute dtype).

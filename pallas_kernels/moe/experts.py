@@ -2,10 +2,10 @@
 
 Layout (ling_jax/params.py): every expert matrix is stored as torch stores it, [out, in]: gate/up [E, I, D], down
 [E, D, I]. Gate/up programs own BI intermediate rows and read those D-rows (5 KB at Flash size) end to end; down
-programs own BD output features and read those I-rows (1.5 KB). With gate/up stored [E, D, I] each program read a
-64-256 byte stripe of every row and gate/up took 28 µs instead of 18.5 at T = 1 on the H200; down stored [E, I, D]
-(sessions 3-9) was read as 128-byte column stripes by 360 four-warp programs, 10.6 µs plus a 0.9 µs combine
-fusion, where whole rows in one-row programs take 10.4-10.6 with the combine inside (RESULTS.md, "Session 10").
+programs own BD output features and read those I-rows (1.5 KB). On the H200 at T = 1, gate/up stored [E, D, I]
+(a 64-256 byte stripe of every row per program) took 28 µs instead of 18.5, and down stored [E, I, D] 10.6 µs plus
+a 0.9 µs combine fusion, where whole rows in one-row programs take 10.4-10.6 with the combine inside
+(experiments/RESULTS.md, "MoE").
 
 Slots: the T·K (token, k) pairs in row-major order, plus the shared expert. A routed slot *owns* its expert when
 no earlier slot chose the same expert; only owners do work, and an owner computes its expert for every token (its
@@ -15,31 +15,26 @@ ragged_dot: ownership is one vector compare over the ids, repeated in every prog
 Kernel 1 (`experts_fwd_kernel_gate_up`), grid (S, I / BI): owner slot s streams gate and up rows [BI, D] in
 [BI, BK] tiles, accumulates in fp32, rounds to the compute dtype, applies SwiGLU (+ post-SiLU clamp) and writes
 h[s, :, BI-block]. Non-owner programs exit at once; their h rows stay unwritten and unread.
+Products: at T = 1 each tile's FMAs are reduced into [1, BI] (DECODE_TUNING's 2-row one-warp programs: the shape
+that read a layer's 70.8 MB of gate/up fastest in a read-only kernel, 17.8 µs). At T > 1 (`verify_gate_up`) the
+tokens are padded to TP = max(16, 2^⌈log2 T⌉) rows and every step is a tensor-core dot ("dot", orientation
+`dot_gate_up`), or each weight tile, read once, is reduced against the T real tokens one by one ("fma_tokens").
 Kernel 2 at T = 1 (`experts_fwd_kernel_down_t1`), grid (D / BD): a program owns BD output features and, for the
 shared expert and then each routed slot, reduces their BD W_down rows against the slot's h by FMAs (the slots
 written out, so the compiler overlaps one slot's loads with another's math), rounds each expert's output to the
-compute dtype as the reference does, sums the routed ones weighted in fp32, rounds once and adds the shared output:
-the layer's output, no combine launch. Non-owner slots (a repeated id; the router never repeats one within a token)
-are masked, their owner taking every weight of the id.
-Kernel 2 at T > 1 (`experts_fwd_kernel_down`), grid (NG + 1, D / BD): group g < NG walks its T slots (NG = K
-groups), takes tensor-core dots h·W_down[BD rows]ᵀ over the tokens padded to 16 (fp32, rounded to the compute dtype
-as the reference rounds each expert's output), scales by each token's routing weight in fp32 and writes a fp32
-partial; program row NG writes the shared expert's output. XLA sums the NG partials (fp32), rounds once and adds
-the shared output in the compute dtype: one small fusion.
-
-Products (GATE_UP_MODES): at T = 1 the gate/up default is `fma_reduce` with tiny programs (2 rows, 1 warp): the
-shape that streamed fastest in a read-only probe (experiments/probe_stream.py). At T > 1 tokens are padded to
-TP = max(16, 2^⌈log2 T⌉) rows and every step is a tensor-core `dot` (`verify_gate_up="dot"`; T = 1 can broadcast
-its row in-kernel), or (`verify_gate_up="fma_tokens"`) the T = 1 shape of programs reduces each weight tile against
-the T real tokens one by one (VERIFY_GATE_UP_MODES).
-Tunings by T (`default_tuning`): `DECODE_TUNING` (T = 1, the best of the H200 sweeps by device time),
-`FMA_TOKENS_TUNING` (2 <= T <= FMA_TOKENS_MAX, per-token FMAs) and `VERIFY_TUNING` (larger T, the dot path's
-defaults).
+compute dtype as the reference does, sums the routed ones weighted in fp32, rounds once and adds the shared output
+(and the optional residual): the layer's output, no combine launch. Non-owner slots (a repeated id; the router never
+repeats one within a token) are masked, their owner taking every weight of the id.
+Kernel 2 at T > 1 (`experts_fwd_kernel_down`), grid (K + 1, D / BD): group g < K walks its T slots, takes
+tensor-core dots h·W_down[BD rows]ᵀ over the TP token rows (fp32, rounded to the compute dtype as the reference
+rounds each expert's output), scales by each token's routing weight in fp32 and writes a fp32 partial; program row
+K writes the shared expert's output. XLA sums the K partials (fp32), rounds once and adds the shared output in the
+compute dtype: one small fusion.
+Tunings by T (`default_tuning`): `DECODE_TUNING` (T = 1), `FMA_TOKENS_TUNING` (2 <= T <= FMA_TOKENS_MAX) and
+`VERIFY_TUNING` (larger T, the dot path's field defaults).
 PDL: with `early_launch_down` (DECODE_TUNING) the down kernel's programs first admit its successor (at T = 1
 whatever follows the MoE layer: in the model, the next block's norm fusion), which then waits at its entry
 (pallas_kernels/common/pdl.py).
-L2: the tunings load the routed weights with an `evict_first` policy (`routed_eviction`), as each is read once
-per layer (T = 1 gate/up −0.3–0.4 µs on the H200).
 """
 
 from __future__ import annotations
@@ -59,18 +54,12 @@ from pallas_kernels.common.sizes import check_pow2_fields, next_pow2
 
 MAX_TOKENS = 64  # beyond this, ownership checks over T·K ids in every program stop paying: use the reference
 
-
-# Gate/up products of a [BI, BK] weight tile with the [TO, BK] inputs, by mode (accumulator shape):
-#   fma [BI, BK] elementwise products, reduced once at the end;  fma_reduce [1, BI] reduced every tile;
-#   dot_x [TP, BI] = x·Wᵀ (weight tile as the transposed operand);  dot_w [BI, TP] = W·xᵀ (weight tile as the
-#   row-major left operand). The dots pad the tokens to TP >= 16 rows (T = 1 broadcasts its row).
-GATE_UP_MODES = ("fma", "fma_reduce", "dot_x", "dot_w")
-# T > 1 gate/up: "dot" (tensor-core dots over the tokens padded to TP = max(16, 2^⌈log2 T⌉) rows, orientation
-# `dot_gate_up`) or "fma_tokens" (a program's [BI, BK] weight tile, read once, times each real token's slice: T FMA
-# reductions per tile and none for the padded rows, which x and h keep; for small T, with the T = 1 path's tiny
-# programs).
+# T > 1 gate/up: "dot" (tensor-core dots over the tokens padded to TP rows, orientation `dot_gate_up`: "dot_x"
+# x·Wᵀ with the weight tile as the transposed operand, "dot_w" W·xᵀ with it as the left operand) or "fma_tokens"
+# (a program's [BI, BK] weight tile, read once, times each real token's slice: T FMA reductions per tile and none
+# for the padded rows, which x and h keep; for small T, with the T = 1 path's tiny programs).
 VERIFY_GATE_UP_MODES = ("dot", "fma_tokens")
-EVICTION_POLICIES = (None, "evict_first", "evict_last")
+EVICTION_POLICIES = (None, "evict_first")
 
 
 def _load(ref, idx, eviction):
@@ -81,30 +70,27 @@ def _load(ref, idx, eviction):
 @dataclasses.dataclass(frozen=True)
 class ExpertsTuning:
     # Field defaults = VERIFY_TUNING (T > FMA_TOKENS_MAX); DECODE_TUNING and FMA_TOKENS_TUNING below override some.
-    block_i: int = 16  # BI: intermediate rows per gate/up program (>= 16 for the dot modes)
+    block_i: int = 16  # BI: intermediate rows per gate/up program (>= 16 for the dots)
     block_k: int = 256  # BK: hidden-dim chunk per gate/up step
     block_d: int = 64  # BD: output features (W_down rows) per down program (>= 16 at T > 1: tensor-core dots)
     block_ki: int = 128  # BKI: intermediate columns per down step (capped at the largest power of two dividing I)
-    t1_gate_up: str = "fma"  # T = 1 gate/up products: "fma" | "fma_reduce" | "dot_x" | "dot_w" (GATE_UP_MODES)
     dot_gate_up: str = "dot_x"  # T > 1 tensor-core gate/up products: "dot_x" | "dot_w"
     verify_gate_up: str = "dot"  # T > 1 gate/up: "dot" | "fma_tokens" (VERIFY_GATE_UP_MODES)
     warps_gate_up: int = 4
     stages_gate_up: int = 3
     warps_down: int = 4
     stages_down: int = 3  # T > 1 only: the T = 1 down kernel's FMA loads are written out, not pipelined
-    # PDL (pallas_kernels/common/pdl.py, sm_90+): the kernel's programs first let the next kernel be admitted
-    early_launch_gate_up: bool = False  # successor: the down kernel (no gain measured at T = 1)
-    early_launch_down: bool = False  # successor: the combine fusion (T > 1) or the next layer's first kernel (T = 1)
+    # PDL (pallas_kernels/common/pdl.py, sm_90+): the down kernel's programs first let the next kernel be admitted
+    # (the combine fusion at T > 1, whatever follows the layer at T = 1)
+    early_launch_down: bool = False
     # L2 eviction policy of the routed experts' weight loads (None: the default policy). Each routed weight is read
-    # once per layer, so "evict_first" (DECODE_TUNING) keeps the stream from displacing lines that are read again:
-    # T = 1 gate/up 18.9 -> 18.5-18.6 µs on the H200; the T = 1 down kernel 11.9 -> 11.5 (S10 2, 2-row programs).
+    # once per layer, so "evict_first" keeps the stream from displacing lines that are read again: T = 1 gate/up
+    # 18.9 -> 18.5-18.6 µs on the H200.
     routed_eviction: str | None = None
 
     def __post_init__(self):
         check_pow2_fields(self, ("block_i", "block_d"))
         check_pow2_fields(self, ("block_k", "block_ki"), 16)
-        if self.t1_gate_up not in GATE_UP_MODES:
-            raise ValueError(f"ExpertsTuning.t1_gate_up={self.t1_gate_up!r} must be one of {GATE_UP_MODES}")
         if self.dot_gate_up not in ("dot_x", "dot_w"):
             raise ValueError(f"ExpertsTuning.dot_gate_up={self.dot_gate_up!r} must be 'dot_x' or 'dot_w'")
         if self.verify_gate_up not in VERIFY_GATE_UP_MODES:
@@ -115,19 +101,15 @@ class ExpertsTuning:
                              f"{EVICTION_POLICIES}")
 
 
-# T = 1: down programs of one output feature and one warp (2560 at Flash size, all resident): 10.4-10.6 µs with the
-# combine inside, against 11.4-11.5 for 2-row programs and 15.8-17.3 for 4 rows (S10 1-3: the bytes a program keeps
-# in flight are bounded by its registers, so more, smaller programs keep more in flight).
-DECODE_TUNING = ExpertsTuning(t1_gate_up="fma_reduce", block_i=2, block_k=512, warps_gate_up=1, block_d=1,
-                              block_ki=256, warps_down=1, early_launch_down=True, routed_eviction="evict_first")
+# T = 1: 2-row one-warp gate/up programs; down programs of one output feature and one warp (2560 at Flash size, all
+# resident): 10.4-10.6 µs with the combine inside, against 11.4-11.5 for 2-row programs and 15.8-17.3 for 4 rows
+# (the bytes a program keeps in flight are bounded by its registers, so more, smaller programs keep more in flight).
+DECODE_TUNING = ExpertsTuning(block_i=2, block_k=512, warps_gate_up=1, block_d=1, block_ki=256, warps_down=1,
+                              early_launch_down=True, routed_eviction="evict_first")
 VERIFY_TUNING = ExpertsTuning()
-# 2 <= T <= FMA_TOKENS_MAX: the T = 1 shape of gate/up programs (2 rows, 1 warp) with per-token FMA reductions, each
-# weight tile read once for every token, instead of tensor-core dots over 16 padded token rows. H200 (RESULTS.md,
-# "Session 9", S9 10): T = 2 layer span 76.3 -> 66.6 µs (gate/up 45.0 -> 35.0); at T = 4 the T FMA passes per tile
-# cost more than the padding (119.4 -> 136.0 µs), at T = 8 far more (211.8 -> 365.3). T = 3 (S10 2, same call):
-# 102.9 -> 97.0 µs span (T = 2 in that call 76.4 -> 67.0).
-# Measured as a whole: the routed down weights load `evict_first` here too, and the router prefetched the shared
-# expert (router.VERIFY_TUNING); neither part was timed alone at T = 2.
+# 2 <= T <= FMA_TOKENS_MAX: the T = 1 shape of gate/up programs with per-token FMA reductions instead of
+# tensor-core dots over 16 padded token rows: MoE layer at T = 2 76.3 -> 66.6 µs, T = 3 102.9 -> 97.0 on the H200;
+# at T = 4 the T FMA passes per tile cost more than the padding (119.4 -> 136.0).
 FMA_TOKENS_MAX = 3
 FMA_TOKENS_TUNING = dataclasses.replace(VERIFY_TUNING, verify_gate_up="fma_tokens", block_i=2, warps_gate_up=1,
                                         block_k=256, routed_eviction="evict_first")
@@ -145,41 +127,16 @@ def _dot_nt(a, b):
     return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
 
 
-def _gu_init(mode, bi, bk, tp):
-    shape = {"fma": (bi, bk), "fma_reduce": (1, bi), "dot_x": (tp, bi), "dot_w": (bi, tp)}[mode]
+def _gu_init(mode, bi, to):
+    shape = {"fma_reduce": (1, bi), "dot_x": (to, bi), "dot_w": (bi, to)}[mode]
     return jnp.zeros(shape, jnp.float32)
 
 
 def _gu_step(mode, acc, w, xs):
-    if mode == "fma":
-        return acc + w.astype(jnp.float32) * xs.astype(jnp.float32)
+    """acc + the products of a [BI, BK] weight tile with the [TO, BK] inputs (T = 1: fma_reduce, one row)."""
     if mode == "fma_reduce":
         return acc + jnp.sum(w.astype(jnp.float32) * xs.astype(jnp.float32), axis=1)[None, :]
-    tp = acc.shape[0] if mode == "dot_x" else acc.shape[1]
-    xs = jnp.broadcast_to(xs, (tp, xs.shape[1]))
     return acc + (_dot_nt(xs, w) if mode == "dot_x" else _dot_nt(w, xs))
-
-
-def _gu_result(mode, acc, to):
-    """The accumulated products as [TO, BI] fp32."""
-    if mode == "fma":
-        return jnp.sum(acc, axis=1)[None, :]
-    if mode == "fma_reduce":
-        return acc
-    if mode == "dot_w":
-        if to == acc.shape[1]:
-            return acc.T
-        cols = lax.broadcasted_iota(jnp.int32, acc.shape, 1)  # T = 1 broadcast its row: keep column 0
-        return jnp.sum(jnp.where(cols == 0, acc, 0.0), axis=1)[None, :]
-    return _token_rows(acc, to)
-
-
-def _token_rows(acc, to):
-    """acc [TP, N] of a dot over padded token rows -> the [TO, N] real ones (T = 1 broadcast its row: row 0)."""
-    if to == acc.shape[0]:
-        return acc
-    rows = lax.broadcasted_iota(jnp.int32, acc.shape, 0)
-    return jnp.sum(jnp.where(rows == 0, acc, 0.0), axis=0)[None, :]
 
 
 def _swiglu(g, u, limit):
@@ -213,9 +170,11 @@ def _gate_up_rows(x_ref, load_g, load_u, *, BK, n_chunks, bi, to, mode, limit, d
         xs = x_ref[:, ks]
         return _gu_step(mode, carry[0], load_g(ks), xs), _gu_step(mode, carry[1], load_u(ks), xs)
 
-    init = _gu_init(mode, bi, BK, max(16, to))
+    init = _gu_init(mode, bi, to)
     acc_g, acc_u = lax.fori_loop(0, n_chunks, body, (init, init))
-    return _swiglu(_gu_result(mode, acc_g, to).astype(dt), _gu_result(mode, acc_u, to).astype(dt), limit)
+    if mode == "dot_w":  # [BI, TO]
+        acc_g, acc_u = acc_g.T, acc_u.T
+    return _swiglu(acc_g.astype(dt), acc_u.astype(dt), limit)
 
 
 def _gate_up_rows_tokens(x_ref, load_g, load_u, *, BK, n_chunks, bi, to, limit, dt, n_tok):
@@ -239,16 +198,15 @@ def _gate_up_rows_tokens(x_ref, load_g, load_u, *, BK, n_chunks, bi, to, limit, 
 
 
 def _down_dot(load_h, load_d, *, BKI, n_chunks, bd, to, dt):
-    """h·W_downᵀ for BD output features: load_h(ks) -> [TO, BKI] activations, load_d(ks) -> [BD, BKI] weight tiles
-    (W_down rows); -> [TO, BD] fp32 holding values rounded to dt (the reference rounds each expert's output)."""
-    tp = max(16, to)
-
+    """T > 1: h·W_downᵀ for BD output features: load_h(ks) -> [TO, BKI] activations (TO >= 16 padded token rows),
+    load_d(ks) -> [BD, BKI] weight tiles (W_down rows); -> [TO, BD] fp32 holding values rounded to dt (the reference
+    rounds each expert's output)."""
     def body(c, acc):
         ks = pl.ds(pl.multiple_of(c * BKI, BKI), BKI)
-        return acc + _dot_nt(jnp.broadcast_to(load_h(ks), (tp, BKI)), load_d(ks))
+        return acc + _dot_nt(load_h(ks), load_d(ks))
 
-    acc = lax.fori_loop(0, n_chunks, body, jnp.zeros((tp, bd), jnp.float32))
-    return _token_rows(acc, to).astype(dt).astype(jnp.float32)
+    acc = lax.fori_loop(0, n_chunks, body, jnp.zeros((to, bd), jnp.float32))
+    return acc.astype(dt).astype(jnp.float32)
 
 
 def _down_fma(load_h, load_d, *, BKI, n_chunks, dt):
@@ -263,11 +221,9 @@ def _down_fma(load_h, load_d, *, BKI, n_chunks, dt):
 
 
 def experts_fwd_kernel_gate_up(x_ref, ids_ref, wg_ref, wu_ref, sg_ref, su_ref, h_ref, *, BK, n_chunks, n_routed,
-                               limit, shared_limit, has_shared, mode, early_launch=False, eviction=None, n_tok=1):
+                               limit, shared_limit, has_shared, mode, eviction=None, n_tok=1):
     # x_ref [TO, D] (TO = 1 at T = 1, else TP); ids_ref [P] int32; wg_ref/wu_ref [E, I, D]; sg_ref/su_ref [I, D];
     # h_ref [TO, BI]: slot s, intermediate rows block j, after SwiGLU, compute dtype
-    if early_launch:
-        launch_dependents()
     s, j = pl.program_id(0), pl.program_id(1)
     to, bi = h_ref.shape
     e, owner = _ownership(ids_ref[...], s, n_routed)
@@ -304,7 +260,7 @@ def experts_fwd_kernel_down_t1(h_ref, ids_ref, w_ref, wd_ref, sd_ref, r_ref, y_r
     def expert_out(s, load_d):
         return _down_fma(lambda ks: h_ref[s, :, ks], load_d, BKI=BKI, n_chunks=n_chunks, dt=dt)
 
-    # The shared expert first: its rows were prefetched into L2 by the router (S10 4-5: 0.0-0.3 µs below last).
+    # The shared expert first: the router prefetched its rows into L2 (0.0-0.3 µs faster than last).
     shared = None if sd_ref is None else expert_out(n_routed, lambda ks: sd_ref[feats, ks])
     routed = jnp.zeros((bd,), jnp.float32)
     for s in range(n_routed):  # written out: one slot's loads overlap another's math (a loop would serialise them)
@@ -384,13 +340,13 @@ def moe_experts_fused(x, weights, ids, we_gate, we_up, we_down, ws_gate, ws_up, 
     bi = min(tuning.block_i, i & -i)
     bk = min(tuning.block_k, d & -d)
     if n == 1:
-        mode = tuning.t1_gate_up
+        mode = "fma_reduce"
     else:
         mode = tuning.dot_gate_up if tuning.verify_gate_up == "dot" else tuning.verify_gate_up
     if mode.startswith("dot") and bi < 16:
         raise ValueError(f"ExpertsTuning.block_i={tuning.block_i} with gate/up mode {mode!r} at T={n}: tensor-core "
-                         "dots need >= 16 rows; only the FMA modes take fewer (T = 1: t1_gate_up 'fma' or "
-                         "'fma_reduce'; T > 1: verify_gate_up='fma_tokens'), or use VERIFY_TUNING")
+                         "dots need >= 16 rows; only the FMA products take fewer (T = 1, or "
+                         "verify_gate_up='fma_tokens' at T > 1), or use VERIFY_TUNING")
     tp = max(16, next_pow2(n))
     to = 1 if n == 1 else tp
     if to != n:
@@ -407,7 +363,7 @@ def moe_experts_fused(x, weights, ids, we_gate, we_up, we_down, ws_gate, ws_up, 
     h = pl.pallas_call(
         functools.partial(experts_fwd_kernel_gate_up, BK=bk, n_chunks=d // bk, n_routed=n_routed, limit=limit,
                           shared_limit=shared_limit, has_shared=has_shared, mode=mode,
-                          early_launch=tuning.early_launch_gate_up, eviction=tuning.routed_eviction, n_tok=n),
+                          eviction=tuning.routed_eviction, n_tok=n),
         grid=(n_slots, i // bi),
         in_specs=[whole] * 6,
         out_specs=pl.BlockSpec((None, to, bi), lambda s, j: (s, 0, j)),

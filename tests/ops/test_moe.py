@@ -233,16 +233,15 @@ def test_route_pallas(n):
         assert ids.dtype == jnp.int32 and w.dtype == jnp.float32
 
 
-@pytest.mark.parametrize("n,mode", [(1, None), (1, "fma"), (1, "dot"), (7, None), (40, None)])
-def test_route_bf16_router_is_its_fp32_copy(n, mode):
+@pytest.mark.parametrize("n,block_e", [(1, None), (1, 16), (7, None), (40, None)])
+def test_route_bf16_router_is_its_fp32_copy(n, block_e):
     """A bf16-stored router (the BF16 release's `mlp.gate.weight`, kept as stored) gives exactly what its fp32
     copy gives: the kernels widen each weight tile before the same products in the same order, so ids and weights
     are bit-identical (reference backend likewise), and the ids are the reference's, random inputs and near ties.
-    T = 1 by each product mode (None: DECODE_TUNING's fma_reduce), 7 tokens (per-token programs), 40 (the dot)."""
+    T = 1 by the defaults and with 16-row programs, 7 tokens (per-token programs), 40 (the dot)."""
     from pallas_kernels.moe import router as router_mod
 
-    tu = None if mode is None else router_mod.RouterTuning(t1_gemv=mode, block_e=16 if mode == "dot" else 2,
-                                                           block_k=64, num_warps=1)
+    tu = None if block_e is None else router_mod.RouterTuning(block_e=block_e, block_k=64, num_warps=1)
     for seed in range(4):
         x, router, bias = _router_inputs(300 + seed, n, ties=seed % 2 == 1)
         r16 = jnp.asarray(router, jnp.bfloat16)
@@ -262,18 +261,16 @@ def test_route_bf16_router_is_its_fp32_copy(n, mode):
                                                                      np.asarray(bias), **ROUTE_KW)[1])
 
 
-@pytest.mark.parametrize("mode,dot", [("fma", "dot_x"), ("fma_reduce", "dot_x"), ("dot", "dot_x"), ("dot", "dot_w")])
-def test_route_pallas_t1_modes(mode, dot):
-    """Each T = 1 GEMV product mode (router.T1_GEMV_MODES; the dot in both orientations) selects the reference's
-    experts, random inputs and near ties; fma modes with 2-row programs, BK 512 > D (one chunk) and BK 32."""
+@pytest.mark.parametrize("be", [1, 2, 16])
+def test_route_pallas_t1_blocks(be):
+    """The T = 1 GEMV with 1, 2 and 16 rows per program selects the reference's experts, random inputs and near
+    ties, with BK 512 > D (one chunk) and BK 32."""
     from pallas_kernels.moe import router as router_mod
 
-    be = 16 if mode == "dot" else 2
     for seed in range(4):
         x, router, bias = _router_inputs(200 + seed, 1, ties=seed % 2 == 1)
         args = (jnp.asarray(x), jnp.asarray(router), jnp.asarray(bias))
-        tu = router_mod.RouterTuning(t1_gemv=mode, dot_gemv=dot, block_e=be, block_k=(512, 32)[seed // 2],
-                                     num_warps=1)
+        tu = router_mod.RouterTuning(block_e=be, block_k=(512, 32)[seed // 2], num_warps=1)
         w, ids = router_mod.route(*args, **ROUTE_KW, tuning=tu)
         w_ref, ids_ref = moe.route(*args, **ROUTE_KW)
         np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids_ref))
@@ -281,22 +278,22 @@ def test_route_pallas_t1_modes(mode, dot):
 
 
 @pytest.mark.parametrize("n,d,ks,used,multi", [(1, 240, 5, 5, None), (1, 240, 4, 3, None), (1, 256, 5, 4, None),
-                                                (5, 240, 16, 15, "dot_x"), (5, 256, 4, 4, "dot_w"),
-                                                (40, 256, 1, 1, "dot_x"), (40, 256, 4, 4, "dot_w"),
-                                                (5, 240, 5, 5, "per_token"), (5, 240, 3, 3, "per_token_fma")])
+                                                (5, 240, 16, 15, "dot"), (5, 256, 4, 4, "dot"),
+                                                (40, 256, 1, 1, "dot"), (40, 256, 4, 4, "dot"),
+                                                (5, 240, 5, 5, "per_token"), (5, 240, 3, 3, "per_token_blocks")])
 def test_route_pallas_k_splits(n, d, ks, used, multi):
     """D-splits: the partial logits of `used` splits (the largest count <= KS dividing D into multiples of 16)
     summed by the top-k kernel select the reference's experts, random inputs and near ties, T = 1 and N > 1
-    (the dot in both orientations, over 1 and 3 blocks of 16 tokens; one token per program, fma_reduce and fma)."""
+    (the dot over 1 and 3 blocks of 16 tokens; one token per program, VERIFY_TUNING's blocks and 4-row ones)."""
     from pallas_kernels.moe import router as router_mod
 
     assert router_mod._split_count(d, ks) == used
     if multi in (None, "per_token"):
         base = router_mod.DECODE_TUNING if multi is None else router_mod.VERIFY_TUNING
-    elif multi == "per_token_fma":
-        base = dataclasses.replace(router_mod.VERIFY_TUNING, t1_gemv="fma", block_e=4, block_k=32)
+    elif multi == "per_token_blocks":
+        base = dataclasses.replace(router_mod.VERIFY_TUNING, block_e=4, block_k=32)
     else:
-        base = dataclasses.replace(router_mod.RouterTuning(), dot_gemv=multi)
+        base = router_mod.RouterTuning()
     for seed in range(2):
         x, router, bias = _router_inputs(300 + seed, n, d=d, ties=seed == 1)
         args = (jnp.asarray(x), jnp.asarray(router), jnp.asarray(bias))
@@ -311,10 +308,6 @@ def test_router_tuning_errors():
     from pallas_kernels.moe import router as router_mod
     from pallas_kernels.moe.router import RouterTuning
 
-    with pytest.raises(ValueError, match=r"RouterTuning.t1_gemv='gemv' must be one of \('fma', 'fma_reduce', 'dot'\)"):
-        RouterTuning(t1_gemv="gemv")
-    with pytest.raises(ValueError, match=r"RouterTuning.block_e=8 with t1_gemv='dot': tensor-core dots need"):
-        RouterTuning(t1_gemv="dot", block_e=8)
     with pytest.raises(ValueError, match=r"RouterTuning.block_k=48 must be a power of two"):
         RouterTuning(block_k=48)
     with pytest.raises(ValueError, match=r"RouterTuning.block_n=8 must be a power of two >= 16"):
@@ -323,11 +316,10 @@ def test_router_tuning_errors():
         RouterTuning(num_stages=0)
     with pytest.raises(ValueError, match=r"RouterTuning.k_splits=0 must be >= 1"):
         RouterTuning(k_splits=0)
-    with pytest.raises(ValueError, match=r"RouterTuning.dot_gemv='dot' must be 'dot_x' or 'dot_w'"):
-        RouterTuning(dot_gemv="dot")
     with pytest.raises(ValueError, match=r"RouterTuning.multi_token='tokens' must be 'dot' or 'per_token'"):
         RouterTuning(multi_token="tokens")
-    with pytest.raises(ValueError, match=r"RouterTuning.prefetch_chunk_bytes=100 must be a non-negative multiple of 16 bytes"):
+    with pytest.raises(ValueError,
+                       match=r"RouterTuning.prefetch_chunk_bytes=100 must be a non-negative multiple of 16 bytes"):
         RouterTuning(prefetch_chunk_bytes=100)
     x, router, bias = (jnp.asarray(a) for a in _router_inputs(0, 3))
     with pytest.raises(ValueError, match=r"RouterTuning.block_k=8 at N=3 tokens with the tensor-core dot: it needs"):
@@ -368,10 +360,10 @@ def test_route_pallas_prefetch_keeps_results(n):
         np.testing.assert_allclose(np.asarray(w), np.asarray(w_ref), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("gpu,evict_last", [("H200", False), ("H200", True), ("A100", False)])
-def test_route_prefetch_lowers_for_cuda(monkeypatch, gpu, evict_last):
+@pytest.mark.parametrize("gpu", ["H200", "A100"])
+def test_route_prefetch_lowers_for_cuda(monkeypatch, gpu):
     """Through the dispatcher at Flash size and T = 1, the top-k launch gets one program per 120 KiB chunk of the
-    shared expert (3 x 32) and the bulk L2 prefetch instruction with the tuning's policy; before Hopper (no
+    shared expert (3 x 32) and the bulk L2 prefetch instruction with the evict_normal policy; before Hopper (no
     cp.async.bulk) the programs stay and prefetch nothing."""
     from jax._src.pallas.triton import gpu_info
 
@@ -379,8 +371,6 @@ def test_route_prefetch_lowers_for_cuda(monkeypatch, gpu, evict_last):
     from pallas_kernels.moe import router as router_mod
 
     jax.clear_caches()  # the prefetch is decided when the kernel is traced: no trace cached for another GPU here
-    monkeypatch.setattr(router_mod, "DECODE_TUNING",
-                        dataclasses.replace(router_mod.DECODE_TUNING, prefetch_evict_last=evict_last))
     sds, bf = jax.ShapeDtypeStruct, jnp.bfloat16
     fn = lambda x, r, b, *sh: moe.route(x, r, b, **ROUTE_KW, backend="pallas", prefetch=sh)  # noqa: E731
     txt = lower_for_cuda(monkeypatch, [router_mod, prefetch], fn, sds((1, 2560), bf), sds((512, 2560), jnp.float32),
@@ -388,8 +378,7 @@ def test_route_prefetch_lowers_for_cuda(monkeypatch, gpu, evict_last):
     topk = txt.split("stablehlo.custom_call")[2]
     assert re.search(r'name = "([^"]+)"', topk).group(1) == "router_fwd_kernel_topk"
     assert "grid_x = 97" in topk
-    policy = "evict_last" if evict_last else "evict_normal"
-    assert (f"createpolicy.fractional.L2::{policy}" in topk) == (gpu == "H200")
+    assert ("createpolicy.fractional.L2::evict_normal" in topk) == (gpu == "H200")
     assert ("cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1+0], 122880, pol;" in topk) == (gpu == "H200")
 
 
@@ -423,7 +412,7 @@ def test_prefetch_chunks_and_asm():
     assert _prefetch_chunks(arrays, 160) == ((80, 4, 144), (80, 24576, 160), (40, 2, 64))
     assert _prefetch_chunks(arrays[1:2], 120 * 1024) == ((61440, 32, 122880),)
     assert _prefetch_chunks(arrays[:1], 4096) == ((312, 1, 624),)  # one chunk smaller than chunk_bytes
-    asm = _asm((1 << 20) + 48, evict_last=False)
+    asm = _asm((1 << 20) + 48)
     assert re.findall(r"\[\$1\+(\d+)\], (\d+), pol;", asm) == [("0", "524288"), ("524288", "524288"),
                                                                    ("1048576", "48")]
     assert "L2::evict_normal" in asm and "setp.eq.u32 p, t, 0;" in asm
@@ -442,8 +431,8 @@ def test_route_pallas_bf16_input_and_hand_table():
 
 def test_route_pallas_exact_ties():
     """Many exact ties (scores on a coarse grid): equal experts in and across groups, equal group scores, equal
-    top-2 members; every T = 1 GEMV product mode (tokens 0 and 1 alone) and the batched dot. Selection must match
-    lax.top_k's lower-index order exactly."""
+    top-2 members; T = 1 GEMV programs of 1 to 32 rows (tokens 0 and 1 alone) and the batched dot. Selection must
+    match lax.top_k's lower-index order exactly."""
     from pallas_kernels.moe import router as router_mod
 
     rng = np.random.default_rng(11)
@@ -459,11 +448,11 @@ def test_route_pallas_exact_ties():
     args = (jnp.asarray(x), jnp.asarray(router), jnp.asarray(bias))
     w_ref, ids_ref = moe.route(*args, **ROUTE_KW)
     np.testing.assert_array_equal(np.asarray(ids_ref), np_route(x, router, bias, **ROUTE_KW)[1])
-    # The defaults by T (None), each T = 1 product mode with awkward blocks (BE 1 or 4, BK below or above D, one
-    # warp top-k); these tunings' batched rows take the dot GEMV (multi_token="dot": BE >= 16, else an error).
+    # The defaults by T (None), T = 1 programs with awkward blocks (BE 1, 4 or 32, BK below or above D, one warp
+    # top-k); these tunings' batched rows take the dot GEMV (multi_token="dot": BE >= 16, else an error).
     RT = router_mod.RouterTuning
-    for tu in (None, RT(t1_gemv="fma", block_e=1, block_k=16), RT(t1_gemv="fma_reduce", block_e=4, block_k=1024),
-               RT(t1_gemv="dot", block_e=32, block_k=16, topk_warps=1), RT(block_e=128, block_k=32, block_n=32)):
+    for tu in (None, RT(block_e=1, block_k=16), RT(block_e=4, block_k=1024),
+               RT(block_e=32, block_k=16, topk_warps=1), RT(block_e=128, block_k=32, block_n=32)):
         for rows in (slice(None), slice(0, 1), slice(1, 2)):
             if rows == slice(None) and tu is not None and tu.block_e < 16:
                 msg = rf"block_e={tu.block_e} \(E=512: {tu.block_e} expert rows per program\) at N={n} tokens"
@@ -492,12 +481,11 @@ def test_experts_pallas(n, limits, dtype):
 
 # Small blocks so every loop runs several chunks at the test sizes (D = 128, I = 64): BK = 32, BKI = 16.
 _SMALL = dict(block_k=32, block_ki=16)
-_TUNINGS = {  # every gate/up product mode (experts.GATE_UP_MODES)
-    "fma": dict(_SMALL),  # T = 1: FMA tiles + one reduction
-    "fma_reduce_bi2": dict(_SMALL, t1_gate_up="fma_reduce", block_i=2, warps_gate_up=1),  # the decode default's shape
-    "dot_x": dict(_SMALL, t1_gate_up="dot_x", block_d=16),  # T = 1 broadcast to 16 rows, tensor-core dots
-    "dot_w": dict(_SMALL, t1_gate_up="dot_w", dot_gate_up="dot_w"),  # the weight tile as the left operand
+_TUNINGS = {  # every gate/up product form, rows per program and down shape
+    "bi16": dict(_SMALL),  # T = 1: 16-row gate/up programs (the field defaults)
+    "bi2": dict(_SMALL, block_i=2, warps_gate_up=1),  # T = 1: the decode default's shape
     "dot": dict(_SMALL, block_i=32, block_d=16),  # T > 1, x·Wᵀ
+    "dot_w": dict(_SMALL, dot_gate_up="dot_w"),  # T > 1, W·xᵀ: the weight tile as the left operand
     "down_bd1": dict(_SMALL, block_d=1, warps_down=1),  # T = 1 down: the decode default's shape, 4 chunks
     "down_bd4": dict(_SMALL, block_d=4, warps_down=1),  # T = 1 down, 4 features per program
     "fma_tokens": dict(_SMALL, verify_gate_up="fma_tokens", block_i=2, warps_gate_up=1),  # T > 1, per-token FMAs
@@ -505,9 +493,8 @@ _TUNINGS = {  # every gate/up product mode (experts.GATE_UP_MODES)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("n,tu", [(1, "fma"), (1, "fma_reduce_bi2"), (1, "dot_x"), (1, "dot_w"), (1, "down_bd1"),
-                                  (1, "down_bd4"), (3, "dot"), (3, "dot_w"), (16, "dot"), (2, "fma_tokens"),
-                                  (5, "fma_tokens")])
+@pytest.mark.parametrize("n,tu", [(1, "bi16"), (1, "bi2"), (1, "down_bd1"), (1, "down_bd4"), (3, "dot"),
+                                  (3, "dot_w"), (16, "dot"), (2, "fma_tokens"), (5, "fma_tokens")])
 def test_experts_pallas_tunings(n, tu, dtype):
     """ExpertsTuning variants (product form, rows per program, multi-chunk loops) vs the reference, clamps on."""
     from pallas_kernels.moe.experts import ExpertsTuning, moe_experts_fused
@@ -520,8 +507,7 @@ def test_experts_pallas_tunings(n, tu, dtype):
     assert rel_err(y, y_ref) <= (1e-5 if dtype == jnp.float32 else 2e-2)
 
 
-@pytest.mark.parametrize("n,tu", [(1, "fma"), (1, "fma_reduce_bi2"), (1, "dot_x"), (1, "down_bd1"), (3, "dot"),
-                                  (3, "fma_tokens")])
+@pytest.mark.parametrize("n,tu", [(1, "bi16"), (1, "bi2"), (1, "down_bd1"), (3, "dot"), (3, "fma_tokens")])
 def test_experts_pallas_repeated_ids_in_a_token(n, tu):
     """The router never repeats an expert within a token, but moe_experts accepts any ids in [0, E): a repeat must
     count twice (gate/up writes h once, for the expert's first slot; the down kernel reads it from there and gives
@@ -575,7 +561,7 @@ def test_experts_pallas_no_shared_and_distinct():
     from pallas_kernels.moe.experts import ExpertsTuning, moe_experts_fused
 
     y = moe_experts_fused(*args, None, None, None, limit=0.0, shared_limit=0.0,
-                          tuning=ExpertsTuning(**_TUNINGS["dot_x"]))
+                          tuning=ExpertsTuning(**_TUNINGS["down_bd4"]))
     assert rel_err(y, moe.moe_experts(*args)) <= 1e-5
 
 
@@ -588,8 +574,6 @@ def test_pallas_rejects_unsupported_shapes():
 def test_experts_tuning_errors():
     from pallas_kernels.moe.experts import DECODE_TUNING, ExpertsTuning, moe_experts_fused
 
-    with pytest.raises(ValueError, match="t1_gate_up='fma2' must be one of"):
-        ExpertsTuning(t1_gate_up="fma2")
     with pytest.raises(ValueError, match="dot_gate_up='fma' must be 'dot_x' or 'dot_w'"):
         ExpertsTuning(dot_gate_up="fma")
     with pytest.raises(ValueError, match=r"verify_gate_up='fma' must be one of \('dot', 'fma_tokens'\)"):
@@ -621,10 +605,10 @@ def lower_for_cuda(monkeypatch, modules, fn, *avals, gpu=None):
     return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("n,tu", [(1, None), (1, "fma"), (1, "dot_x"), (1, "dot_w"), (1, "down_bd4"), (2, None),
-                                  (3, None), (4, None), (3, "dot_w"), (9, "fma_tokens")])
+@pytest.mark.parametrize("n,tu", [(1, None), (1, "bi16"), (1, "down_bd4"), (2, None), (3, None), (4, None),
+                                  (3, "dot_w"), (9, "fma_tokens")])
 def test_pallas_lowers_for_cuda(monkeypatch, n, tu):
-    """Every product mode lowers to Triton at Flash size (None: the defaults by T, experts.default_tuning)."""
+    """Every product form lowers to Triton at Flash size (None: the defaults by T, experts.default_tuning)."""
     from pallas_kernels.common import pdl
     from pallas_kernels.moe import experts as experts_mod, router as router_mod
 
@@ -679,16 +663,13 @@ def test_router_variants_lower_for_cuda(monkeypatch):
     from pallas_kernels.moe import router as router_mod
 
     sds = jax.ShapeDtypeStruct
-    # Every T = 1 product mode (the defaults by T run in test_pallas_lowers_for_cuda), awkward blocks and splits;
-    # the N > 1 paths: the dot in both orientations (3 and 40 tokens: WIDE_TUNING's N), one-token programs.
+    # T = 1 awkward blocks and splits (the defaults by T run in test_pallas_lowers_for_cuda); the N > 1 paths: the
+    # dot (3 and 40 tokens: WIDE_TUNING's N), one-token programs.
     RT = router_mod.RouterTuning
-    for n, tu in ((1, RT(t1_gemv="fma", block_e=2, block_k=512, num_warps=1)),
-                  (1, RT(t1_gemv="fma_reduce", block_e=8)),
-                  (1, RT(t1_gemv="dot", topk_warps=1, block_e=64, block_k=16)),
-                  (1, RT(t1_gemv="fma", block_e=1, block_k=1024, k_splits=10)),
-                  (1, RT(t1_gemv="dot", dot_gemv="dot_w", k_splits=4)), (3, RT()),
-                  (3, RT(dot_gemv="dot_w", k_splits=5)), (40, None), (6, router_mod.VERIFY_TUNING),
-                  (6, RT(multi_token="per_token", t1_gemv="fma", block_e=4))):
+    for n, tu in ((1, RT(block_e=2, block_k=512, num_warps=1)), (1, RT(block_e=8)),
+                  (1, RT(topk_warps=1, block_e=64, block_k=16)), (1, RT(block_e=1, block_k=1024, k_splits=10)),
+                  (1, RT(k_splits=4)), (3, RT()), (3, RT(k_splits=5)), (40, None), (6, router_mod.VERIFY_TUNING),
+                  (6, RT(multi_token="per_token", block_e=4))):
         fn = lambda x, r, b, tu=tu: router_mod.route(x, r, b, **ROUTE_KW, tuning=tu)  # noqa: E731
         for router_dtype in (jnp.float32, jnp.bfloat16):  # as the checkpoint stores it
             txt = lower_for_cuda(monkeypatch, [router_mod], fn, sds((n, 2560), jnp.bfloat16),
@@ -705,11 +686,10 @@ def test_router_variants_lower_for_cuda(monkeypatch):
         assert f"grid_x = {rows}" in gemv and "grid_y = 5" in gemv
 
 
-@pytest.mark.parametrize("gate_up,down,gpu", [(False, True, "H200"), (True, True, "H200"), (True, False, "H200"),
-                                              (False, False, "H200"), (True, True, "A100")])
-def test_early_launch_lowers_for_cuda(monkeypatch, gate_up, down, gpu):
-    """The PDL trigger (pallas_kernels/common/pdl.py) is in exactly the experts kernels asked for, and nowhere before
-    Hopper (no griddepcontrol instruction there)."""
+@pytest.mark.parametrize("down,gpu", [(True, "H200"), (False, "H200"), (True, "A100")])
+def test_early_launch_lowers_for_cuda(monkeypatch, down, gpu):
+    """The PDL trigger (pallas_kernels/common/pdl.py) is in the T = 1 down kernel when asked for, never in gate/up,
+    and nowhere before Hopper (no griddepcontrol instruction there)."""
     from jax._src.pallas.triton import gpu_info
 
     from pallas_kernels.common import pdl
@@ -718,7 +698,7 @@ def test_early_launch_lowers_for_cuda(monkeypatch, gate_up, down, gpu):
     jax.clear_caches()  # the trigger is decided when a kernel is traced: no trace cached for another GPU here
     d, e, i = 256, 16, 64
     bf, sds = jnp.bfloat16, jax.ShapeDtypeStruct
-    tu = dataclasses.replace(experts_mod.DECODE_TUNING, early_launch_gate_up=gate_up, early_launch_down=down)
+    tu = dataclasses.replace(experts_mod.DECODE_TUNING, early_launch_down=down)
 
     def experts(x, w, ids, wg, wu, wd, sg, su, sd):
         return experts_mod.moe_experts_fused(x, w, ids, wg, wu, wd, sg, su, sd, limit=4.0, shared_limit=5.0,
@@ -731,7 +711,7 @@ def test_early_launch_lowers_for_cuda(monkeypatch, gate_up, down, gpu):
     calls = txt.split("stablehlo.custom_call")[1:]
     has = {re.search(r'name = "([^"]+)"', c).group(1): "griddepcontrol.launch_dependents" in c for c in calls}
     hopper = gpu != "A100"
-    assert has == {"experts_fwd_kernel_gate_up": gate_up and hopper, "experts_fwd_kernel_down_t1": down and hopper}
+    assert has == {"experts_fwd_kernel_gate_up": False, "experts_fwd_kernel_down_t1": down and hopper}
 
 
 def _kernel_loads(jaxpr, kernel=None):

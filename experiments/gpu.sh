@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The benchmarks and the compiled kernel tests on a GPU machine, by suite (device tool, carry [".whl"]: the
+# fla-core wheel the GPU image lacks):   bash experiments/gpu.sh SUITE [SUITE...]   (tests decode moe kda mla all)
+# Each suite writes its log and results JSON into $OUT (default /tmp/out) and the JSON under its canonical name into
+# experiments/results/ (what plot_results.py reads); the tail of every log is printed at the end. Every suite has
+# its own timeout under the 600 s a device command may run; with several GPUs the suites run side by side, one
+# lane per GPU, else one after another (then give a call one or two suites).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+
+suite_tests() {
+  timeout 560 bash experiments/gpu_tests.sh -rf --tb=line -p no:cacheprovider
+}
+suite_decode() {  # the engine on the 6-layer exact-width Flash slice
+  timeout 480 python3 experiments/bench_decode.py --layers 6 --prompt-len 2048 --new-tokens 257 \
+    --backends fast,reference --router-dtype bfloat16 --profile
+}
+suite_moe() {  # T = 1 in the model-like chain (an RMSNorm fusion between layers), then the T sweep, one file
+  timeout 480 python3 experiments/bench_moe.py --quick --iters 1 --chain norm --layers 8 --router-dtype bfloat16 \
+    --ts 1,2,3,4,6,9 --profile-ts 2,6
+}
+suite_kda() {  # compiled checks, then decode, verify and bf16 prefill against fla
+  timeout 540 python3 experiments/bench_kda.py --sections check,decode,verify,prefill --prefill-dtypes bfloat16 \
+    --budget 420
+}
+suite_mla() {  # device time per call from the profiler, then bench_mla's compiled checks and slopes
+  timeout 240 python3 experiments/profile_ops.py --ops mla_1k_t1,mla_1k_t6,mla_8k_t1,mla_8k_t6,mla_32k_t1,mla_32k_t6 \
+    --backends pallas,reference --n 8 --json mla_profile.json
+  timeout 300 python3 experiments/bench_mla.py --budget 200
+}
+
+suites=()
+for s in "$@"; do
+  case "$s" in
+    all) suites+=(tests decode moe kda mla) ;;
+    tests|decode|moe|kda|mla) suites+=("$s") ;;
+    *) echo "unknown suite '$s' (tests decode moe kda mla all)"; exit 2 ;;
+  esac
+done
+[ ${#suites[@]} -gt 0 ] || { sed -n 2,7p "$0"; exit 2; }
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || echo "no fla-core wheel in .whl/: the fla comparisons and the tests that need fla will fail"
+export PYTHONPATH=/tmp/site:$PWD
+
+lane() {  # GPU, then its suites in order
+  local gpu=$1; shift
+  for s in "$@"; do
+    echo "== $s on GPU $gpu"
+    CUDA_VISIBLE_DEVICES=$gpu "suite_$s" > "$OUT/$s.log" 2>&1
+    echo "== $s: exit $?" >> "$OUT/$s.log"
+  done
+}
+n_gpu=$(nvidia-smi -L | wc -l)
+n_gpu=$(( n_gpu < 1 ? 1 : (n_gpu > ${#suites[@]} ? ${#suites[@]} : n_gpu) ))
+for ((g = 0; g < n_gpu; g++)); do
+  mine=()
+  for ((i = g; i < ${#suites[@]}; i += n_gpu)); do mine+=("${suites[i]}"); done
+  lane "$g" "${mine[@]}" &
+done
+wait
+for s in "${suites[@]}"; do
+  echo; echo "==== $s (tail of $OUT/$s.log)"
+  grep -v -E "^(WARNING|I0000|E0000)" "$OUT/$s.log" | tail -n 40
+done

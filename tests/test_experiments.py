@@ -1,0 +1,88 @@
+"""Every benchmark script still runs: `--smoke` on the CPU (toy sizes, interpret mode, the same code paths and
+checks as a GPU run), as a subprocess from the repo root, writing nothing to experiments/results; and
+plot_results.py draws its figures from synthetic results files of the canonical formats."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "experiments" / "results"
+
+
+def run_script(name: str, *args: str, timeout: float = 300) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, f"experiments/{name}.py", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{name} {' '.join(args)} exited {proc.returncode}:\n{out[-4000:]}"
+    return proc.stdout
+
+
+def results_state() -> dict[str, float]:
+    return {p.name: p.stat().st_mtime for p in RESULTS.iterdir()} if RESULTS.exists() else {}
+
+
+SMOKE_OUTPUT = {  # what each smoke run must print beyond exiting 0
+    "bench_decode": [r"^reference\s+\d", r"^pallas\s+\d"],  # its TPOT table, a row per backend
+    "profile_ops": [r"^moe pallas: ran, no GPU events", r"^mla_1k_t1 reference: ran, no GPU events"],
+    "bench_kda": [r"^\| section \| name \| numbers \|", r"checks passed: True"],
+    "bench_moe": [r"^\| kind \| backend \| T \|"],
+    "bench_mla": [r"^\| L \| T \| backend \|"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(SMOKE_OUTPUT))
+def test_benchmark_smoke(name):
+    before = results_state()
+    out = run_script(name, "--smoke")
+    for pattern in SMOKE_OUTPUT[name]:
+        assert re.search(pattern, out, re.M), f"{name} --smoke printed no line matching {pattern!r}:\n{out[-3000:]}"
+    assert results_state() == before, f"{name} --smoke wrote under experiments/results"
+
+
+def synthetic_results(d: Path) -> None:
+    """One small results file per figure, in the formats the benchmarks write."""
+    moe_rows = [dict(kind="moe_layer", backend=b, T=t, us=30.0 * t * (5 if b == "reference" else 1),
+                     floor_us=25.0 * t) for b in ("pallas", "reference") for t in (1, 2, 4)]
+    moe_prof = {"T1": [dict(kernel="experts_fwd_kernel_gate_up", us_per_layer=17.2),
+                       dict(kernel="router_fwd_kernel_gemv", us_per_layer=2.6)],
+                "T1_own_us_per_layer": 33.7, "T2_span_us_per_layer": 60.0}
+    kda_rows = [dict(section="decode", name="byte floor per layer", us=1.07),
+                dict(section="decode", name="pallas BV16 warps1", kern_sum_us=5.3),
+                dict(section="decode", name="fla fused_recurrent_kda", us_per_layer=5.3)]
+    kda_rows += [dict(section="verify", name=f"T{t} A default verify+commit", kern_sum_us=4.0 + 2 * t) for t in (2, 6)]
+    mla_ops = [dict(op=f"mla_{k}k_t{t}", backend=b, span_us_per_op=10.0 * k * t) for k in (1, 32) for t in (1, 6)
+               for b in ("pallas", "reference")]
+    decode_rows = [dict(backend=b, tpot_us=us, floor_us=500.0, frac_of_floor=500.0 / us, kernels_per_step=900)
+                   for b, us in (("fast", 800.0), ("reference", 2000.0))]
+    files = {"bench_moe.json": dict(device="H200", router_dtype="bfloat16", rows=moe_rows, profile=moe_prof),
+             "kda_bench.json": dict(meta=dict(device="H200"), checks_passed=True, rows=kda_rows),
+             "mla_profile.json": dict(device="H200", ops=mla_ops),
+             "bench_decode.json": dict(device="H200", args=dict(layers=6), rows=decode_rows)}
+    for name, data in files.items():
+        (d / name).write_text(json.dumps(data))
+
+
+def test_plot_results_draws_every_figure(tmp_path):
+    synthetic_results(tmp_path)
+    out = run_script("plot_results", "--results", str(tmp_path), "--out", str(tmp_path / "png"), timeout=120)
+    pngs = sorted(p.name for p in (tmp_path / "png").glob("*.png"))
+    assert pngs == ["decode_slice.png", "kda.png", "mla_decode.png", "moe.png"], out
+    assert all((tmp_path / "png" / p).stat().st_size > 10_000 for p in pngs)
+
+
+def test_plot_results_skips_a_missing_file(tmp_path):
+    synthetic_results(tmp_path)
+    (tmp_path / "kda_bench.json").unlink()
+    out = run_script("plot_results", "--results", str(tmp_path), timeout=120)
+    assert "kda_bench.json: missing, kda.png skipped" in out
+    assert not (tmp_path / "kda.png").exists() and (tmp_path / "moe.png").exists()
