@@ -67,7 +67,8 @@ def plot_kda(data):
     rows = data["rows"]
     floor = next((r["us"] for r in rows if r["name"] == "byte floor per layer"), None)
     decode = {r["name"]: r["kern_sum_us"] for r in rows if r["section"] == "decode" and "kern_sum_us" in r}
-    fla = {r["name"]: r["us_per_layer"] for r in rows if r["section"] == "decode" and r["name"].startswith("fla")}
+    fla = {r["name"]: r["us_per_layer"] for r in rows
+           if r["section"] == "decode" and r["name"].startswith("fla") and "us_per_layer" in r}
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
     names = list(decode) + [n[:50] for n in fla]
     a.barh(names, list(decode.values()) + list(fla.values()), color=["C0"] * len(decode) + ["C1"] * len(fla))

@@ -2,7 +2,7 @@
 
 Rows are the T·H (token, head) queries of one sequence, all attending to the one shared latent cache (MQA-like).
 Grid (row blocks of BH, NS splits of the valid length, B): each program streams its split of the cache
-[c_kv | k_rope] in blocks of BL positions, online softmax in fp32 (FlashAttention-2 §3.1.1: running max m_i and
+[c_kv | k_rope] in blocks of BL positions, online softmax in fp32 (FlashAttention-2's running max m_i and
 sum l_i), and writes the unnormalised partial o [BH, R], m, l; `_combine` merges the NS partials in XLA
 (flash-decoding). The register file holds o [BH, R] fp32; the query pieces are re-read per BK-wide chunk of R (they
 stay in L1/L2) rather than held for the whole loop, which frees the registers for two programs per SM at 4 warps:
