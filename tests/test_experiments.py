@@ -1,6 +1,7 @@
 """Every benchmark script still runs: `--smoke` on the CPU (toy sizes, interpret mode, the same code paths and
-checks as a GPU run), as a subprocess from the repo root, writing nothing to experiments/results; and
-plot_results.py draws its figures from synthetic results files of the canonical formats."""
+checks as a GPU run), as a subprocess from the repo root, writing nothing to experiments/results; the sm_90
+resource report lowers the MLA kernel; and plot_results.py draws its figures from synthetic results files of the
+canonical formats."""
 
 from __future__ import annotations
 
@@ -47,6 +48,15 @@ def test_benchmark_smoke(name):
     for pattern in SMOKE_OUTPUT[name]:
         assert re.search(pattern, out, re.M), f"{name} --smoke printed no line matching {pattern!r}:\n{out[-3000:]}"
     assert results_state() == before, f"{name} --smoke wrote under experiments/results"
+
+
+def test_triton_resources_reports_the_default_mla_kernel():
+    """The sm_90 resource report (registers, spill stack, shared memory) of the MLA decode kernel, on the CPU."""
+    out = run_script("triton_resources", "--t", "1", "--length", "1024", "--tunings", "default")
+    m = re.search(r"regs (\d+) stack (\d+) B smem (\d+) KiB", out)
+    assert m, out
+    regs, smem = int(m.group(1)), int(m.group(3))
+    assert 0 < regs <= 255 and 0 < smem <= 227, out  # what an sm_90 program can have
 
 
 def synthetic_results(d: Path) -> None:
