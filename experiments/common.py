@@ -14,7 +14,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-# Measured H200 device-to-device copy rate, bytes read + written (device tool KINDS.md): the floors' denominator.
+# Measured H200 device-to-device copy rate, bytes read + written (experiments/RESULTS.md): the floors' denominator.
 HBM_BYTES_PER_S = 4.3e12
 
 
@@ -63,7 +63,8 @@ def slope_per_call(make_run, n_per_rep: int, reps=(1, 3), iters: int = 10) -> tu
 
 
 def rel_err(a, b) -> float:
-    """||a - b|| / ||b|| in float64 (inf when a has a non-finite entry): the suite's and the benches' one measure."""
+    """||a - b|| / ||b|| in float64 (inf when a has a non-finite entry): the benches' measure, the one the tests'
+    `tests/numerics.py` also takes (which asserts finiteness instead of returning inf)."""
     a = np.asarray(np.asarray(a, np.float32), np.float64)
     b = np.asarray(np.asarray(b, np.float32), np.float64)
     if not np.isfinite(a).all():

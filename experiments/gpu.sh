@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The benchmarks and the compiled kernel tests on a GPU machine, by suite (device tool, carry [".whl"]: the
-# fla-core wheel the GPU image lacks):   bash experiments/gpu.sh SUITE [SUITE...]   (tests decode moe kda mla all)
+# The benchmarks and the compiled kernel tests on a GPU machine, by suite (wheels the machine lacks, fla-core and
+# einops for the fla comparisons, go in .whl/):   bash experiments/gpu.sh SUITE [SUITE...]   (tests decode moe kda mla all)
 # Each suite writes its log and results JSON into $OUT (default /tmp/out) and the JSON under its canonical name into
 # experiments/results/ (what plot_results.py reads); the tail of every log is printed at the end. Every suite has
 # its own timeout under the 600 s a device command may run; with several GPUs the suites run side by side, one

@@ -69,7 +69,7 @@ def synthetic_results(d: Path) -> None:
     kda_rows = [dict(section="decode", name="byte floor per layer", us=1.07),
                 dict(section="decode", name="pallas BV16 warps1", kern_sum_us=5.3),
                 dict(section="decode", name="fla fused_recurrent_kda", us_per_layer=5.3)]
-    kda_rows += [dict(section="verify", name=f"T{t} A default verify+commit", kern_sum_us=4.0 + 2 * t) for t in (2, 6)]
+    kda_rows += [dict(section="verify", name=f"T{t} default verify+commit", kern_sum_us=4.0 + 2 * t) for t in (2, 6)]
     mla_ops = [dict(op=f"mla_{k}k_t{t}", backend=b, span_us_per_op=10.0 * k * t) for k in (1, 32) for t in (1, 6)
                for b in ("pallas", "reference")]
     decode_rows = [dict(backend=b, tpot_us=us, floor_us=500.0, frac_of_floor=500.0 / us, kernels_per_step=900)

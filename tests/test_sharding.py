@@ -80,3 +80,25 @@ def test_pallas_kernels_run_per_shard(toy):
             return len(re.findall(r"\ball-gather(?:-start)?\(", hlo))
 
         assert gathers("pallas") <= gathers("reference")
+
+
+def test_kernel_specs_are_the_params_shardings():
+    """The shard_map specs the layers give the Pallas calls, derived from params.py's logical axes, written out:
+    heads for the KDA op's inputs and state, the intermediate dim for every expert matrix (gate/up [.., Ie, D] by
+    rows, down [.., D, Ie] by columns), the router and biases replicated. A drift would hand a kernel the wrong
+    shard of a weight."""
+    from jax.sharding import PartitionSpec as P
+
+    from ling_jax.layers import kda, moe
+
+    cfg = preset("toy")
+    rows, heads, tp = P(None, None, None, "tp", None), P(None, None, "tp", None), "tp"
+    assert kda._in_specs(cfg) == (rows, heads, P(None, None, tp), heads, rows, P(None, tp, None, None),
+                                  P(None, None, tp, None), P(tp), P(tp, None), P(None))
+    names = ("router", "expert_bias") + moe._ROUTED + moe._SHARED
+    assert moe._partition_specs(cfg, names) == (P(None, None), P(None), P(None, tp, None), P(None, tp, None),
+                                                P(None, None, tp), P(tp, None), P(tp, None), P(None, tp))
+    mesh = make_mesh(2)
+    shardings = param_shardings(cfg, mesh)
+    ffn = next(layer["ffn"] for layer in shardings["layers"] if "we_gate" in layer["ffn"])
+    assert tuple(ffn[n].spec for n in names) == moe._partition_specs(cfg, names)

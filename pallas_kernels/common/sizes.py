@@ -10,9 +10,9 @@ def next_pow2(n: int) -> int:
 
 
 def check_pow2_fields(obj, names, minimum: int = 1) -> None:
-    """Raise naming the field when a (non-None) tuning field is not a power of two >= minimum."""
+    """Raise naming the field when a tuning field is not a power of two >= minimum."""
     for name in names:
         v = getattr(obj, name)
-        if v is not None and (v < minimum or not is_pow2(v)):
+        if not isinstance(v, int) or v < minimum or not is_pow2(v):
             bound = f" >= {minimum}" if minimum > 1 else ""
             raise ValueError(f"{type(obj).__name__}.{name}={v} must be a power of two{bound}")

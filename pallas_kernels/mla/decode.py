@@ -52,8 +52,8 @@ class MLADecodeTuning:
     # dependent steps (score dots, cross-warp softmax reductions, layout changes, ·V dots) whose latency most
     # likely sets the time (inferred, not profiled per instruction). What helps is hiding that latency behind a
     # second program per SM: 4 warps with the query pieces re-read per 128-wide chunk (block_k) need 255
-    # registers (16 B spilled) and 97 KiB of shared memory (sm_90), so two fit; against the held-query, 8-warp,
-    # block_l 64, one-per-SM tiling: 50 vs 56 µs at L = 32k, T = 1, 205 vs 250 at 32k, T = 6, 60 vs 70 at 8k,
+    # registers (16 B spilled) and 97 KiB of shared memory (sm_90), so two fit; against the removed tiling that
+    # held the query pieces in registers (8 warps, block_l 64, one program per SM; experiments/FINDINGS.md): 50 vs 56 µs at L = 32k, T = 1, 205 vs 250 at 32k, T = 6, 60 vs 70 at 8k,
     # T = 6, 11.1 vs 11.8 at 1k, T = 1; 23.4 vs 21.5 at 8k, T = 1 and 17.7 vs 16.9 at 1k, T = 6 are its losses
     # (from the doubled split count: the same tiling at programs_per_sm 1 took 22.6 and 15.0 there).
     block_h: int = 16  # BH: query rows (token, head) per program
@@ -66,8 +66,6 @@ class MLADecodeTuning:
 
     def __post_init__(self):
         check_pow2_fields(self, ("block_h", "block_l", "block_k"), 16)
-        if self.block_k is None:
-            raise ValueError("MLADecodeTuning.block_k must be a power of two >= 16, got None")
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"MLADecodeTuning.num_splits={self.num_splits} must be >= 1")
         if self.programs_per_sm < 1:

@@ -189,7 +189,7 @@ def test_num_splits_plans_one_wave(monkeypatch):
     assert decode._num_splits(16, 32, n_other=2, per_sm=2) == 1
     with pytest.raises(ValueError, match="programs_per_sm=0 must be >= 1"):
         decode.MLADecodeTuning(programs_per_sm=0)
-    with pytest.raises(ValueError, match="block_k must be a power of two >= 16, got None"):
+    with pytest.raises(ValueError, match=r"MLADecodeTuning.block_k=None must be a power of two >= 16"):
         decode.MLADecodeTuning(block_k=None)
 
 
