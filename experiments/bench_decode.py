@@ -101,8 +101,7 @@ def profile_step(params, cfg, backend: str, prompt, block: int, top: int = 25, d
     Families merge XLA's numbered fusions (loop_add_fusion_3 → loop_add_fusion) so the table reads per op kind;
     "exclusive" is each family's time not overlapped by earlier kernels (ling_jax.profiling.exclusive_by_family).
     """
-    import tempfile
-    from ling_jax.profiling import exclusive_by_family, gpu_events, kernel_family
+    from ling_jax.profiling import exclusive_by_family, kernel_family, trace_events
 
     eos = jnp.zeros((0,), jnp.int32)
     max_len = prompt.shape[1] + 4 * block
@@ -111,11 +110,9 @@ def profile_step(params, cfg, backend: str, prompt, block: int, top: int = 25, d
     kw = dict(steps=block, backend=backend, pad_id=0)
     loop, _, _ = G.decode_block(params, loop, eos, cfg, Greedy(), **kw)  # compile
     jax.block_until_ready(loop)
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d, create_perfetto_trace=True):
-            loop, out, _ = G.decode_block(params, loop, eos, cfg, Greedy(), **kw)
-            jax.block_until_ready(out)
-        events = gpu_events(d, device)  # TP: GPU `device`'s timeline only (every shard runs the same kernels)
+    # One traced block from the compiled state (donated once); TP: GPU `device`'s timeline only (every shard runs the
+    # same kernels).
+    events = trace_events(lambda: G.decode_block(params, loop, eos, cfg, Greedy(), **kw), 1, device=device)
     fam: dict[str, list[float]] = {}
     for name, _, dur in events:
         fam.setdefault(kernel_family(name), []).append(dur)

@@ -28,7 +28,6 @@ import collections
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -40,7 +39,7 @@ import jax.numpy as jnp  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))
 from common import HBM_BYTES_PER_S, median_time, rel_err, run_header, write_results  # noqa: E402
 
-from ling_jax.profiling import call_span_us, gpu_events, split_calls  # noqa: E402
+from ling_jax.profiling import call_span_us, split_calls, trace_events  # noqa: E402
 from pallas_kernels import kda  # noqa: E402
 from pallas_kernels.kda import chunk, conv, recurrent, reference  # noqa: E402
 
@@ -249,17 +248,18 @@ def device_profile(fn, carry, calls, n=5):
     runs of fn(carry) -> (carry, out). (None, None, carry) without GPU events (CPU, or no CUPTI)."""
     if not PROFILE[0]:
         return None, None, carry
+    state = [carry]
+
+    def run():
+        state[0], out = fn(state[0])
+        return state[0], out
+
     try:
-        with tempfile.TemporaryDirectory() as d:
-            with jax.profiler.trace(d, create_perfetto_trace=True):
-                for _ in range(n):
-                    carry, out = fn(carry)
-                    jax.block_until_ready((carry, out))
-                    time.sleep(0.002)  # a clear gap between executables
-            ev = gpu_events(d)
+        ev = trace_events(run, n, pause_s=0.002)  # a clear gap between executables
     except Exception as e:
         log(f"profiler failed: {e!r:.200}")
-        return None, None, carry
+        return None, None, state[0]
+    carry = state[0]
     runs = split_calls(ev, gap_us=1000.0)[-n:]
     if not runs:
         return None, None, carry

@@ -16,6 +16,7 @@ import os
 import re
 import statistics
 import tempfile
+import time
 
 import jax
 
@@ -36,15 +37,23 @@ def gpu_events(trace_dir, device=None):
     return sorted(out, key=lambda e: e[1])
 
 
-def trace_kernels(run, n):
-    """GPU events (as `gpu_events`) of n calls of the zero-argument `run`, after two untraced warm-up calls."""
-    jax.block_until_ready(run())
-    jax.block_until_ready(run())
+def trace_events(run, n, *, device=None, pause_s=0.0):
+    """GPU events (as `gpu_events`, `device` likewise) of n traced calls of the zero-argument `run`, each blocked
+    on, with `pause_s` of host sleep after each so that `split_calls` can tell the calls apart. A `run` that
+    threads donated state keeps it in its closure."""
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):
             for _ in range(n):
                 jax.block_until_ready(run())
-        return gpu_events(d)
+                time.sleep(pause_s)
+        return gpu_events(d, device)
+
+
+def trace_kernels(run, n):
+    """`trace_events` of n calls of `run` after two untraced warm-up calls."""
+    jax.block_until_ready(run())
+    jax.block_until_ready(run())
+    return trace_events(run, n)
 
 
 def split_calls(events, gap_us=20.0):
