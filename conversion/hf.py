@@ -28,6 +28,7 @@ Experts: `mlp.experts.{e}.*` for e = 0..E-1 are transformed one by one and stack
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from typing import Any, Sequence
@@ -339,3 +340,35 @@ def explain_unexpected(name: str, cfg: LingConfig) -> str:
         if int(m2.group(1)) >= cfg.num_experts:
             return f"expert {m2.group(1)} >= num_experts = {cfg.num_experts}"
     return ""
+
+
+_MIXER_KINDS, _FFN_KINDS = frozenset((KDA, MLA)), frozenset((DENSE, MOE))
+
+
+def held_kinds(names: Sequence[str], num_layers: int) -> dict[int, tuple[str | None, str | None]]:
+    """{main layer: (mixer, ffn)} that the tensor names describe; None where they name no kind or both.
+
+    Only names that one kind alone carries count (`attention.f_proj` is KDA, `attention.kv_b_proj` MLA,
+    `mlp.gate` MoE, `mlp.gate_proj` dense); the names KDA and MLA share (`q_proj`, `g_proj`, `dense`) say nothing.
+    """
+    seen: dict[int, set[str]] = {}
+    for name in names:
+        m = re.match(r"model\.layers\.(\d+)\.(.*)$", name)
+        if not m or int(m.group(1)) >= num_layers:
+            continue
+        scopes = _scopes(re.sub(r"^mlp\.experts\.\d+\.", "mlp.experts.0.", m.group(2)))
+        for kinds in (_MIXER_KINDS, _FFN_KINDS):
+            if len(scopes & kinds) == 1:
+                seen.setdefault(int(m.group(1)), set()).update(scopes & kinds)
+    return {layer: (_single(kinds & _MIXER_KINDS), _single(kinds & _FFN_KINDS)) for layer, kinds in seen.items()}
+
+
+@functools.lru_cache(maxsize=None)
+def _scopes(rest: str) -> frozenset[str]:
+    """The scopes of the rules naming `rest` (a name under `model.layers.{l}.`); cached, since a checkpoint repeats
+    each expert name for every expert of every layer."""
+    return frozenset(rule.scope for rule, rx in _TEMPLATE_RES if rx.match(rest))
+
+
+def _single(kinds: set[str]) -> str | None:
+    return next(iter(kinds)) if len(kinds) == 1 else None

@@ -1,9 +1,10 @@
 """Load an official Ling-3 checkpoint directory (config.json + safetensors shards) into a params pytree.
 
 Everything is validated from the safetensors headers before a single tensor is read: one `CheckpointError`
-lists every missing, unexpected, duplicate and mis-shaped tensor and a vocab mismatch. Then the tensors stream
-one `hf.Entry` at a time (one tensor, or the E experts of one layer stacked into one [E, ...] host array), are
-cast on the host, put on device with their target sharding, and freed.
+lists every missing, unexpected, duplicate and mis-shaped tensor and a vocab mismatch, led by any layer whose
+tensors are of another kind than config.json's layer schedule. Then the tensors stream one `hf.Entry` at a time
+(one tensor, or the E experts of one layer stacked into one [E, ...] host array), are cast on the host, put on
+device with their target sharding, and freed.
 """
 
 from __future__ import annotations
@@ -14,15 +15,16 @@ import json
 import re
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from conversion import hf
-from ling_jax.config import LingConfig, from_hf
+from ling_jax.config import (DENSE, HF_FFN_NAMES, HF_MIXER_NAMES, KDA, MLA, MOE, LingConfig, from_hf,
+                             read_config_json)
 from ling_jax.params import is_spec, param_specs
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -57,7 +59,7 @@ def read_catalog(hf_dir: str | Path) -> tuple[dict[str, TensorInfo], list[str]]:
     problems: list[str] = []
     index_path = hf_dir / INDEX_NAME
     if index_path.is_file():
-        weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
+        weight_map = _read_weight_map(index_path)
         files = sorted(set(weight_map.values()))
     elif (hf_dir / SINGLE_NAME).is_file():
         weight_map, files = {}, [SINGLE_NAME]
@@ -65,17 +67,24 @@ def read_catalog(hf_dir: str | Path) -> tuple[dict[str, TensorInfo], list[str]]:
         raise CheckpointError(f"no {INDEX_NAME} or {SINGLE_NAME} in {hf_dir}: not a safetensors checkpoint")
     catalog: dict[str, TensorInfo] = {}
     duplicates: dict[str, list[str]] = {}
+    corrupt: list[str] = []
     for file in files:
         if not (hf_dir / file).is_file():
             problems.append(f"shard file {file} named in {INDEX_NAME} does not exist")
             continue
-        with safe_open(hf_dir / file, framework="numpy") as f:
-            for name in f.keys():
-                sl = f.get_slice(name)
-                info = TensorInfo(file, tuple(sl.get_shape()), sl.get_dtype())
-                if name in catalog:
-                    duplicates.setdefault(name, [catalog[name].file]).append(file)
-                catalog[name] = info
+        try:
+            with safe_open(hf_dir / file, framework="numpy") as f:
+                for name in f.keys():
+                    sl = f.get_slice(name)
+                    info = TensorInfo(file, tuple(sl.get_shape()), sl.get_dtype())
+                    if name in catalog:
+                        duplicates.setdefault(name, [catalog[name].file]).append(file)
+                    catalog[name] = info
+        except SafetensorError as e:
+            corrupt.append(f"{file}: {e}")
+    if corrupt:
+        raise CheckpointError(f"{len(corrupt)} safetensors shard(s) in {hf_dir} cannot be read (truncated or "
+                              "corrupt):\n  " + "\n  ".join(corrupt) + "\n  re-download or re-copy these shard files")
     for name, where in duplicates.items():
         problems.append(f"duplicate tensor {name} in shards {', '.join(where)}")
     stale = [n for n, file in weight_map.items() if (hf_dir / file).is_file() and catalog.get(n, None) is None]
@@ -88,15 +97,37 @@ def read_catalog(hf_dir: str | Path) -> tuple[dict[str, TensorInfo], list[str]]:
     return catalog, problems
 
 
+def _read_weight_map(index_path: Path) -> dict[str, str]:
+    try:
+        index = json.loads(index_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{index_path} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}): "
+                              "re-download or re-copy it") from None
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{index_path} is not UTF-8 text: re-download or re-copy it") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise CheckpointError(f"{index_path} has no \"weight_map\" object of tensor name -> shard file: re-download "
+                              f"or re-copy it (or delete it to read a single {SINGLE_NAME})")
+    return weight_map
+
+
 def has_mtp_tensors(catalog: dict[str, TensorInfo], cfg: LingConfig) -> bool:
     prefix = hf.layer_prefix(cfg.num_layers)
     return any(n.startswith(prefix) for n in catalog)
 
 
 def validate(cfg: LingConfig, catalog: dict[str, TensorInfo], entries: list[hf.Entry], *,
-             ignore_prefix: str | None = None, problems: list[str] | None = None) -> None:
-    """Raise one CheckpointError naming every way `catalog` differs from what `entries` expect."""
-    problems = list(problems or [])
+             ignore_prefix: str | None = None, problems: list[str] | None = None,
+             schedule_lists: Sequence[str] = ()) -> None:
+    """Raise one CheckpointError naming every way `catalog` differs from what `entries` expect.
+
+    A layer whose tensors describe another mixer or ffn than the schedule comes first, as its own problem: its
+    missing and unexpected tensors follow from it. `schedule_lists` names the lists config.json holds
+    (layer_types, mlp_layer_types), so that the message says where the schedule came from.
+    """
+    conflicts = _schedule_conflicts(cfg, catalog, schedule_lists)
+    problems = ([conflicts] if conflicts else []) + list(problems or [])
     expected: dict[str, tuple[hf.Entry, int]] = {}
     for entry in entries:
         for i, names in enumerate(entry.sources):
@@ -141,14 +172,53 @@ def validate(cfg: LingConfig, catalog: dict[str, TensorInfo], entries: list[hf.E
                               + "\n  ".join(problems))
 
 
-def load_hf(hf_dir: str | Path, *, dtype=jnp.bfloat16, shardings: Any = None, with_mtp: bool = True,
+def _schedule_conflicts(cfg: LingConfig, catalog: dict[str, TensorInfo], schedule_lists: Sequence[str]) -> str:
+    """One line per main layer whose tensors are of another kind than the schedule says, and the fix; '' if none."""
+    lines, fixes = [], {"layer_types": [], "mlp_layer_types": []}
+    for layer, held in sorted(hf.held_kinds(list(catalog), cfg.num_layers).items()):
+        for field, want, have in (("layer_types", cfg.mixer_kind(layer), held[0]),
+                                  ("mlp_layer_types", cfg.ffn_kind(layer), held[1])):
+            if have is None or have == want:
+                continue
+            names = HF_MIXER_NAMES if field == "layer_types" else HF_FFN_NAMES
+            lines.append(f"layer {layer}: {_schedule_source(cfg, field, schedule_lists)} says {names[want]} "
+                         f"({_KIND_NAMES[want]}) but the checkpoint holds {_KIND_NAMES[have]} tensors")
+            fixes[field].append(f'{field}[{layer}] = "{names[have]}"')
+    for field, items in fixes.items():
+        if items:
+            what = (f"correct {field} in config.json:" if _explicit(cfg, field, schedule_lists)
+                    else f"add {field} to config.json (one entry per main layer) with")
+            lines.append(f"fix: {what} {', '.join(items)}")
+    if not lines:
+        return ""
+    return "layer schedule of config.json differs from the tensors:\n      " + "\n      ".join(lines)
+
+
+_KIND_NAMES = {KDA: "KDA", MLA: "MLA", DENSE: "dense MLP", MOE: "MoE"}
+
+
+def _explicit(cfg: LingConfig, field: str, schedule_lists: Sequence[str]) -> bool:
+    return field in schedule_lists or bool(cfg.mixer_schedule if field == "layer_types" else cfg.ffn_schedule)
+
+
+def _schedule_source(cfg: LingConfig, field: str, schedule_lists: Sequence[str]) -> str:
+    if _explicit(cfg, field, schedule_lists):
+        return f"config.json {field}"
+    if field == "layer_types":
+        return f"the layer_group_size={cfg.layer_group_size} rule (config.json has no layer_types)"
+    return f"the first_k_dense_replace={cfg.first_k_dense_replace} rule (config.json has no mlp_layer_types)"
+
+
+def load_hf(hf_dir: str | Path, *, dtype=None, shardings: Any = None, with_mtp: bool = True,
             progress: bool = True, router_weight_dtype: str | None = None) -> tuple[LingConfig, Any]:
     """Read an official checkpoint directory into (cfg, params).
 
     Args:
       hf_dir: directory with config.json and `model.safetensors.index.json` + shards (or one `model.safetensors`).
-      dtype: dtype of COMPUTE params; FP32-class params (A_log, dt_bias, convs, expert_bias) load as float32
-        whatever this is (`ParamSpec.dtype`), the routers as `router_weight_dtype` says.
+      dtype: dtype of COMPUTE params; None (default) takes the checkpoint's, the stored dtype of
+        `model.word_embeddings.weight` (BF16 -> bfloat16, F32 -> float32; any other must be passed explicitly).
+        FP32-class params (A_log, dt_bias, convs, expert_bias) load as float32 whatever this is
+        (`ParamSpec.dtype`), the routers as `router_weight_dtype` says.
       shardings: None (default device), one `jax.sharding.Sharding` for every leaf, or a pytree of shardings
         shaped like `param_specs(cfg)` (extra leaves, e.g. an unused "mtp" subtree, are ignored).
       with_mtp: True loads the MTP layer `model.layers.{num_hidden_layers}.*` when config.json declares it. If
@@ -167,13 +237,15 @@ def load_hf(hf_dir: str | Path, *, dtype=jnp.bfloat16, shardings: Any = None, wi
 
     Raises:
       ConfigError: config.json is missing, of an unknown model_type, or invalid.
-      CheckpointError: the tensors differ from what config.json implies (every difference listed).
+      CheckpointError: the tensors differ from what config.json implies (every difference listed), a shard or the
+        index cannot be read, or dtype=None and the stored dtype is neither BF16 nor F32.
     """
     if router_weight_dtype not in (None, "float32"):
         raise ValueError(f"{router_weight_dtype=} must be None (the routers as stored) or 'float32' (widened); a "
                          "bf16 copy of an fp32 router would move near-tie selections")
     hf_dir = Path(hf_dir)
-    cfg = from_hf(hf_dir)
+    raw = read_config_json(hf_dir)
+    cfg = from_hf(raw)
     catalog, problems = read_catalog(hf_dir)
     mtp_prefix = hf.layer_prefix(cfg.num_layers)
     load_mtp = bool(with_mtp and cfg.num_mtp_layers)
@@ -185,7 +257,9 @@ def load_hf(hf_dir: str | Path, *, dtype=jnp.bfloat16, shardings: Any = None, wi
     ignore = mtp_prefix if (cfg.num_mtp_layers and not load_mtp) else None
     cfg = cfg.replace(router_weight_dtype=router_weight_dtype or stored_router_dtype(catalog, ignore_prefix=ignore))
     entries = hf.plan(cfg, with_mtp=load_mtp)
-    validate(cfg, catalog, entries, ignore_prefix=ignore, problems=problems)
+    validate(cfg, catalog, entries, ignore_prefix=ignore, problems=problems,
+             schedule_lists=[n for n in ("layer_types", "mlp_layer_types") if raw.get(n) is not None])
+    dtype = stored_compute_dtype(catalog) if dtype is None else dtype
     out_cfg = cfg if load_mtp else without_mtp(cfg)
 
     sharding_of = _sharding_lookup(shardings)
@@ -197,9 +271,13 @@ def load_hf(hf_dir: str | Path, *, dtype=jnp.bfloat16, shardings: Any = None, wi
 
         def read(names: tuple[str, ...]) -> np.ndarray:
             info = catalog[_present(names, catalog)]
-            if info.file not in handles:
-                handles[info.file] = stack.enter_context(safe_open(hf_dir / info.file, framework="numpy"))
-            x = handles[info.file].get_tensor(_present(names, catalog))
+            try:
+                if info.file not in handles:
+                    handles[info.file] = stack.enter_context(safe_open(hf_dir / info.file, framework="numpy"))
+                x = handles[info.file].get_tensor(_present(names, catalog))
+            except SafetensorError as e:
+                raise CheckpointError(f"shard {info.file} in {hf_dir} cannot be read ({e}): re-download or re-copy "
+                                      "that shard file") from None
             bar.update(info.nbytes)
             return x
 
@@ -224,6 +302,19 @@ def _host_arrays(entry: hf.Entry, read: Callable[[tuple[str, ...]], np.ndarray],
         return [out]
     xs = entry.transform.to_params(read(entry.sources[0]), entry.item_shapes)
     return [np.ascontiguousarray(x.astype(t)) for x, t in zip(xs, targets)]
+
+
+_STORED_COMPUTE_DTYPES = {"BF16": jnp.bfloat16, "F32": jnp.float32}
+
+
+def stored_compute_dtype(catalog: dict[str, TensorInfo]) -> Any:
+    """The compute dtype a checkpoint stores, read off `model.word_embeddings.weight`: bfloat16 or float32."""
+    info = catalog["model.word_embeddings.weight"]  # validate has reported it when absent
+    if info.dtype not in _STORED_COMPUTE_DTYPES:
+        raise CheckpointError(f"model.word_embeddings.weight is stored {info.dtype}, which ling-jax does not compute "
+                              "in: pass dtype=jnp.bfloat16 or dtype=jnp.float32 to load_hf (--dtype bfloat16 or "
+                              "--dtype float32)")
+    return _STORED_COMPUTE_DTYPES[info.dtype]
 
 
 def stored_router_dtype(catalog: dict[str, TensorInfo], *, ignore_prefix: str | None = None) -> str:

@@ -8,7 +8,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from conversion import hf
-from conversion.load import CheckpointError, _sharding_lookup, load_hf, router_dtype_of
+from conversion.load import INDEX_NAME, CheckpointError, _sharding_lookup, load_hf, router_dtype_of
 from ling_jax.config import LingConfig, from_hf, to_hf_dict
 from ling_jax.params import COMPUTE, is_spec, param_specs
 
@@ -29,8 +31,7 @@ def save_params(path: str | Path, cfg: LingConfig, params: Any, *, force: bool =
     """Write `params` (structure of `param_specs(cfg)`) and config.json under `path`; returns `path`."""
     path = Path(path).absolute()
     _check_structure(cfg, jax.tree.map(lambda x: (x.shape, x.dtype), params), "params")
-    if (path / PARAMS_DIR).exists() and not force:
-        raise FileExistsError(f"{path / PARAMS_DIR} exists; pass force=True to overwrite")
+    _refuse_overwrite(path, force)
     path.mkdir(parents=True, exist_ok=True)
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(path / PARAMS_DIR, params, force=force)
@@ -47,13 +48,15 @@ def load_params(path: str | Path, *, shardings: Any = None, dtype=None) -> tuple
       dtype: None keeps COMPUTE params' stored dtypes, otherwise they become `dtype`; FP32-class params are float32
         either way (`ParamSpec.dtype`), the routers as stored (`cfg.router_weight_dtype`: bfloat16 when every
         stored router is, else float32).
+
+    Raises:
+      CheckpointError: `path` is missing, is an HF safetensors directory (`load_hf` reads those), lacks params/ or
+        config.json, or orbax cannot read params/; every message names the directory and the fix.
     """
     path = Path(path).absolute()
-    cfg = from_hf(path / "config.json")
+    cfg = read_config(path)
     with ocp.StandardCheckpointer() as ckptr:
-        stored = ckptr.metadata(path / PARAMS_DIR).item_metadata.tree
-        stored = jax.tree.map(lambda m: (tuple(m.shape), jnp.dtype(m.dtype)), stored,
-                              is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
+        stored = _stored_shapes(ckptr, path / PARAMS_DIR)
         stored_by_path = _check_structure(cfg, stored, str(path / PARAMS_DIR))
         cfg = cfg.replace(router_weight_dtype=router_dtype_of(
             jnp.dtype(dt).name for p, (_, dt) in stored_by_path.items() if p[-1] == "router"))
@@ -68,21 +71,89 @@ def load_params(path: str | Path, *, shardings: Any = None, dtype=None) -> tuple
                                         sharding=sharding_of(p) or default)
                    for p, spec in hf.spec_paths(specs).items()]
         target = jax.tree.unflatten(jax.tree.structure(specs, is_leaf=is_spec), targets)
-        params = ckptr.restore(path / PARAMS_DIR, target)
+        try:
+            params = ckptr.restore(path / PARAMS_DIR, target)
+        except ValueError as e:  # tensorstore's report of a missing or damaged array file
+            raise CheckpointError(f"{path / PARAMS_DIR}: orbax cannot restore it ({_first_line(e)}); the copy is "
+                                  "incomplete or damaged: copy it again, or convert the HF checkpoint again "
+                                  "(`ling-jax convert ... --force`)") from e
     return cfg, params
 
 
-def convert(hf_dir: str | Path, out_dir: str | Path, *, dtype=jnp.bfloat16, shardings: Any = None,
+def read_config(path: str | Path) -> LingConfig:
+    """The config.json of a `save_params` directory, after checking the directory is one (nothing restored)."""
+    path = Path(path).absolute()
+    if not path.is_dir():
+        raise CheckpointError(f"{path} does not exist: pass the directory `ling-jax convert --out` (or `save_params`) "
+                              "wrote")
+    if is_hf_checkpoint(path):
+        raise CheckpointError(f"{path} is an HF safetensors checkpoint, not a ling-jax (orbax) one: read it with "
+                              f"conversion.load.load_hf('{path}'), or convert it with "
+                              f"`ling-jax convert --hf-dir {path} --out OUT`")
+    missing = [name for name in (f"{PARAMS_DIR}/", "config.json") if not (path / name).exists()]
+    if missing:
+        raise CheckpointError(f"{path} lacks {' and '.join(missing)}: a ling-jax checkpoint holds params/ and "
+                              f"config.json, as `ling-jax convert --hf-dir HF_DIR --out {path} --force` writes them")
+    return from_hf(path / "config.json")
+
+
+def is_hf_checkpoint(path: str | Path) -> bool:
+    """A safetensors checkpoint directory (shards or their index, no params/): what `load_hf` reads."""
+    path = Path(path)
+    return (not (path / PARAMS_DIR).exists()
+            and ((path / INDEX_NAME).is_file() or any(path.glob("*.safetensors"))))
+
+
+def convert(hf_dir: str | Path, out_dir: str | Path, *, dtype=None, shardings: Any = None,
             with_mtp: bool = True, progress: bool = True, force: bool = False,
             router_weight_dtype: str | None = None) -> LingConfig:
     """`load_hf` then `save_params`. The whole model passes through device memory: for the full-size preset pass
     `shardings` that spread it over the devices (or a CPU sharding on a host with the RAM)."""
+    _refuse_overwrite(Path(out_dir).absolute(), force)  # before minutes of loading, not after
     cfg, params = load_hf(hf_dir, dtype=dtype, shardings=shardings, with_mtp=with_mtp, progress=progress,
                           router_weight_dtype=router_weight_dtype)
     if progress:
         print(f"saving orbax checkpoint to {out_dir}", file=sys.stderr)
     save_params(out_dir, cfg, params, force=force)
     return cfg
+
+
+def _refuse_overwrite(path: Path, force: bool) -> None:
+    if (path / PARAMS_DIR).exists() and not force:
+        raise FileExistsError(f"{path / PARAMS_DIR} exists; pass force=True to overwrite it, or choose another "
+                              "directory")
+
+
+def _stored_shapes(ckptr: ocp.StandardCheckpointer, params_dir: Path) -> Any:
+    """The stored tree of (shape, dtype) pairs; CheckpointError when orbax finds no readable checkpoint there."""
+    with _absl_quiet():  # orbax logs each failed read itself; the error below says it once
+        try:
+            tree = ckptr.metadata(params_dir).item_metadata
+            reason = "its metadata files are missing or unreadable"
+        except (ValueError, OSError) as e:
+            tree, reason = None, _first_line(e)
+    if tree is None:
+        raise CheckpointError(f"{params_dir}: orbax cannot read it ({reason}); it was not written by "
+                              "`ling-jax convert` or the copy is incomplete: copy it again, or convert the HF "
+                              "checkpoint again (`ling-jax convert ... --force`)")
+    return jax.tree.map(lambda m: (tuple(m.shape), jnp.dtype(m.dtype)), tree.tree,
+                        is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
+
+
+@contextlib.contextmanager
+def _absl_quiet():
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _first_line(e: Exception) -> str:
+    line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return line if len(line) <= 200 else line[:200] + "..."
 
 
 def _is_pair(x: Any) -> bool:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The benchmarks and the compiled kernel tests on a GPU machine, by suite (wheels the machine lacks, fla-core and
-# einops for the fla comparisons, go in .whl/):   bash experiments/gpu.sh SUITE [SUITE...]   (tests decode moe kda mla all)
+# einops for the fla comparisons, go in .whl/):   bash experiments/gpu.sh SUITE [SUITE...]   (tests engine decode moe kda mla all)
 # Each suite writes its log and results JSON into $OUT (default /tmp/out) and the JSON under its canonical name into
 # experiments/results/ (what plot_results.py reads); the tail of every log is printed at the end. Every suite has
 # its own timeout under the 600 s a device command may run; with several GPUs the suites run side by side, one
@@ -12,6 +12,14 @@ mkdir -p "$OUT"
 
 suite_tests() {
   timeout 560 bash experiments/gpu_tests.sh -rf --tb=line -p no:cacheprovider
+}
+suite_engine() {  # the API checks and the engine's Pallas paths compiled; then TTFT after 1 vs 2 warm-ups
+  timeout 300 python3 -m pytest -q -rf --tb=short -p no:cacheprovider tests/test_api_checks.py \
+    tests/test_model.py -k "pallas or kernels"
+  for w in 1 2; do
+    echo "-- ling-jax generate --backend pallas --warmup $w"
+    timeout 120 python3 -m ling_jax.cli generate --backend pallas --warmup "$w" --max-new-tokens 32 --block-size 8
+  done
 }
 suite_decode() {  # the engine on the 6-layer exact-width Flash slice
   timeout 480 python3 experiments/bench_decode.py --layers 6 --prompt-len 2048 --new-tokens 257 \
@@ -34,9 +42,9 @@ suite_mla() {  # device time per call from the profiler, then bench_mla's compil
 suites=()
 for s in "$@"; do
   case "$s" in
-    all) suites+=(tests decode moe kda mla) ;;
-    tests|decode|moe|kda|mla) suites+=("$s") ;;
-    *) echo "unknown suite '$s' (tests decode moe kda mla all)"; exit 2 ;;
+    all) suites+=(tests engine decode moe kda mla) ;;
+    tests|engine|decode|moe|kda|mla) suites+=("$s") ;;
+    *) echo "unknown suite '$s' (tests engine decode moe kda mla all)"; exit 2 ;;
   esac
 done
 [ ${#suites[@]} -gt 0 ] || { sed -n 2,7p "$0"; exit 2; }

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import functools
 
+from ling_jax.config import ConfigError, LingConfig
+
 OPS = ("kda", "moe_decode", "moe_prefill", "mla_decode", "mla_prefill")
 NO_KERNEL = ("moe_prefill", "mla_prefill")
 CHOICES = ("reference", "pallas")
@@ -63,3 +65,66 @@ def check_partitioning(params, backend: str) -> None:
         raise ValueError(f"backend={backend!r} runs Pallas kernels on params sharded over {len(devices)} devices; "
                          f"run under `with jax.set_mesh(mesh):` (a mesh whose 'tp' axis spans those devices) so "
                          "each kernel runs per shard, or use backend='reference'")
+
+
+def _pow2(v: int, least: int = 1) -> bool:
+    return v >= least and not v & (v - 1)
+
+
+def kernel_limits(cfg: LingConfig) -> dict[str, list[str]]:
+    """Per op with a kernel, the config values its Pallas kernel cannot take ([] = it runs `cfg`)."""
+    group = cfg.num_experts // cfg.n_group
+    shared = cfg.shared_expert_intermediate_size
+    checks = {
+        "kda": [(_pow2(cfg.head_dim, 16), f"head_dim={cfg.head_dim} (a power of two >= 16)")],
+        "moe_decode": [
+            (_pow2(cfg.num_experts), f"num_experts={cfg.num_experts} (a power of two)"),
+            (_pow2(group), f"num_experts / n_group = {group} (a power of two)"),
+            (_pow2(cfg.num_experts_per_tok), f"num_experts_per_tok={cfg.num_experts_per_tok} (a power of two)"),
+            (cfg.hidden_size % 16 == 0, f"hidden_size={cfg.hidden_size} (a multiple of 16)"),
+            (cfg.moe_intermediate_size % 16 == 0,
+             f"moe_intermediate_size={cfg.moe_intermediate_size} (a multiple of 16)"),
+            (not cfg.num_shared_experts or shared == cfg.moe_intermediate_size,
+             f"the shared expert's width {shared} (equal to moe_intermediate_size={cfg.moe_intermediate_size})"),
+        ],
+        "mla_decode": [(_pow2(cfg.kv_lora_rank, 16), f"kv_lora_rank={cfg.kv_lora_rank} (a power of two >= 16)"),
+                       (_pow2(cfg.qk_rope_head_dim, 16),
+                        f"qk_rope_head_dim={cfg.qk_rope_head_dim} (a power of two >= 16)")],
+    }
+    return {op: [why for ok, why in items if not ok] for op, items in checks.items()}
+
+
+@functools.cache
+def check_config(cfg: LingConfig, backend: str) -> None:
+    """Refuse, before any tracing, a backend whose Pallas kernels cannot take `cfg`'s sizes; the message names the
+    config fields and the backend spec that runs this model."""
+    chosen = resolve(backend)
+    limits = kernel_limits(cfg)
+    blocked = {op: why for op, why in limits.items() if why and chosen[op] == "pallas"}
+    if not blocked:
+        return
+    runs = ",".join(f"{op}={'reference' if op in blocked or op in NO_KERNEL else chosen[op]}" for op in limits)
+    reasons = "; ".join(f"{op} needs {', '.join(why)}" for op, why in blocked.items())
+    raise ConfigError(f"backend={backend!r}: the Pallas kernels cannot run this config: {reasons}. Run it with "
+                      f"backend={runs!r} (or 'reference')")
+
+
+@functools.cache
+def prepare(backend: str) -> None:
+    """Run one tiny Pallas kernel before anything is traced. A first pallas_call imports modules (the interpreter on
+    the CPU) that add tracing-context state to jit's cache key: tracing the model first would make its second call
+    miss the cache and recompile, so a timed run after one warm-up would include compilation."""
+    if all(choice == "reference" for choice in resolve(backend).values()):
+        return
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    from pallas_kernels.common.interpret import interpret_mode
+
+    def double(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 2
+
+    x = jnp.arange(16, dtype=jnp.float32)
+    jax.block_until_ready(pl.pallas_call(double, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                         interpret=interpret_mode())(x))

@@ -87,6 +87,16 @@ def init_state(cfg: LingConfig, batch: int, max_len: int, dtype) -> ModelState:
     return ModelState(jnp.zeros((), jnp.int32), layers)
 
 
+def layers_capacity(layers: tuple) -> int | None:
+    """Positions the latent caches hold (static: their length axis); None when no layer has one (all KDA)."""
+    lengths = {e.kv.shape[1] for e in layers if isinstance(e, MLACache)}
+    return min(lengths) if lengths else None
+
+
+def cache_capacity(state: ModelState | StagedState) -> int | None:
+    return layers_capacity(state.layers)
+
+
 def commit(staged: StagedState, n: jax.Array) -> ModelState:
     """Keep the first `n` (device int32 scalar, 1 <= n <= T) verified positions; no host read of n."""
     n = jnp.asarray(n, jnp.int32)

@@ -1,6 +1,6 @@
 """`ling-jax` command line: convert | generate.
 
-    ling-jax convert --hf-dir DIR --out DIR [--dtype bfloat16|float32] [--router-fp32]
+    ling-jax convert --hf-dir DIR --out DIR [--dtype bfloat16|float32] [--router-fp32] [--no-mtp] [--force]
     ling-jax generate (--checkpoint DIR | --hf-dir DIR | --preset NAME)
                       (--prompt-ids 1,2,3 | --prompt TEXT --tokenizer tokenizer.json) --max-new-tokens N
                       [--temperature T --top-p P --seed S] [--dtype float32|bfloat16] [--backend reference|pallas]
@@ -8,77 +8,152 @@
 
 With no arguments, `generate` runs the embedded default: the `toy` preset with random weights, a fixed prompt and
 64 new tokens.
+
+Every bad input is refused with one line naming the option and the fix, before any weight loads: `generate` reads
+the model's config first (preset, config.json), checks the prompt against it, and only then loads the weights.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+from pathlib import Path
 
 DEFAULT_PROMPT_IDS = "7,41,3,99,12,250,18,5,77,301,64,9"
 DTYPES = ("float32", "bfloat16")
+# Warm-ups added when the timed run after --warmup still compiled (a cache key that changed after the first call).
+EXTRA_WARMUPS = 3
+HF_DIR_HELP = "the HF checkpoint directory (config.json + *.safetensors)"
+SPEC_CHOICES = ("none", "oracle", "mtp", "suffix", "model")
+MAX_DRAFTS = 16  # engine.speculative.MAX_DRAFTS, restated so option errors need no JAX import
+DEFAULT_DRAFTS = 3
+
+
+class _Parser(argparse.ArgumentParser):
+    """Errors print one short usage line instead of argparse's synopsis of every option."""
+
+    def error(self, message: str):
+        if message.endswith(": expected one argument"):
+            option = message.removeprefix("argument ").split(":")[0].split("/")[-1]
+            message += f" (a value that starts with '-' goes as {option}=VALUE)"
+        commands = self._subparsers._group_actions[0].choices if self._subparsers else None
+        synopsis = f"{self.prog} {{{','.join(commands)}}}" if commands else self.prog
+        self.exit(2, f"usage: {synopsis} [options]  ({self.prog} --help lists them)\n"
+                     f"{self.prog}: error: {message}\n")
+
+
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the help already says it (flags have none to show)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.required or action.nargs == 0 or action.default in (None, argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ling-jax", description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog="ling-jax", description=__doc__.split("\n\n")[0], formatter_class=_DefaultsFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_convert(sub.add_parser("convert", help="HF safetensors checkpoint -> ling-jax (orbax) checkpoint",
+                                formatter_class=_DefaultsFormatter))
+    _add_generate(sub.add_parser("generate", help="generate tokens", formatter_class=_DefaultsFormatter))
+    return parser
 
-    conv = sub.add_parser("convert", help="HF safetensors checkpoint -> orbax checkpoint")
-    conv.add_argument("--hf-dir", required=True, help="directory with config.json, *.safetensors and the index")
-    conv.add_argument("--out", required=True, help="output directory for the orbax checkpoint")
-    conv.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+
+def _add_convert(conv: argparse.ArgumentParser) -> None:
+    conv.add_argument("--hf-dir", required=True, metavar="DIR", help=f"{HF_DIR_HELP} (required)")
+    conv.add_argument("--out", required=True, metavar="DIR",
+                      help="output directory for the ling-jax (orbax) checkpoint (required)")
+    conv.add_argument("--dtype", choices=DTYPES, default=None,
+                      help="dtype of the compute params (default: the dtype stored in the safetensors; the "
+                           "float32-class ones, e.g. A_log and dt_bias, stay float32)")
     conv.add_argument("--no-mtp", action="store_true", help="leave the MTP layer out")
     conv.add_argument("--force", action="store_true", help="overwrite an existing --out checkpoint")
     conv.add_argument("--router-fp32", action="store_true",
                       help="widen bf16-stored MoE routers to float32 (same logits, twice the router bytes); by "
                            "default they stay as stored")
 
-    gen = sub.add_parser("generate", help="generate tokens")
+
+def _add_generate(gen: argparse.ArgumentParser) -> None:
     src = gen.add_mutually_exclusive_group()
-    src.add_argument("--checkpoint", help="orbax checkpoint written by `ling-jax convert`")
-    src.add_argument("--hf-dir", help="HF checkpoint directory (converted on the fly)")
-    src.add_argument("--preset", help="random weights for a preset: toy, ling-3.0-tiny, ling-3.0-flash")
+    src.add_argument("--checkpoint", metavar="DIR",
+                     help="ling-jax (orbax) checkpoint written by `ling-jax convert` (default: none, so --preset)")
+    src.add_argument("--hf-dir", metavar="DIR", help=f"{HF_DIR_HELP}, read on the fly (default: none, so --preset)")
+    src.add_argument("--preset", metavar="NAME",
+                     help="random weights for a preset: toy, ling-3.0-tiny, ling-3.0-flash (default: toy, when "
+                          "neither --checkpoint nor --hf-dir is given)")
     prompt = gen.add_mutually_exclusive_group()
-    prompt.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3")
-    prompt.add_argument("--prompt", help="prompt text (needs --tokenizer)")
-    gen.add_argument("--tokenizer", help="tokenizer.json for --prompt and for decoding the output")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=0, help="sampling seed (and weight seed for --preset)")
+    prompt.add_argument("--prompt-ids", metavar="IDS",
+                        help=f"comma-separated token ids, e.g. 1,2,3 (default: {DEFAULT_PROMPT_IDS})")
+    prompt.add_argument("--prompt", metavar="TEXT",
+                        help="prompt text, encoded with --tokenizer (default: none, so --prompt-ids)")
+    gen.add_argument("--tokenizer", metavar="FILE",
+                     help="tokenizer.json for --prompt and for decoding the output (default: none, so the output "
+                          "is printed as token ids)")
+    gen.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate")
+    gen.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                     help="nucleus sampling mass in (0, 1]; needs --temperature > 0")
+    gen.add_argument("--seed", type=int, default=0, metavar="S", help="sampling seed (and weight seed for --preset)")
     gen.add_argument("--dtype", choices=DTYPES, default=None,
-                     help="compute dtype (default: float32 for --preset, the checkpoint's otherwise)")
-    gen.add_argument("--backend", default="reference",
+                     help="compute dtype (default: float32 for --preset; the dtype stored in the safetensors for "
+                          "--hf-dir; the dtype stored in the checkpoint for --checkpoint)")
+    gen.add_argument("--backend", default="reference", metavar="SPEC",
                      help="reference | pallas | fast (per op, the faster on the H200) | per op, e.g. "
-                     "kda=pallas,moe_decode=pallas (ling_jax/backends.py)")
-    gen.add_argument("--block-size", type=int, default=16, help="decode steps per jitted block")
+                          "kda=pallas,moe_decode=pallas (ling_jax/backends.py)")
+    gen.add_argument("--block-size", type=int, default=16, metavar="N", help="decode steps per jitted block")
     gen.add_argument("--ignore-eos", action="store_true", help="always produce --max-new-tokens tokens")
-    gen.add_argument("--warmup", type=int, default=1,
-                     help="untimed runs first, so the reported times exclude compilation (default 1)")
+    gen.add_argument("--warmup", type=int, default=1, metavar="N",
+                     help="untimed runs first, so the reported times exclude compilation (should the timed run "
+                          f"still compile, up to {EXTRA_WARMUPS} more follow, and stderr says if it never settles)")
     gen.add_argument("--json", action="store_true", help="print one JSON object: tokens, ttft_ms, tpot_ms, "
-                     "tokens_per_s")
-    return parser
+                     "tokens_per_s (with --spec also accept_length, verify_steps, drafted, accepted)")
+    spec = gen.add_argument_group("speculative decoding (lossless: greedy output equals plain greedy)")
+    spec.add_argument("--spec", choices=SPEC_CHOICES, default="none",
+                      help="drafter: none (plain decode), oracle (replays --oracle-ids), mtp (the checkpoint's NextN "
+                           "layer), suffix (model-free, from the prompt and output), model (--draft-checkpoint)")
+    spec.add_argument("--num-draft", type=int, default=None, metavar="K",
+                      help=f"drafts per verify step, 1..{MAX_DRAFTS} (default: {DEFAULT_DRAFTS} with --spec)")
+    spec.add_argument("--draft-checkpoint", metavar="DIR",
+                      help="the draft model for --spec model: a ling-jax checkpoint or an HF directory sharing the "
+                           "target's vocabulary (default: none)")
+    spec.add_argument("--oracle-ids", metavar="IDS",
+                      help="the continuation --spec oracle replays, comma-separated ids from the first new token "
+                           "on (default: none)")
 
 
-def _prompt_ids(args, parser, tokenizer) -> list[int]:
-    if args.prompt is not None:
-        if tokenizer is None:
-            parser.error("--prompt needs --tokenizer tokenizer.json (or pass --prompt-ids)")
-        return tokenizer.encode(args.prompt).ids
-    text = args.prompt_ids if args.prompt_ids is not None else DEFAULT_PROMPT_IDS
+def _check_numbers(args, parser) -> None:
+    for option, value, least in (("--max-new-tokens", args.max_new_tokens, 1), ("--block-size", args.block_size, 1),
+                                 ("--warmup", args.warmup, 0)):
+        if value < least:
+            parser.error(f"{option} {value} must be >= {least}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        parser.error(f"--temperature {args.temperature} must be a number >= 0 (0 = greedy)")
+    if not 0 < args.top_p <= 1:
+        parser.error(f"--top-p {args.top_p} must lie in (0, 1]: 1 keeps the whole distribution")
+    if args.temperature == 0 and args.top_p != 1:
+        parser.error(f"--top-p {args.top_p} has no effect with --temperature 0 (greedy): drop --top-p or pass "
+                     "--temperature > 0")
+
+
+def _check_backend(spec: str, parser) -> None:
+    from ling_jax.backends import resolve
+
     try:
-        ids = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        parser.error(f"--prompt-ids {text!r} must be comma-separated integers, e.g. 1,2,3")
-    if not ids:
-        parser.error("--prompt-ids is empty")
-    return ids
+        resolve(spec)
+    except ValueError as e:
+        parser.error(f"--backend: {e}")
 
 
 def _load_tokenizer(path, parser):
     if path is None:
         return None
+    if not Path(path).is_file():
+        parser.error(f"--tokenizer {path} {'is a directory' if Path(path).is_dir() else 'does not exist'}: pass the "
+                     "tokenizer.json file that comes with the checkpoint")
     try:
         from tokenizers import Tokenizer
     except ImportError:
@@ -86,15 +161,107 @@ def _load_tokenizer(path, parser):
     try:
         return Tokenizer.from_file(path)
     except Exception as e:  # tokenizers raises its own exception types
-        parser.error(f"--tokenizer {path}: cannot read it as a tokenizer.json ({e})")
+        parser.error(f"--tokenizer {path} is not a tokenizer.json ({e}): pass the tokenizer.json file that comes "
+                     "with the checkpoint")
 
 
-def _load_model(args, parser):
+def _prompt_ids(args, parser, tokenizer) -> list[int]:
+    if args.prompt is not None:
+        ids = tokenizer.encode(args.prompt).ids
+        if not ids:
+            parser.error(f"--prompt {args.prompt!r} encodes to no tokens: pass a prompt with some text")
+        return ids
+    text = args.prompt_ids if args.prompt_ids is not None else DEFAULT_PROMPT_IDS
+    try:
+        ids = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        parser.error(f"--prompt-ids {text!r} must be comma-separated integers, e.g. 1,2,3")
+    if not ids:
+        parser.error(f"--prompt-ids {text!r} holds no token id: pass comma-separated integers, e.g. 1,2,3")
+    return ids
+
+
+def _model_config(args, parser):
+    """The chosen model's config, read before any weight, so every check that needs it runs before loading."""
+    if args.checkpoint:
+        return _checkpoint_config(args.checkpoint, parser)
+    if args.hf_dir:
+        return _hf_config(args.hf_dir, parser, orbax_fix=f"pass --checkpoint {args.hf_dir}")
+    from ling_jax.config import ConfigError, preset
+
+    try:
+        return preset(args.preset or "toy")
+    except ConfigError as e:
+        parser.error(f"--preset: {e}")
+
+
+def _checkpoint_config(path: str, parser):
+    from conversion.load import CheckpointError
+    from conversion.orbax_io import is_hf_checkpoint, read_config
+    from ling_jax.config import ConfigError
+
+    if is_hf_checkpoint(path):
+        parser.error(f"--checkpoint {path} is an HF safetensors checkpoint, not a ling-jax (orbax) one: pass "
+                     f"--hf-dir {path}, or convert it with `ling-jax convert --hf-dir {path} --out OUT`")
+    try:
+        return read_config(path)
+    except (CheckpointError, ConfigError, json.JSONDecodeError) as e:
+        parser.error(f"--checkpoint: {e}")
+
+
+def _hf_config(path: str, parser, *, orbax_fix: str):
+    """--hf-dir checked to be an HF checkpoint directory and its config.json read; `orbax_fix` is what to do
+    when it is a ling-jax checkpoint instead."""
+    from conversion.load import INDEX_NAME, SINGLE_NAME
+    from conversion.orbax_io import PARAMS_DIR
+    from ling_jax.config import ConfigError, from_hf
+
+    where = Path(path)
+    if not where.is_dir():
+        parser.error(f"--hf-dir {path} {'is not a directory' if where.exists() else 'does not exist'}: pass "
+                     f"{HF_DIR_HELP}")
+    if (where / PARAMS_DIR).is_dir() and not any(where.glob("*.safetensors")):
+        parser.error(f"--hf-dir {path} is a ling-jax (orbax) checkpoint, not an HF one: {orbax_fix}")
+    if not (where / "config.json").is_file():
+        parser.error(f"--hf-dir {path} has no config.json: pass {HF_DIR_HELP}")
+    try:
+        cfg = from_hf(where)
+    except (ConfigError, json.JSONDecodeError) as e:
+        parser.error(f"--hf-dir {path}: {e}")
+    if not ((where / INDEX_NAME).is_file() or (where / SINGLE_NAME).is_file()):
+        parser.error(f"--hf-dir {path} has config.json but no {INDEX_NAME} or {SINGLE_NAME}: pass the directory "
+                     "that also holds the weights")
+    return cfg
+
+
+def _check_backend_fits(spec: str, cfg, parser) -> None:
+    from ling_jax.backends import check_config
+    from ling_jax.config import ConfigError
+
+    try:
+        check_config(cfg, spec)
+    except ConfigError as e:
+        parser.error(f"--backend: {e}")
+
+
+def _check_prompt_fits(ids: list[int], args, cfg, parser) -> None:
+    option = "--prompt" if args.prompt is not None else "--prompt-ids"
+    bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
+    if bad:
+        fix = ("--tokenizer belongs to another model" if args.prompt is not None
+               else f"pass ids in [0, {cfg.vocab_size})")
+        parser.error(f"{option}: token ids {bad[:5]} lie outside the model's vocabulary [0, {cfg.vocab_size}): {fix}")
+    limit = cfg.max_position_embeddings
+    if len(ids) + args.max_new_tokens > limit:
+        room = limit - len(ids)
+        fix = f"pass --max-new-tokens {room} or fewer" if room >= 1 else f"shorten {option}"
+        parser.error(f"the prompt ({len(ids)} tokens) + --max-new-tokens {args.max_new_tokens} exceeds the model's "
+                     f"max_position_embeddings={limit}: {fix}")
+
+
+def _load_weights(args, cfg):
     import jax
     import jax.numpy as jnp
-
-    from ling_jax.config import ConfigError, preset
-    from ling_jax.params import init_params
 
     dtype = None if args.dtype is None else jnp.dtype(args.dtype)
     if args.checkpoint:
@@ -102,64 +269,201 @@ def _load_model(args, parser):
         return load_params(args.checkpoint, dtype=dtype)
     if args.hf_dir:
         from conversion.load import load_hf
-        return load_hf(args.hf_dir, dtype=dtype or jnp.bfloat16, with_mtp=False)
-    name = args.preset or "toy"
-    try:
-        cfg = preset(name)
-    except ConfigError as e:
-        parser.error(str(e))
-    return cfg, init_params(cfg, jax.random.key(args.seed), dtype or jnp.float32, with_mtp=False)
+        return load_hf(args.hf_dir, dtype=dtype, with_mtp=args.spec == "mtp")
+    from ling_jax.params import init_params
+
+    print(f"ling-jax generate: random weights (preset {args.preset or 'toy'}), so the tokens mean nothing; for a "
+          "real model pass --checkpoint DIR (from `ling-jax convert`) or --hf-dir DIR", file=sys.stderr)
+    return cfg, init_params(cfg, jax.random.key(args.seed), dtype or jnp.float32, with_mtp=args.spec == "mtp")
 
 
 def _generate(args, parser) -> int:
-    if args.max_new_tokens < 1:
-        parser.error(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
-    if args.block_size < 1:
-        parser.error(f"--block-size {args.block_size} must be >= 1")
-    from ling_jax.backends import resolve
-    try:
-        resolve(args.backend)
-    except ValueError as e:
-        parser.error(str(e))
-    from ling_jax.engine.sampling import make_sampler
-    try:
-        sampler = make_sampler(args.temperature, args.top_p)
-    except ValueError as e:
-        parser.error(f"--temperature/--top-p: {e}")
+    _check_numbers(args, parser)
+    _check_backend(args.backend, parser)
+    if args.prompt is not None and args.tokenizer is None:
+        parser.error("--prompt needs --tokenizer tokenizer.json (or pass --prompt-ids)")
     tokenizer = _load_tokenizer(args.tokenizer, parser)
     ids = _prompt_ids(args, parser, tokenizer)
+    _check_spec_options(args, parser)
+    cfg = _model_config(args, parser)
+    _check_backend_fits(args.backend, cfg, parser)
+    _check_prompt_fits(ids, args, cfg, parser)
+    draft_cfg = _check_spec_model(args, cfg, parser)
 
     from ling_jax.engine.generate import generate
-    cfg, params = _load_model(args, parser)
-    bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
-    if bad:
-        parser.error(f"prompt token ids {bad[:5]} lie outside the vocabulary [0, {cfg.vocab_size})")
-    if args.warmup < 0:
-        parser.error(f"--warmup {args.warmup} must be >= 0")
-    for _ in range(args.warmup + 1):
-        result = generate(params, cfg, [ids], max_new_tokens=args.max_new_tokens, sampler=sampler,
-                          seed=args.seed, backend=args.backend, block_size=args.block_size,
-                          ignore_eos=args.ignore_eos)
+    from ling_jax.engine.sampling import make_sampler
+    sampler = make_sampler(args.temperature, args.top_p)
+    cfg, params = _load_weights(args, cfg)
+    if args.spec == "none":
+        run = lambda: generate(params, cfg, [ids], max_new_tokens=args.max_new_tokens, sampler=sampler,  # noqa: E731
+                               seed=args.seed, backend=args.backend, block_size=args.block_size,
+                               ignore_eos=args.ignore_eos)
+    else:
+        run = _speculative_run(args, cfg, params, draft_cfg, ids, sampler)
+    for _ in range(args.warmup):
+        run()
+    result = run()
+    for _ in range(EXTRA_WARMUPS if args.warmup else 0):  # the times must exclude compilation
+        if not result.compiles:
+            break
+        result = run()
+    if result.compiles:
+        print(f"ling-jax generate: the timed run compiled {result.compiles} executable(s), so its times include "
+              "compilation" + ("; pass --warmup 1 or more" if not args.warmup else ""), file=sys.stderr)
     tokens = result.tokens[0]
     timing = dict(ttft_ms=1e3 * result.ttft_s, tpot_ms=1e3 * result.tpot_s, tokens_per_s=result.tokens_per_s)
+    if args.spec != "none":
+        timing |= dict(accept_length=result.accept_length, verify_steps=result.verify_steps, drafted=result.drafted,
+                       accepted=result.accepted)
     if args.json:
         print(json.dumps(dict(tokens=tokens, **timing)))
     else:
         print(tokenizer.decode(tokens) if tokenizer is not None else " ".join(map(str, tokens)))
         print(f"[{len(tokens)} tokens | TTFT {timing['ttft_ms']:.1f} ms | "
-              f"TPOT {timing['tpot_ms']:.2f} ms | {timing['tokens_per_s']:.1f} tok/s | backend {args.backend}]",
-              file=sys.stderr)
+              f"TPOT {timing['tpot_ms']:.2f} ms | {timing['tokens_per_s']:.1f} tok/s | backend {args.backend}"
+              + (f" | spec {args.spec} k={args.num_draft}: accept length {result.accept_length:.2f}"
+                 if args.spec != "none" else "") + "]", file=sys.stderr)
     return 0
 
 
-def _convert(args) -> int:
+def _check_spec_options(args, parser) -> None:
+    """The speculative options that go together, checked before anything loads."""
+    if args.spec == "none":
+        for option, value in (("--num-draft", args.num_draft), ("--draft-checkpoint", args.draft_checkpoint),
+                              ("--oracle-ids", args.oracle_ids)):
+            if value is not None:
+                parser.error(f"{option} needs --spec (it has no effect on plain decoding): pass --spec "
+                             f"{'model' if option == '--draft-checkpoint' else 'oracle' if option == '--oracle-ids' else 'mtp|suffix|oracle|model'}"
+                             " or drop it")
+        return
+    args.num_draft = DEFAULT_DRAFTS if args.num_draft is None else args.num_draft
+    if not 1 <= args.num_draft <= MAX_DRAFTS:
+        parser.error(f"--num-draft {args.num_draft} must lie in 1..{MAX_DRAFTS} (a verify step runs K + 1 tokens "
+                     "through the verify kernels)")
+    if (args.spec == "oracle") != (args.oracle_ids is not None):
+        parser.error("--spec oracle replays the continuation given by --oracle-ids 1,2,3 (e.g. a plain greedy "
+                     "run's tokens): pass both or neither")
+    if (args.spec == "model") != (args.draft_checkpoint is not None):
+        parser.error("--spec model drafts with the model in --draft-checkpoint DIR: pass both or neither")
+    if args.oracle_ids is not None:
+        args.oracle = _id_list(args.oracle_ids, "--oracle-ids", parser)
+
+
+def _id_list(text: str, option: str, parser) -> list[int]:
+    try:
+        ids = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        parser.error(f"{option} {text!r} must be comma-separated integers, e.g. 1,2,3")
+    if not ids:
+        parser.error(f"{option} {text!r} holds no token id: pass comma-separated integers, e.g. 1,2,3")
+    return ids
+
+
+def _check_spec_model(args, cfg, parser):
+    """Config-level checks of the drafter against the target (before any weight): the draft model's config, the
+    MTP layer's presence, the oracle's ids. Returns the draft model's config for --spec model."""
+    if args.spec == "mtp" and not _has_mtp(args, cfg):
+        parser.error("--spec mtp drafts with the checkpoint's NextN (MTP) layer, and this model has none "
+                     f"(num_nextn_predict_layers={cfg.num_mtp_layers}, or no model.layers.{cfg.num_layers}.* "
+                     "tensors): choose --spec suffix or --spec model")
+    if args.spec == "oracle":
+        bad = [t for t in args.oracle if not 0 <= t < cfg.vocab_size]
+        if bad:
+            parser.error(f"--oracle-ids {bad[:5]} lie outside the vocabulary [0, {cfg.vocab_size})")
+    if args.spec != "model":
+        return None
+    path = args.draft_checkpoint
+    draft_cfg = _draft_config(path, parser)
+    if draft_cfg.vocab_size != cfg.vocab_size:
+        parser.error(f"--draft-checkpoint {path} has vocab_size={draft_cfg.vocab_size} but the target has "
+                     f"{cfg.vocab_size}: a draft model must share the target's tokenizer")
+    return draft_cfg
+
+
+def _draft_config(path: str, parser):
+    from conversion.load import CheckpointError
+    from conversion.orbax_io import is_hf_checkpoint, read_config
+    from ling_jax.config import ConfigError, from_hf
+
+    if not Path(path).is_dir():
+        parser.error(f"--draft-checkpoint {path} does not exist: pass the draft model's ling-jax checkpoint or HF "
+                     "directory")
+    try:
+        return from_hf(path) if is_hf_checkpoint(path) else read_config(path)
+    except (CheckpointError, ConfigError) as e:
+        parser.error(f"--draft-checkpoint: {e}")
+
+
+def _has_mtp(args, cfg) -> bool:
+    if not cfg.num_mtp_layers:
+        return False
+    if args.hf_dir:  # transformers' save_pretrained drops the MTP tensors and keeps the config's count
+        from conversion.load import has_mtp_tensors, read_catalog
+        return has_mtp_tensors(read_catalog(args.hf_dir)[0], cfg)
+    return True
+
+
+def _speculative_run(args, cfg, params, draft_cfg, ids, sampler):
     import jax.numpy as jnp
 
-    from conversion.orbax_io import convert
-    convert(args.hf_dir, args.out, dtype=jnp.dtype(args.dtype), with_mtp=not args.no_mtp, force=args.force,
+    from ling_jax.engine import drafters
+    from ling_jax.engine.speculative import generate_speculative
+
+    aux = None
+    if args.spec == "oracle":
+        cont = jnp.asarray([args.oracle], jnp.int32)
+        drafter, aux = drafters.OracleDrafter(), (cont, jnp.zeros(cont.shape, bool))
+    elif args.spec == "mtp":
+        drafter = drafters.MTPDrafter()
+    elif args.spec == "suffix":
+        drafter = drafters.Suffix()
+    else:
+        draft_cfg, aux = _load_draft(args.draft_checkpoint, params)
+        drafter = drafters.ModelDrafter(draft_cfg, backend=args.backend)
+    return lambda: generate_speculative(params, cfg, [ids], max_new_tokens=args.max_new_tokens, sampler=sampler,
+                                        drafter=drafter, k=args.num_draft, aux=aux, seed=args.seed,
+                                        backend=args.backend, block_size=args.block_size,
+                                        ignore_eos=args.ignore_eos)
+
+
+def _load_draft(path: str, params):
+    from conversion.orbax_io import is_hf_checkpoint
+
+    dtype = params["embed"].dtype  # the draft model computes in the target's dtype
+    if is_hf_checkpoint(path):
+        from conversion.load import load_hf
+        return load_hf(path, dtype=dtype, with_mtp=False)
+    from conversion.orbax_io import load_params
+    return load_params(path, dtype=dtype)
+
+
+def _convert(args, parser) -> int:
+    _hf_config(args.hf_dir, parser, orbax_fix=f"it is converted already: `ling-jax generate --checkpoint "
+                                              f"{args.hf_dir}` runs it")
+    from conversion.orbax_io import PARAMS_DIR, convert
+
+    if Path(args.out).resolve() == Path(args.hf_dir).resolve():
+        parser.error(f"--out {args.out} is the --hf-dir: converting would overwrite its config.json; choose another "
+                     "--out")
+    if (Path(args.out) / PARAMS_DIR).exists() and not args.force:
+        parser.error(f"--out {args.out} already holds a ling-jax checkpoint: pass --force to overwrite it, or "
+                     "choose another --out")
+    import jax.numpy as jnp
+
+    dtype = None if args.dtype is None else jnp.dtype(args.dtype)
+    convert(args.hf_dir, args.out, dtype=dtype, with_mtp=not args.no_mtp, force=args.force,
             router_weight_dtype="float32" if args.router_fp32 else None)
     print(f"wrote {args.out}")
     return 0
+
+
+def _bad_input_errors() -> tuple[type[Exception], ...]:
+    """The exception types our code raises for bad input. CheckpointError's module imports JAX, so it is named only
+    once loaded (it cannot have been raised otherwise) and option errors stay quick."""
+    from ling_jax.config import ConfigError
+
+    loaded = sys.modules.get("conversion.load")
+    return (ConfigError, FileNotFoundError, FileExistsError) + ((loaded.CheckpointError,) if loaded else ())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,11 +471,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv or ["generate"])
     sub = parser._subparsers._group_actions[0].choices[args.command]  # errors name the subcommand
-    from conversion.load import CheckpointError
-    from ling_jax.config import ConfigError
     try:
-        return _generate(args, sub) if args.command == "generate" else _convert(args)
-    except (ConfigError, CheckpointError, FileNotFoundError, FileExistsError) as e:
+        return _generate(args, sub) if args.command == "generate" else _convert(args, sub)
+    except _bad_input_errors() as e:
         sub.error(str(e))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,9 @@ KDA = "kda"
 MLA = "mla"
 DENSE = "dense"
 MOE = "moe"
+# config.json's schedule vocabulary (transformers' `layer_types` / `mlp_layer_types`) for ling-jax's kinds.
+HF_MIXER_NAMES = {MLA: "full_attention", KDA: "linear_attention"}
+HF_FFN_NAMES = {DENSE: "dense", MOE: "sparse"}
 
 
 ROUTER_WEIGHT_DTYPES = ("float32", "bfloat16")
@@ -71,9 +75,17 @@ class LingConfig:
     # (abstract init, orbax restore targets, the synthetic writer), and the router is the one leaf whose dtype is
     # the checkpoint's choice.
     router_weight_dtype: str = "float32"
+    # The explicit schedule, one kind per main layer, from config.json's `layer_types` (KDA/MLA) and
+    # `mlp_layer_types` (DENSE/MOE); () means the rule (docs/model.md §1). A schedule equal to the rule is stored as
+    # (), so a config read back from disk equals its preset.
+    mixer_schedule: tuple[str, ...] = ()
+    ffn_schedule: tuple[str, ...] = ()
 
     def __post_init__(self):
         _validate(self)
+        for name, rule in (("mixer_schedule", self.rule_mixer_kind), ("ffn_schedule", self.rule_ffn_kind)):
+            if getattr(self, name) == tuple(rule(i) for i in range(self.num_layers)):
+                object.__setattr__(self, name, ())
 
     @property
     def qk_head_dim(self) -> int:
@@ -88,12 +100,23 @@ class LingConfig:
         return self.num_layers + self.num_mtp_layers
 
     def mixer_kind(self, layer: int) -> str:
+        """The explicit schedule where there is one, else the rule; the MTP layer (past num_layers) is MLA."""
+        if layer < len(self.mixer_schedule):
+            return self.mixer_schedule[layer]
+        return self.rule_mixer_kind(layer)
+
+    def ffn_kind(self, layer: int) -> str:
+        if layer < len(self.ffn_schedule):
+            return self.ffn_schedule[layer]
+        return self.rule_ffn_kind(layer)
+
+    def rule_mixer_kind(self, layer: int) -> str:
         """docs/model.md §1: MLA closes every group, and takes any trailing partial group."""
         g = self.layer_group_size
         full = (self.num_layers // g) * g
         return MLA if (layer + 1) % g == 0 or layer >= full else KDA
 
-    def ffn_kind(self, layer: int) -> str:
+    def rule_ffn_kind(self, layer: int) -> str:
         return DENSE if layer < self.first_k_dense_replace else MOE
 
     @property
@@ -130,8 +153,8 @@ def _validate(c: LingConfig) -> None:
                  "intermediate_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "n_group",
                  "topk_group", "max_position_embeddings"):
         value = getattr(c, name)
-        need(isinstance(value, int) and value > 0, f"config field {name}={value!r} must be a positive integer")
-    need(c.q_lora_rank is None or (isinstance(c.q_lora_rank, int) and c.q_lora_rank > 0),
+        need(_is_int(value) and value > 0, f"config field {name}={value!r} must be a positive integer")
+    need(c.q_lora_rank is None or (_is_int(c.q_lora_rank) and c.q_lora_rank > 0),
          f"config field q_lora_rank={c.q_lora_rank!r} must be null or a positive integer")
     need(c.qk_rope_head_dim % 2 == 0, f"config field qk_rope_head_dim={c.qk_rope_head_dim} must be even (RoPE pairs)")
     need(-5.0 <= c.kda_lower_bound < 0.0,
@@ -161,11 +184,26 @@ def _validate(c: LingConfig) -> None:
              f"config field {name} has {len(limits)} entries; expected num_hidden_layers={c.num_layers} "
              f"(or {c.total_layers} with the MTP layer)")
         need(all(v >= 0 for v in limits), f"config field {name} has a negative limit; 0 means no clamp")
+    for name, kinds in (("mixer_schedule", (KDA, MLA)), ("ffn_schedule", (DENSE, MOE))):
+        schedule = getattr(c, name)
+        need(isinstance(schedule, tuple), f"config field {name} must be a tuple (LingConfig is hashed)")
+        need(len(schedule) in (0, c.num_layers), f"config field {name} has {len(schedule)} entries; expected "
+             f"num_hidden_layers={c.num_layers}, or none for the rule")
+        for i, kind in enumerate(schedule):
+            need(kind in kinds, f"config field {name}[{i}]={kind!r} must be one of {kinds}")
     need(c.router_weight_dtype in ROUTER_WEIGHT_DTYPES,
          f"router_weight_dtype={c.router_weight_dtype!r} must be one of {ROUTER_WEIGHT_DTYPES} (the dtype the "
          "checkpoint stores mlp.gate.weight in)")
     for t in c.eos_token_ids + ((c.pad_token_id,) if c.pad_token_id is not None else ()):
         need(0 <= t < c.vocab_size, f"config eos/pad token id {t} lies outside vocab_size={c.vocab_size}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 # ---- config.json -------------------------------------------------------------------------------------------
@@ -212,79 +250,239 @@ _HF_DEFAULTS = {"conv_kernel_size": 4, "kda_lower_bound": -5.0, "q_lora_rank": N
                 "first_k_dense_replace": 0, "shared_expert_intermediate_size": None}
 SUPPORTED_MODEL_TYPES = ("bailing_hybrid",)
 
+# The JSON type each field's value must have; floats are stored as float, so 6000000 and 6e6 read the same.
+_INT, _NUMBER, _BOOL, _NUMBERS = "an integer", "a number", "true or false", "a list of numbers"
+_HF_TYPES = {name: _INT for name in _HF_NAMES} | {
+    "kda_lower_bound": _NUMBER, "rope_theta": _NUMBER, "rms_norm_eps": _NUMBER, "routed_scaling_factor": _NUMBER,
+    "norm_topk_prob": _BOOL, "expert_swiglu_limits": _NUMBERS, "shared_swiglu_limits": _NUMBERS}
+# Aliases not compared when several are present: transformers overwrites head_dim with the rope dim, and
+# model_max_length is a length limit that a tokenizer-side copy may set differently.
+_ALIASES_MAY_DIFFER = ("head_dim", "max_position_embeddings")
+_MIXER_VALUES = "'full_attention' (MLA) or 'linear_attention' (KDA)"
+_FFN_VALUES = "'dense' (dense MLP) or 'sparse' (MoE)"
+
+
+def read_config_json(source: str | Path) -> dict:
+    """The parsed config.json at `source`: the file itself or a checkpoint directory holding it."""
+    path = Path(source)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"no config.json at {path}: pass a Ling-3 checkpoint directory or its config.json")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}): fix it there, "
+                          "or copy config.json from the original checkpoint again") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not UTF-8 text: copy config.json from the original checkpoint again") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} holds {_json_kind(raw)}, not a JSON object: copy config.json from the original "
+                          "checkpoint again")
+    return raw
+
 
 def from_hf(source: str | Path | dict, **overrides: Any) -> LingConfig:
     """Build a LingConfig from a config.json path, a checkpoint directory, or its parsed dict."""
-    if isinstance(source, dict):
-        raw = source
-    else:
-        path = Path(source)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.is_file():
-            raise ConfigError(f"no config.json at {path}: pass a Ling-3 checkpoint directory or its config.json")
-        raw = json.loads(path.read_text())
+    raw = source if isinstance(source, dict) else read_config_json(source)
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(f"unknown model_type {model_type!r}: ling-jax runs Ling-3 checkpoints "
                           f"(model_type one of {SUPPORTED_MODEL_TYPES})")
     _check_unsupported(raw)
-    values: dict[str, Any] = {}
-    for field, names in _HF_NAMES.items():
-        found = [raw[n] for n in names if n in raw and raw[n] is not None]
-        if found:
-            values[field] = found[0]
-        elif field in _HF_DEFAULTS:
-            values[field] = _HF_DEFAULTS[field]
-        else:
-            raise ConfigError(f"config.json lacks {names[0]!r} (also looked for {list(names[1:])}): every Ling-3 "
-                              "config.json has it; is this a Ling-3 checkpoint?")
+    values = {field: _read_field(raw, field, names) for field, names in _HF_NAMES.items()}
     if values["shared_expert_intermediate_size"] is None:
         values["shared_expert_intermediate_size"] = values["moe_intermediate_size"]
     values["shared_expert_intermediate_size"] *= max(values["num_shared_experts"], 1)
     for name in ("expert_swiglu_limits", "shared_swiglu_limits"):
-        values[name] = tuple(float(v) for v in (values[name] or ()))
-    eos = raw.get("eos_token_id")
-    values["eos_token_ids"] = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-    rope_params = raw.get("rope_parameters") or {}
-    if "rope_theta" not in raw and "rope_theta" in rope_params:  # transformers' newer layout
-        values["rope_theta"] = rope_params["rope_theta"]
+        values[name] = values[name] or ()
+    values["eos_token_ids"] = _eos_token_ids(raw)
+    values["rope_theta"] = _rope_theta(raw, values["rope_theta"])
+    values["mixer_schedule"] = _schedule(raw, "layer_types", HF_MIXER_NAMES, _MIXER_VALUES, values["num_layers"],
+                                         "layer_group_size")
+    values["ffn_schedule"] = _schedule(raw, "mlp_layer_types", HF_FFN_NAMES, _FFN_VALUES, values["num_layers"],
+                                       "first_k_dense_replace")
+    _check_derived(raw, values)
     values.update(overrides)
     try:
         return LingConfig(**values)
     except TypeError as e:
         raise ConfigError(f"config.json field of the wrong type: {e}") from None
+    except ConfigError as e:
+        raise ConfigError(_with_json_names(str(e))) from None
+
+
+def _with_json_names(message: str) -> str:
+    """A LingConfig validation message, each field also named as config.json spells it (what the user edits)."""
+    def name(m: re.Match) -> str:
+        field = m.group(1)
+        json_name = _HF_NAMES.get(field, (field,))[0]
+        return m.group(0) if json_name == field else f"config field {field} (config.json {json_name})"
+    return re.sub(r"config field (\w+)", name, message)
+
+
+def _read_field(raw: dict, field: str, names: tuple[str, ...]) -> Any:
+    """The field's value under the first of its names present (typed), its default, or a ConfigError."""
+    found = [(n, raw[n]) for n in names if raw.get(n) is not None]
+    if not found:
+        if field in _HF_DEFAULTS:
+            return _HF_DEFAULTS[field]
+        raise ConfigError(f"config.json lacks {names[0]!r} (also looked for {list(names[1:])}): every Ling-3 "
+                          "config.json has it; is this a Ling-3 checkpoint?")
+    typed = [(n, _typed(n, v, _HF_TYPES[field])) for n, v in found]
+    if field not in _ALIASES_MAY_DIFFER and any(v != typed[0][1] for _, v in typed[1:]):
+        given = ", ".join(f"{n}={_json(v)}" for n, v in found)
+        raise ConfigError(f"config.json gives {field} under two names with different values ({given}): they are "
+                          "aliases; keep one")
+    return typed[0][1]
+
+
+def _typed(name: str, value: Any, kind: str) -> Any:
+    """`value` checked against `kind` (numbers widened to float); a ConfigError naming `name` otherwise."""
+    if kind == _INT and _is_int(value):
+        return value
+    if kind == _NUMBER and _is_number(value):
+        return float(value)
+    if kind == _BOOL and isinstance(value, bool):
+        return value
+    if kind == _NUMBERS and isinstance(value, list) and all(_is_number(v) for v in value):
+        return tuple(float(v) for v in value)
+    raise ConfigError(f"config.json {name}={_json(value)} is {_json_kind(value)}; it must be {kind}: correct it in "
+                      "config.json (the official Ling-3 config.json has " + kind + " there)")
+
+
+def _json(value: Any) -> str:
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _json_kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    return {str: "a string", list: "a list", dict: "an object", type(None): "null"}.get(type(value), "a value")
+
+
+def _eos_token_ids(raw: dict) -> tuple[int, ...]:
+    eos = raw.get("eos_token_id")
+    ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+    if not all(_is_int(t) for t in ids):
+        raise ConfigError(f"config.json eos_token_id={_json(eos)} must be a token id or a list of token ids "
+                          "(integers): correct it in config.json")
+    return tuple(ids)
+
+
+def _object(raw: dict, name: str) -> dict:
+    value = raw.get(name)
+    if value is not None and not isinstance(value, dict):
+        raise ConfigError(f"config.json {name}={_json(value)} is {_json_kind(value)}; it must be an object or null: "
+                          "correct it in config.json")
+    return value or {}
+
+
+def _rope_theta(raw: dict, theta: float) -> float:
+    """rope_theta, or transformers' newer rope_parameters.rope_theta; both present, they must agree."""
+    params = _object(raw, "rope_parameters")
+    if params.get("rope_theta") is None:
+        return theta
+    nested = _typed("rope_parameters.rope_theta", params["rope_theta"], _NUMBER)
+    if raw.get("rope_theta") is None:
+        return nested
+    if nested != theta:
+        raise ConfigError(f"config.json rope_theta={_json(raw['rope_theta'])} and rope_parameters.rope_theta="
+                          f"{_json(params['rope_theta'])} differ (transformers reads the second, other readers the "
+                          "first): make them equal")
+    return theta
+
+
+def _schedule(raw: dict, name: str, hf_names: dict[str, str], accepted: str, num_layers: int,
+              rule: str) -> tuple[str, ...]:
+    """config.json's per-layer list `name` in ling-jax's kinds; () when absent (the `rule` decides)."""
+    value = raw.get(name)
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise ConfigError(f"config.json {name}={_json(value)} is {_json_kind(value)}; it must be a list with one "
+                          f"entry per layer, each {accepted}")
+    if len(value) != num_layers:
+        raise ConfigError(f"config.json {name} has {len(value)} entries but num_hidden_layers={num_layers}: give one "
+                          f"entry per main layer (the MTP layer is not listed), or remove {name} to use the "
+                          f"{rule} rule")
+    kinds = {hf: kind for kind, hf in hf_names.items()}
+    for i, entry in enumerate(value):
+        if not isinstance(entry, str) or entry not in kinds:
+            raise ConfigError(f"config.json {name}[{i}]={_json(entry)} is not a layer type ling-jax runs: use "
+                              f"{accepted}")
+    return tuple(kinds[entry] for entry in value)
+
+
+# Fields that every Ling-3 config.json holds at one value: any other changes the math, and ling-jax implements only
+# that value (absent or null is fine). Each: the accepted values, then why.
+_FIXED_VALUES: dict[str, tuple[tuple[Any, ...], str]] = {
+    "hidden_act": (("silu",), "the KDA short convolution and every SwiGLU use SiLU"),
+    "score_function": (("sigmoid",), "the MoE router scores experts by sigmoid"),
+    "scoring_func": (("sigmoid",), "the MoE router scores experts by sigmoid"),
+    "topk_method": (("noaux_tc",), "the router selects by bias-corrected grouped top-k"),
+    "router_dtype": (("fp32", "float32"), "the router computes in fp32"),
+    "moe_router_enable_expert_bias": ((True,), "the router selects with mlp.gate.expert_bias"),
+    "gated_attention_proj_granularity_type": (("head_wise",), "the MLA output gate has one value per head"),
+    "kda_safe_gate": ((True,), "Ling-3 uses the lower-bounded gate"),
+    "no_kda_lora": ((True,), "ling-jax has full-rank KDA f_proj and g_proj only"),
+    "rope_interleave": ((True,), "Ling-3 MLA rotates interleaved pairs"),
+    "tie_word_embeddings": ((False,), "Ling-3 has an untied lm_head"),
+    "attention_bias": ((False,), "Ling-3 linear layers have no bias"),
+    "use_bias": ((False,), "Ling-3 linear layers have no bias"),
+    "use_qkv_bias": ((False,), "Ling-3 linear layers have no bias"),
+    "mtp_use_kda": ((False,), "the MTP layer is MLA + MoE"),
+}
 
 
 def _check_unsupported(raw: dict) -> None:
-    rope = raw.get("rope_scaling") or {}
-    params = raw.get("rope_parameters") or {}
+    for name, (accepted, why) in _FIXED_VALUES.items():
+        value = raw.get(name)
+        if value is not None and not any(value == a and type(value) is type(a) for a in accepted):
+            raise ConfigError(f"config.json {name}={_json(value)} is not supported: {why}; ling-jax runs "
+                              f"{name}={_json(accepted[0])} (or leave the field out)")
+    rope, params = _object(raw, "rope_scaling"), _object(raw, "rope_parameters")
     rope_type = rope.get("rope_type", rope.get("type")) or params.get("rope_type", "default")
     if rope_type not in (None, "default"):
-        raise ConfigError(f"config rope type {rope_type!r} is not supported: ling-jax implements default RoPE "
+        raise ConfigError(f"config.json rope type {rope_type!r} is not supported: ling-jax implements default RoPE "
                           "(rope_scaling null, as Ling-3.0-flash ships); remove rope_scaling to run")
-    if raw.get("kda_safe_gate") is False:
-        raise ConfigError("config kda_safe_gate=false is not supported: Ling-3 uses the lower-bounded gate")
-    if raw.get("rope_interleave") is False:
-        raise ConfigError("config rope_interleave=false is not supported: Ling-3 MLA rotates interleaved pairs")
-    if raw.get("tie_word_embeddings"):
-        raise ConfigError("config tie_word_embeddings=true is not supported: Ling-3 has an untied lm_head")
-    head_wise = raw.get("gated_attention_proj_granularity_type", "head_wise")
-    if head_wise != "head_wise":
-        raise ConfigError(f"config gated_attention_proj_granularity_type={head_wise!r} is not supported "
-                          "(Ling-3 uses head_wise)")
     dims = raw.get("num_key_value_heads"), raw.get("num_attention_heads")
-    if raw.get("num_key_value_heads") not in (None, raw.get("num_attention_heads")):
-        raise ConfigError(f"config num_key_value_heads={dims[0]} != num_attention_heads={dims[1]}: ling-jax "
+    heads_valid = type(dims[1]) is int and dims[1] > 0  # else the field check names num_attention_heads itself
+    if heads_valid and dims[0] not in (None, dims[1]):
+        raise ConfigError(f"config.json num_key_value_heads={dims[0]} != num_attention_heads={dims[1]}: ling-jax "
                           "supports KDA/MLA with one KV group per head, as Ling-3 has")
 
 
+def _check_derived(raw: dict, values: dict) -> None:
+    """Fields that restate others (transformers writes some of them): they must agree with what ling-jax runs."""
+    derived = {"rotary_dim": ("qk_rope_head_dim", values["qk_rope_head_dim"],
+                              "MLA rotates all qk_rope_head_dim dims"),
+               "qk_head_dim": ("qk_nope_head_dim + qk_rope_head_dim",
+                               values["qk_nope_head_dim"] + values["qk_rope_head_dim"], "the MLA query/key width"),
+               "linear_num_heads": ("num_attention_heads", values["num_heads"],
+                                    "KDA and MLA have the same head count in Ling-3")}
+    for name, (source, want, why) in derived.items():
+        value = raw.get(name)
+        if value is not None and _typed(name, value, _INT) != want:
+            raise ConfigError(f"config.json {name}={_json(value)} != {source} = {want} ({why}): set {name} to "
+                              f"{want} or remove it")
+
+
 def to_hf_dict(cfg: LingConfig) -> dict:
-    """The official config.json for `cfg` (what conversion.synthetic writes)."""
+    """The official config.json for `cfg` (what conversion.synthetic writes), with the schedule spelled out in
+    `layer_types` / `mlp_layer_types` so that transformers reads the same layers as ling-jax."""
     return {
         "architectures": ["BailingMoeV3ForCausalLM"], "model_type": "bailing_hybrid",
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
-        "layer_group_size": cfg.layer_group_size, "num_attention_heads": cfg.num_heads,
+        "layer_group_size": cfg.layer_group_size,
+        "layer_types": [HF_MIXER_NAMES[cfg.mixer_kind(i)] for i in range(cfg.num_layers)],
+        "mlp_layer_types": [HF_FFN_NAMES[cfg.ffn_kind(i)] for i in range(cfg.num_layers)],
+        "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.num_heads, "head_dim": cfg.head_dim,
         "short_conv_kernel_size": cfg.conv_kernel_size, "no_kda_lora": True, "kda_safe_gate": True,
         "kda_lower_bound": cfg.kda_lower_bound, "q_lora_rank": cfg.q_lora_rank, "kv_lora_rank": cfg.kv_lora_rank,

@@ -20,9 +20,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from ling_jax.backends import check_partitioning, op_backend, resolve
-from ling_jax.cache import MLACache, ModelState, StagedState, init_state
+from ling_jax.backends import check_config, check_partitioning, op_backend
+from ling_jax.cache import MLACache, ModelState, StagedState, cache_capacity, init_state, layers_capacity
 from ling_jax.config import KDA, MLA, MOE, LingConfig
 from ling_jax.layers.kda import kda_block
 from ling_jax.layers.linear import proj
@@ -32,19 +33,49 @@ from ling_jax.layers.moe import moe_block
 from ling_jax.layers.norms import rms_norm
 
 
-def _check_backend(backend: str) -> None:
-    resolve(backend)  # raises on an unknown spec
+def _check_call(params: dict, cfg: LingConfig, backend: str) -> None:
+    """Checks that need only the call's static arguments and the params' placement: run before tracing."""
+    check_config(cfg, backend)
+    check_partitioning(params, backend)
 
 
-def _guarded(jitted):
-    """The jitted forward, after the checks that need concrete params (their sharding)."""
-    @functools.wraps(jitted)
-    def call(params, *args, backend: str = "reference", **kwargs):
-        check_partitioning(params, backend)
-        return jitted(params, *args, backend=backend, **kwargs)
+def _check_tokens(tokens, cfg: LingConfig, what: str) -> None:
+    """Shape and dtype always; the ids' range too when they are concrete (outside jit: the raw API's inputs)."""
+    shape, dtype = jnp.shape(tokens), jnp.result_type(tokens)
+    if len(shape) != 2 or shape[1] == 0:
+        raise ValueError(f"{what}.shape={tuple(shape)} must be [batch, T] with T >= 1 (an empty prompt has no "
+                         "position to predict from)")
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise ValueError(f"{what}.dtype={dtype} must be an integer type (token ids)")
+    if isinstance(tokens, jax.core.Tracer):
+        return
+    ids = np.asarray(tokens)
+    if ids.min() < 0 or ids.max() >= cfg.vocab_size:
+        raise ValueError(f"{what} holds ids in [{ids.min()}, {ids.max()}] but the vocabulary is [0, {cfg.vocab_size})"
+                         f"; pass ids of this model's tokenizer")
 
-    call.lower = jitted.lower
-    return call
+
+def _check_capacity(state, t: int) -> None:
+    """`checked=True`: read the length on the host and refuse a step that would write past the latent caches."""
+    capacity = cache_capacity(state)
+    length = int(jax.device_get(state.length))
+    if capacity is not None and length + t > capacity:
+        raise ValueError(f"the caches hold {capacity} positions and {length} are used: {t} more token(s) do not "
+                         "fit; prefill with a larger max_len")
+
+
+def embed_lookup(embed: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Rows of `embed`; an id outside the vocabulary gives a NaN row (so NaN logits), never a clamped neighbour."""
+    return jnp.take(embed, tokens, axis=0, mode="fill", fill_value=jnp.nan)
+
+
+def _poison_overflow(logits: jax.Array, layers: tuple, start: jax.Array, t: int) -> jax.Array:
+    """NaN logits for a step whose positions pass the latent caches' end (the cache write clamps, so the step and
+    every later one would read wrong keys): visible on the device, with no host read."""
+    capacity = layers_capacity(layers)
+    if capacity is None:
+        return logits
+    return jnp.where(start + t > capacity, jnp.nan, logits)
 
 
 def block(p: dict, h: jnp.ndarray, entry, start: jax.Array, cfg: LingConfig, layer: int, *, mixer: str, ffn: str,
@@ -68,7 +99,7 @@ def block(p: dict, h: jnp.ndarray, entry, start: jax.Array, cfg: LingConfig, lay
 def forward(params: dict, tokens: jax.Array, layers: tuple, start: jax.Array, cfg: LingConfig, *, mode: str,
             backend: str, all_logits: bool = True):
     """tokens [B, T] at positions start.. -> (logits [B, T or 1, V] f32, final-normed hidden [B, T, D], layers)."""
-    h = params["embed"][tokens]
+    h = embed_lookup(params["embed"], tokens)
     new_layers = []
     for i, (p, entry) in enumerate(zip(params["layers"], layers)):
         mixer, ffn = cfg.layer_kinds[i]
@@ -78,63 +109,82 @@ def forward(params: dict, tokens: jax.Array, layers: tuple, start: jax.Array, cf
     hidden = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
     head_in = hidden if all_logits else hidden[:, -1:]
     logits = proj("btd,dv->btv", head_in, params["lm_head"]).astype(jnp.float32)
-    return logits, hidden, tuple(new_layers)
+    return _poison_overflow(logits, layers, start, tokens.shape[1]), hidden, tuple(new_layers)
 
 
-def _check_tokens(tokens: jax.Array, cfg: LingConfig) -> None:
-    if tokens.ndim != 2:
-        raise ValueError(f"tokens.shape={tokens.shape} must be [batch, T]")
-    if not jnp.issubdtype(tokens.dtype, jnp.integer):
-        raise ValueError(f"tokens.dtype={tokens.dtype} must be an integer type")
-
-
-@_guarded
-@functools.partial(jax.jit, static_argnames=("cfg", "max_len", "backend", "all_logits"))
 def prefill(params: dict, tokens: jax.Array, cfg: LingConfig, *, max_len: int, backend: str = "reference",
             all_logits: bool = False):
     """Start sequences from `tokens` [B, T] -> (logits [B, T or 1, V], ModelState, hidden [B, T, D]).
 
     `max_len` sizes the MLA latent caches (prompt + every token to come; rounded up, see cache.cache_len).
+    Token ids are range-checked on the host when they are concrete (called outside jit).
     """
-    _check_backend(backend)
-    _check_tokens(tokens, cfg)
+    _check_call(params, cfg, backend)
+    _check_tokens(tokens, cfg, "tokens")
+    if jnp.shape(tokens)[1] > max_len:
+        raise ValueError(f"prompt length {jnp.shape(tokens)[1]} exceeds max_len={max_len}: pass a max_len that "
+                         "holds the prompt and every token to come")
+    return _prefill(params, tokens, cfg, max_len=max_len, backend=backend, all_logits=all_logits)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "max_len", "backend", "all_logits"))
+def _prefill(params, tokens, cfg, *, max_len, backend, all_logits):
     B, T = tokens.shape
-    if T > max_len:
-        raise ValueError(f"prompt length {T} exceeds max_len={max_len}")
-    dtype = params["embed"].dtype
-    state = init_state(cfg, B, max_len, dtype)
+    state = init_state(cfg, B, max_len, params["embed"].dtype)
     logits, hidden, layers = forward(params, tokens, state.layers, state.length, cfg, mode="prefill",
                                      backend=backend, all_logits=all_logits)
     return logits, ModelState(jnp.asarray(T, jnp.int32), layers), hidden
 
 
 def decode_forward(params: dict, state: ModelState, token: jax.Array, cfg: LingConfig, *, backend: str):
-    """`decode` without its jit or donation: the one-token forward the engine's loops call inside their own jitted
-    blocks."""
+    """`decode` without its checks, jit or donation: the one-token forward the engine's loops call inside their own
+    jitted blocks."""
     logits, hidden, layers = forward(params, token[:, None], state.layers, state.length, cfg, mode="decode",
                                      backend=backend)
     return logits[:, 0], ModelState(state.length + 1, layers), hidden[:, 0]
 
 
-@_guarded
+def decode(params: dict, state: ModelState, token: jax.Array, cfg: LingConfig, *, backend: str = "reference",
+           checked: bool = False):
+    """One token per sequence, token [B] -> (logits [B, V], ModelState, hidden [B, D]). `state` is donated.
+
+    A step past the latent caches' capacity gives NaN logits (device-side, no host read); `checked=True` reads the
+    length on the host first and raises instead.
+    """
+    _check_call(params, cfg, backend)
+    if jnp.ndim(token) != 1:
+        raise ValueError(f"token.shape={jnp.shape(token)} must be [batch]: one token per sequence")
+    if checked:
+        _check_capacity(state, 1)
+    return _decode(params, state, token, cfg, backend=backend)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "backend"), donate_argnames=("state",))
-def decode(params: dict, state: ModelState, token: jax.Array, cfg: LingConfig, *, backend: str = "reference"):
-    """One token per sequence, token [B] -> (logits [B, V], ModelState, hidden [B, D]). `state` is donated."""
-    _check_backend(backend)
+def _decode(params, state, token, cfg, *, backend):
     return decode_forward(params, state, token, cfg, backend=backend)
 
 
-@_guarded
-@functools.partial(jax.jit, static_argnames=("cfg", "backend"), donate_argnames=("state",))
-def verify(params: dict, state: ModelState, tokens: jax.Array, cfg: LingConfig, *, backend: str = "reference"):
+def verify(params: dict, state: ModelState, tokens: jax.Array, cfg: LingConfig, *, backend: str = "reference",
+           checked: bool = False):
     """tokens [B, T] from `state` -> (logits [B, T, V], StagedState, hidden [B, T, D]); commit with cache.commit.
 
-    `state` is donated: the MLA caches are updated in place and the staged state replaces it."""
-    _check_backend(backend)
-    _check_tokens(tokens, cfg)
-    logits, hidden, layers = forward(params, tokens, state.layers, state.length, cfg, mode="verify",
-                                     backend=backend)
-    return logits, StagedState(state.length, layers), hidden
+    The MLA caches are donated and updated in place; the KDA entries are not (the staged state has other shapes, so
+    their buffers could not be reused). Capacity as in `decode`.
+    """
+    _check_call(params, cfg, backend)
+    _check_tokens(tokens, cfg, "tokens")
+    if checked:
+        _check_capacity(state, jnp.shape(tokens)[1])
+    mla = tuple(e if isinstance(e, MLACache) else None for e in state.layers)
+    kda = tuple(None if isinstance(e, MLACache) else e for e in state.layers)
+    return _verify(params, state.length, kda, mla, tokens, cfg, backend=backend)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "backend"), donate_argnames=("mla",))
+def _verify(params, length, kda, mla, tokens, cfg, *, backend):
+    layers = tuple(m if m is not None else k for k, m in zip(kda, mla))
+    logits, hidden, layers = forward(params, tokens, layers, length, cfg, mode="verify", backend=backend)
+    return logits, StagedState(length, layers), hidden
 
 
 def mtp_forward(params: dict, hidden: jax.Array, next_tokens: jax.Array, cache: MLACache, start: jax.Array,
@@ -151,7 +201,7 @@ def mtp_forward(params: dict, hidden: jax.Array, next_tokens: jax.Array, cache: 
                          "(num_nextn_predict_layers=0, or it was loaded with with_mtp=False)")
     p = params["mtp"]
     eps = cfg.rms_norm_eps
-    e = params["embed"][next_tokens]
+    e = embed_lookup(params["embed"], next_tokens)
     u = proj("btc,cd->btd", jnp.concatenate([rms_norm(e, p["enorm"], eps), rms_norm(hidden, p["hnorm"], eps)], -1),
              p["eh_proj"])
     u, cache = block(p["layer"], u, cache, start, cfg, cfg.num_layers, mixer=MLA, ffn=MOE, mode=mode,

@@ -8,6 +8,7 @@ imports in the same process. `assert_torch_paths()` proves the binding took.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import sys
@@ -70,15 +71,34 @@ class SmallConfig:
     intermediate_size: int = 96
     moe_intermediate_size: int = 32
     vocab_size: int = 211
+    # None: transformers' own rule fills them in (and writes them into config.json either way).
+    layer_types: tuple[str, ...] | None = None
+    mlp_layer_types: tuple[str, ...] | None = None
 
     def hf(self):
         kw = dataclasses.asdict(self)
         kw.pop("name")
+        for name in ("layer_types", "mlp_layer_types"):
+            kw[name] = None if kw[name] is None else list(kw[name])
         cfg = MOD.BailingHybridConfig(num_key_value_heads=self.num_attention_heads, pad_token_id=0, eos_token_id=1,
                                       num_mtp_layers=0, **kw)
         cfg._attn_implementation = "eager"
         return cfg
 
+
+# Checkpoints whose config.json layer_types / mlp_layer_types differ from ling-jax's rule (docs/model.md §1).
+SCHEDULE_CONFIGS = [
+    # transformers' rule makes the trailing partial group (layer 6) linear_attention, where ling-jax's own rule
+    # would make it MLA: the layer_types that transformers writes must decide.
+    SmallConfig("g3-tail-kda-dense1-e16g4", num_hidden_layers=7, layer_group_size=3, q_lora_rank=None,
+                first_k_dense_replace=1, num_local_experts=16, n_group=4, topk_group=2, num_experts_per_tok=3),
+    # A schedule no rule gives: MLA twice in a row, KDA last, and dense layers after MoE ones.
+    SmallConfig("custom-schedule-e16g4", num_hidden_layers=7, layer_group_size=3, q_lora_rank=None,
+                first_k_dense_replace=0, num_local_experts=16, n_group=4, topk_group=2, num_experts_per_tok=3,
+                layer_types=("linear_attention", "full_attention", "full_attention", "linear_attention",
+                             "linear_attention", "full_attention", "linear_attention"),
+                mlp_layer_types=("sparse", "dense", "sparse", "sparse", "dense", "sparse", "sparse")),
+]
 
 CONFIGS = [
     SmallConfig("g2-qnull-dense1-e16g4", num_hidden_layers=4, layer_group_size=2, q_lora_rank=None,
@@ -90,7 +110,7 @@ CONFIGS = [
     SmallConfig("g4-qnull-dense2-e32g8", num_hidden_layers=4, layer_group_size=4, q_lora_rank=None,
                 first_k_dense_replace=2, num_local_experts=32, n_group=8, topk_group=4, num_experts_per_tok=6,
                 num_attention_heads=2, head_dim=32),
-]
+] + SCHEDULE_CONFIGS
 
 
 # Weight scale over 1/sqrt(fan_in). At 1.0 the random stack is chaotic: transformers' own bf16 run lands 0.1-0.4
@@ -134,3 +154,43 @@ def logits64(model64, ids: np.ndarray) -> np.ndarray:
     with torch.no_grad():
         return model64(torch.as_tensor(ids, dtype=torch.long)).logits.double().numpy()
 
+
+
+def save_with_mtp(out, n_layers: int = 4) -> dict:
+    """A transformers checkpoint in the official layout with an MTP layer: an (n + 1)-layer BailingHybrid saved by
+    transformers (layer n: MLA + MoE, the NextN block), the four MTP-only tensors added, config.json saying n layers
+    + 1 MTP layer. Returns {dir, m32 (the (n + 1)-layer float32 model), m64 (float64 copy), extra (the MTP-only
+    tensors, float64)}."""
+    import json
+
+    from safetensors.torch import save_file
+
+    small = SmallConfig("mtp", num_hidden_layers=n_layers + 1, layer_group_size=2, q_lora_rank=None,
+                        first_k_dense_replace=1, num_local_experts=16, n_group=4, topk_group=2, num_experts_per_tok=3)
+    hf_cfg = small.hf()
+    hf_cfg.layer_types = ["linear_attention", "full_attention"] * (n_layers // 2) + ["full_attention"]
+    hf_cfg.mlp_layer_types = ["dense"] + ["sparse"] * n_layers
+    torch.manual_seed(0)
+    m = MOD.BailingHybridForCausalLM(hf_cfg).eval()
+    randomize_(m, seed=11)
+    m.save_pretrained(out, max_shard_size="200KB")
+
+    g = torch.Generator().manual_seed(5)
+    D = small.hidden_size
+    extra = {f"model.layers.{n_layers}.{name}.weight": 1 + 0.1 * torch.randn(D, generator=g)
+             for name in ("enorm", "hnorm", "final_layernorm")}
+    extra[f"model.layers.{n_layers}.eh_proj.weight"] = 0.3 * torch.randn(D, 2 * D, generator=g) / np.sqrt(2 * D)
+    save_file(extra, out / "mtp-extra.safetensors")
+    index_path = out / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"].update({k: "mtp-extra.safetensors" for k in extra})
+    index_path.write_text(json.dumps(index))
+    config = json.loads((out / "config.json").read_text())
+    config.update(num_hidden_layers=n_layers, num_nextn_predict_layers=1)
+    for key in ("layer_types", "mlp_layer_types"):
+        config.pop(key, None)
+    (out / "config.json").write_text(json.dumps(config))
+
+    m64 = copy.deepcopy(m).double()
+    m64.config._experts_implementation = "eager"
+    return dict(dir=out, m32=m, m64=m64, extra={k: v.double() for k, v in extra.items()})

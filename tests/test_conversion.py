@@ -22,7 +22,7 @@ from safetensors.numpy import load_file, save_file
 from conversion import CheckpointError, convert, hf, load_hf, load_params, save_params, synthetic, write_synthetic
 from conversion.load import INDEX_NAME
 from tests.hf_ref import MOD
-from ling_jax.config import ConfigError, from_hf, preset, to_hf_dict
+from ling_jax.config import DENSE, KDA, MLA, MOE, ConfigError, from_hf, preset, to_hf_dict
 from ling_jax.params import abstract_params, is_spec, param_specs
 
 
@@ -136,7 +136,7 @@ def test_transformers_checkpoint_bf16(hf_checkpoint):
     path, hcfg, sd = hf_checkpoint
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        cfg, params = load_hf(path, progress=False)
+        cfg, params = load_hf(path, dtype=jnp.bfloat16, progress=False)
     specs, want = leaves_by_path(param_specs(cfg)), expected_params(hcfg, sd)
     for name, x in leaves_by_path(params).items():
         assert x.dtype == specs[name].dtype(jnp.bfloat16), name
@@ -525,3 +525,141 @@ def test_alias_and_single_file(toy_synthetic, tmp_path):
     _, params = load_hf(one, progress=False)
     for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# ---- the layer schedule against the tensors --------------------------------------------------------------
+
+def edit_config(src, dst, **changes):
+    """Copy checkpoint `src` to `dst` with config.json entries changed (None deletes one)."""
+    shutil.copytree(src, dst)
+    raw = json.loads((dst / "config.json").read_text())
+    for name, value in changes.items():
+        if value is None:
+            raw.pop(name, None)
+        else:
+            raw[name] = value
+    (dst / "config.json").write_text(json.dumps(raw))
+    return dst
+
+
+def test_schedule_conflict_comes_first_and_names_the_list(toy_synthetic, tmp_path):
+    path, cfg = toy_synthetic
+    mixers = ["linear_attention", "linear_attention", "linear_attention", "linear_attention", "linear_attention",
+              "full_attention"]  # layer 2 holds MLA tensors
+    ffns = ["dense", "sparse", "sparse", "dense", "sparse", "sparse"]  # layer 3 holds MoE tensors
+    bad = edit_config(path, tmp_path / "ck", layer_types=mixers, mlp_layer_types=ffns)
+    msg = expect_error(
+        bad, "layer 2: config.json layer_types says linear_attention (KDA) but the checkpoint holds MLA tensors",
+        "layer 3: config.json mlp_layer_types says dense (dense MLP) but the checkpoint holds MoE tensors",
+        'fix: correct layer_types in config.json: layer_types[2] = "full_attention"',
+        'fix: correct mlp_layer_types in config.json: mlp_layer_types[3] = "sparse"')
+    body = msg.splitlines()
+    assert body[1].strip().startswith("layer schedule of config.json differs from the tensors")
+    assert msg.index("layer 2: config.json") < msg.index("missing (") < msg.index("unexpected (")  # listing kept
+    assert "layer 0:" not in msg and "layer 6:" not in msg  # agreeing layers and the MTP layer are not named
+
+
+def test_schedule_conflict_from_the_rule(toy_synthetic, tmp_path):
+    """Without layer_types the layer_group_size rule decides, and the message says so."""
+    path, cfg = toy_synthetic
+    bad = edit_config(path, tmp_path / "ck", layer_types=None, layer_group_size=2)
+    expect_error(bad, "layer 1: the layer_group_size=2 rule (config.json has no layer_types) says full_attention "
+                      "(MLA) but the checkpoint holds KDA tensors",
+                 "layer 2: the layer_group_size=2 rule (config.json has no layer_types) says linear_attention (KDA) "
+                 "but the checkpoint holds MLA tensors",
+                 "fix: add layer_types to config.json (one entry per main layer) with "
+                 'layer_types[1] = "linear_attention", layer_types[2] = "full_attention", '
+                 'layer_types[3] = "linear_attention"')
+
+
+def test_custom_schedule_round_trip(tmp_path):
+    """A dense layer after MoE ones and MLA twice in a row: written, read back and loaded exactly."""
+    cfg = preset("toy").replace(mixer_schedule=(KDA, MLA, MLA, KDA, KDA, KDA),
+                                ffn_schedule=(MOE, DENSE, MOE, MOE, DENSE, MOE))
+    path = write_synthetic(tmp_path / "hf", cfg, seed=4, progress=False)
+    assert from_hf(path) == cfg
+    loaded_cfg, params = load_hf(path, dtype=jnp.float32, progress=False)
+    assert loaded_cfg == cfg
+    assert "router" in params["layers"][0]["ffn"] and "w_gate" in params["layers"][1]["ffn"]
+    assert "w_kv_a" in params["layers"][2]["mixer"] and "w_f" in params["layers"][5]["mixer"]
+    got = leaves_by_path(params)
+    for entry in hf.plan(cfg):
+        xs = [np.asarray(got[hf.path_str(p)]) for p in entry.paths]
+        item = [x[0] for x in xs] if entry.stacked else xs
+        np.testing.assert_array_equal(entry.transform.to_hf(item).astype(np.float32),
+                                      synthetic.synthetic_tensor(entry, 0, seed=4).astype(np.float32),
+                                      entry.names[0])
+
+
+# ---- unreadable files ------------------------------------------------------------------------------------
+
+def first_shard(path):
+    return sorted(path.glob("*.safetensors"))[0]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage-header"])
+def test_corrupt_shard_is_named(toy_synthetic, tmp_path, damage):
+    path, _ = toy_synthetic
+    bad = tmp_path / "ck"
+    shutil.copytree(path, bad)
+    shard = first_shard(bad)
+    data = bytearray(shard.read_bytes())
+    if damage == "truncated":
+        data = data[:len(data) // 2]
+    else:
+        data[8:40] = bytes(range(200, 232))  # not UTF-8, inside the JSON header
+    shard.write_bytes(bytes(data))
+    expect_error(bad, f"{shard.name}: Error while deserializing header", "re-download or re-copy these shard files",
+                 "cannot be read (truncated or corrupt)")
+
+
+def test_shard_damaged_after_the_headers_were_read(toy_synthetic, tmp_path, monkeypatch):
+    """A shard that breaks between the header check and the tensor read is named too."""
+    from conversion import load
+
+    path, _ = toy_synthetic
+    bad = tmp_path / "ck"
+    shutil.copytree(path, bad)
+    catalog = load.read_catalog(bad)
+    shard = sorted(bad.glob("*.safetensors"))[-1]
+    shard.write_bytes(shard.read_bytes()[:100])
+    monkeypatch.setattr(load, "read_catalog", lambda hf_dir: catalog)
+    expect_error(bad, f"shard {shard.name} in {bad} cannot be read", "re-download or re-copy that shard file")
+
+
+@pytest.mark.parametrize("index_text, message", [
+    ('{"weight_map": {"a": "b",}}', "is not valid JSON (Expecting property name enclosed in double quotes at line 1"),
+    ('{"metadata": {}}', 'has no "weight_map" object of tensor name -> shard file'),
+    ('{"weight_map": ["model-00001.safetensors"]}', 'has no "weight_map" object'),
+], ids=["invalid-json", "no-weight-map", "weight-map-list"])
+def test_bad_index_is_named(toy_synthetic, tmp_path, index_text, message):
+    path, _ = toy_synthetic
+    bad = tmp_path / "ck"
+    shutil.copytree(path, bad)
+    (bad / INDEX_NAME).write_text(index_text)
+    expect_error(bad, f"{bad / INDEX_NAME} {message}", "re-download or re-copy it")
+
+
+# ---- the dtype of the checkpoint -------------------------------------------------------------------------
+
+def test_default_dtype_is_the_stored_one(toy_synthetic, tmp_path):
+    path, cfg = toy_synthetic  # stored BF16
+    _, params = load_hf(path, progress=False)
+    specs = leaves_by_path(param_specs(cfg))
+    assert {k: v.dtype for k, v in leaves_by_path(params).items()} == {
+        k: s.dtype(jnp.bfloat16) for k, s in specs.items()}
+    assert params["embed"].dtype == jnp.bfloat16
+
+    f16 = write_synthetic(tmp_path / "f16", cfg, dtype="float16", progress=False)
+    expect_error(f16, "model.word_embeddings.weight is stored F16", "pass dtype=jnp.bfloat16 or dtype=jnp.float32 "
+                      "to load_hf (--dtype bfloat16 or --dtype float32)")
+    _, params16 = load_hf(f16, dtype=jnp.float32, progress=False)
+    assert params16["embed"].dtype == jnp.float32
+
+
+def test_default_dtype_of_a_transformers_checkpoint(hf_checkpoint):
+    path, _, _ = hf_checkpoint  # transformers saved a float32 model: every tensor F32
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, params = load_hf(path, progress=False)
+    assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}

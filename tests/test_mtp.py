@@ -7,19 +7,17 @@ transformers implements no MTP, so the test builds its own: the block itself is 
 layer: exactly the official layout of `model.layers.N.*`.
 """
 
-import json
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from conversion.load import load_hf
 from ling_jax import model
 from ling_jax.cache import mla_cache
 
-from tests.hf_ref import MOD, SmallConfig, randomize_, rel_err
+from tests.hf_ref import rel_err, save_with_mtp
 
 N = 4
 T = 37
@@ -32,36 +30,7 @@ def _rms(x, w, eps=1e-6):
 
 @pytest.fixture(scope="module")
 def mtp_case(tmp_path_factory):
-    small = SmallConfig("mtp", num_hidden_layers=N + 1, layer_group_size=2, q_lora_rank=None,
-                        first_k_dense_replace=1, num_local_experts=16, n_group=4, topk_group=2, num_experts_per_tok=3)
-    hf_cfg = small.hf()
-    hf_cfg.layer_types = ["linear_attention", "full_attention"] * (N // 2) + ["full_attention"]
-    hf_cfg.mlp_layer_types = ["dense"] + ["sparse"] * N
-    torch.manual_seed(0)
-    m = MOD.BailingHybridForCausalLM(hf_cfg).eval()
-    randomize_(m, seed=11)
-    out = tmp_path_factory.mktemp("mtp_ckpt")
-    m.save_pretrained(out, max_shard_size="200KB")
-
-    g = torch.Generator().manual_seed(5)
-    D = small.hidden_size
-    extra = {f"model.layers.{N}.{name}.weight": 1 + 0.1 * torch.randn(D, generator=g)
-             for name in ("enorm", "hnorm", "final_layernorm")}
-    extra[f"model.layers.{N}.eh_proj.weight"] = 0.3 * torch.randn(D, 2 * D, generator=g) / np.sqrt(2 * D)
-    save_file(extra, out / "mtp-extra.safetensors")
-    index_path = out / "model.safetensors.index.json"
-    index = json.loads(index_path.read_text())
-    index["weight_map"].update({k: "mtp-extra.safetensors" for k in extra})
-    index_path.write_text(json.dumps(index))
-    config = json.loads((out / "config.json").read_text())
-    config.update(num_hidden_layers=N, num_nextn_predict_layers=1)
-    for key in ("layer_types", "mlp_layer_types"):
-        config.pop(key, None)
-    (out / "config.json").write_text(json.dumps(config))
-
-    m64 = m.double()
-    m64.config._experts_implementation = "eager"
-    return dict(dir=out, m64=m64, extra={k: v.double() for k, v in extra.items()})
+    return save_with_mtp(tmp_path_factory.mktemp("mtp_ckpt"), N)
 
 
 def reference_mtp_logits(m64, extra, ids: np.ndarray) -> np.ndarray:

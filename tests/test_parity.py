@@ -5,6 +5,9 @@ float32 logits must be within 1e-5 relative: transformers' own float32 run diffe
 (docs/model.md §6), so 1e-5 is an order of magnitude of headroom and far below any real bug (a wrong gate or rope
 layout gives O(1e-1)). bfloat16 weights: 2e-2, the size of a few bf16 roundings (2^-8) compounded over layers.
 The prompt is 100 tokens, not a multiple of 64, so the reference's chunked KDA path runs with a padded chunk.
+Two configs have a layer schedule that ling-jax's rule would not give (a KDA trailing partial group, and a custom
+non-periodic one with dense layers after MoE ones): ling-jax must read it from the layer_types / mlp_layer_types
+that transformers writes.
 """
 
 import jax.numpy as jnp
@@ -16,8 +19,9 @@ from conversion.load import load_hf
 from conversion.orbax_io import convert, load_params
 from ling_jax import model
 from ling_jax.cli import main as cli_main
+from ling_jax.config import HF_FFN_NAMES, HF_MIXER_NAMES, from_hf
 
-from tests.hf_ref import CONFIGS, assert_torch_paths, build, logits64, rel_err
+from tests.hf_ref import CONFIGS, SCHEDULE_CONFIGS, assert_torch_paths, build, logits64, rel_err
 
 T_PROMPT = 100
 TOL_F32 = 1e-5
@@ -39,6 +43,15 @@ def case(request, tmp_path_factory):
     rng = np.random.default_rng(CONFIGS.index(small))
     ids = rng.integers(2, small.vocab_size, size=(1, T_PROMPT + 40))
     return dict(small=small, m32=m32, m64=m64, hf_dir=hf_dir, ids=ids, ref=logits64(m64, ids))
+
+
+def test_schedule_is_the_one_transformers_built(case):
+    cfg = from_hf(case["hf_dir"])
+    hcfg = case["m32"].config
+    ours = [(HF_MIXER_NAMES[mixer], HF_FFN_NAMES[ffn]) for mixer, ffn in cfg.layer_kinds]
+    assert ours == list(zip(hcfg.layer_types, hcfg.mlp_layer_types))
+    explicit = bool(cfg.mixer_schedule or cfg.ffn_schedule)
+    assert explicit == (case["small"] in SCHEDULE_CONFIGS), "the schedule configs must differ from the rule"
 
 
 def test_float32_logits_direct(case):

@@ -24,10 +24,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ling_jax.backends import check_partitioning, resolve
+from ling_jax.backends import check_config, check_partitioning, prepare
 from ling_jax.cache import ModelState, cache_len
 from ling_jax.config import LingConfig
 from ling_jax.model import decode_forward, prefill
+
+
+# jax.monitoring's event for one XLA compilation (jax._src.dispatch.BACKEND_COMPILE_EVENT; a test pins that it fires).
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
 class LoopState(NamedTuple):
@@ -43,6 +47,7 @@ class GenerateResult:
     ttft_s: float  # prefill + first token on the host
     decode_s: float  # from the first token on the host to the last block's tokens on the host
     steps: int  # decode steps run in that time (whole blocks; may exceed the tokens kept)
+    compiles: int = 0  # executables compiled inside the timed region: 0 means the times exclude compilation
 
     @property
     def tpot_s(self) -> float:
@@ -97,10 +102,21 @@ def decode_block(params, loop: LoopState, eos, cfg: LingConfig, sampler, *, step
 
 def generate(params, cfg: LingConfig, prompt, *, max_new_tokens: int, sampler, seed: int = 0,
              backend: str = "reference", block_size: int = 16, ignore_eos: bool = False) -> GenerateResult:
-    """prompt: [B, T] ints (host) -> GenerateResult. Times come from host clocks around blocking reads."""
-    resolve(backend)  # raises on an unknown backend spec
+    """prompt: [B, T] ints (host) -> GenerateResult. Times come from host clocks around blocking reads.
+
+    The latent caches are sized here from the prompt and `max_new_tokens`, so no step can outgrow them.
+    """
+    check_config(cfg, backend)  # raises on an unknown backend spec or sizes its kernels cannot take
     check_partitioning(params, backend)
-    prompt = np.asarray(prompt, np.int32)
+    prepare(backend)
+    try:
+        prompt = np.asarray(prompt)
+    except ValueError:
+        raise ValueError("prompt rows differ in length: generate takes one [batch, T] array; run prompts of "
+                         "different lengths as separate calls") from None
+    if not (np.issubdtype(prompt.dtype, np.integer) or prompt.size == 0):
+        raise ValueError(f"prompt dtype {prompt.dtype} must be integer token ids")
+    prompt = prompt.astype(np.int32)
     if prompt.ndim != 2 or prompt.shape[1] == 0:
         raise ValueError(f"prompt shape {prompt.shape} must be [batch, T] with T >= 1")
     if prompt.min() < 0 or prompt.max() >= cfg.vocab_size:
@@ -109,15 +125,19 @@ def generate(params, cfg: LingConfig, prompt, *, max_new_tokens: int, sampler, s
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
     if block_size < 1:
         raise ValueError(f"block_size={block_size} must be >= 1")
+    if prompt.shape[1] + max_new_tokens > cfg.max_position_embeddings:
+        raise ValueError(f"prompt length {prompt.shape[1]} + max_new_tokens={max_new_tokens} exceeds the model's "
+                         f"max_position_embeddings={cfg.max_position_embeddings}; shorten one of them")
     n_blocks = -(-(max_new_tokens - 1) // block_size)
-    # Bucketed, so prompts of similar length share compiled executables.
-    max_len = cache_len(prompt.shape[1] + 1 + n_blocks * block_size)
+    # Bucketed, so prompts of similar length share compiled executables; the last block's steps past
+    # max_new_tokens are discarded, so only the tokens kept must fit the model's positions.
+    max_len = min(cache_len(prompt.shape[1] + 1 + n_blocks * block_size), cfg.max_position_embeddings)
     pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
     eos = jnp.asarray([] if ignore_eos else cfg.eos_token_ids, jnp.int32)
     prompt_dev, key = jnp.asarray(prompt), jax.random.key(seed)
     jax.block_until_ready((prompt_dev, key, eos))
 
-    with jax.transfer_guard("disallow"):
+    with jax.transfer_guard("disallow"), _CompileCounter() as compiled:
         t0 = time.perf_counter()
         loop, first = start(params, prompt_dev, key, eos, cfg, sampler, max_len=max_len, backend=backend,
                             pad_id=pad_id)
@@ -138,7 +158,32 @@ def generate(params, cfg: LingConfig, prompt, *, max_new_tokens: int, sampler, s
         t2 = time.perf_counter()
 
     tokens = np.concatenate(chunks, axis=1)[:, :max_new_tokens]
-    return GenerateResult(_cut_after_eos(tokens, cfg.eos_token_ids, ignore_eos), t1 - t0, t2 - t1, steps)
+    return GenerateResult(_cut_after_eos(tokens, cfg.eos_token_ids, ignore_eos), t1 - t0, t2 - t1, steps,
+                          compiled.count)
+
+
+class _CompileCounter:
+    """Counts XLA compilations while active (jax.monitoring's backend-compile event), so a result can say whether
+    its times include compilation."""
+    _active: list = []
+    _registered = False
+
+    def __enter__(self):
+        if not _CompileCounter._registered:
+            jax.monitoring.register_event_duration_secs_listener(_CompileCounter._on_event)
+            _CompileCounter._registered = True
+        self.count = 0
+        _CompileCounter._active.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        _CompileCounter._active.remove(self)
+
+    @staticmethod
+    def _on_event(event: str, duration: float, **kwargs) -> None:
+        if event == BACKEND_COMPILE_EVENT:
+            for counter in _CompileCounter._active:
+                counter.count += 1
 
 
 def _collect(pending, chunks: list, ignore_eos: bool) -> bool:

@@ -1,4 +1,8 @@
-"""Token selection strategies: frozen dataclasses (static under jit) behind one method."""
+"""Token selection strategies: frozen dataclasses (static under jit).
+
+Each sampler draws from the distribution its `log_probs` returns, so speculative acceptance (engine.acceptance) can
+test drafts against exactly what plain decoding would have sampled.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +14,15 @@ import jax.numpy as jnp
 
 @dataclasses.dataclass(frozen=True)
 class Greedy:
+    def log_probs(self, logits: jax.Array) -> jax.Array:
+        """logits [..., V] -> float32 [..., V]: 0 at the argmax (lowest id on ties, as torch.argmax), -inf elsewhere."""
+        top = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.bool_)
+        return jnp.where(top, 0.0, -jnp.inf).astype(jnp.float32)
+
     def sample(self, logits: jax.Array, key: jax.Array) -> jax.Array:
-        """logits [B, V] -> [B] int32; ties go to the lowest id, as torch.argmax."""
+        """logits [..., V] -> [...] int32, the argmax."""
         del key
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return jnp.argmax(self.log_probs(logits), axis=-1).astype(jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,17 +38,22 @@ class TopP:
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p} must lie in (0, 1]")
 
-    def sample(self, logits: jax.Array, key: jax.Array) -> jax.Array:
+    def log_probs(self, logits: jax.Array) -> jax.Array:
+        """logits [..., V] -> float32 [..., V]: log softmax(logits / temperature) over the top-p set, -inf outside."""
         logits = logits.astype(jnp.float32) / self.temperature
         if self.top_p < 1.0:
-            sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
+            sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
             probs = jax.nn.softmax(sorted_logits, axis=-1)
             # Keep a token while the mass strictly before it is < top_p, so the top token always survives.
             mass_before = jnp.cumsum(probs, axis=-1) - probs
             kept = jnp.where(mass_before < self.top_p, sorted_logits, jnp.inf)
             threshold = jnp.min(kept, axis=-1, keepdims=True)
             logits = jnp.where(logits >= threshold, logits, -jnp.inf)
-        return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+        return jax.nn.log_softmax(logits, axis=-1)
+
+    def sample(self, logits: jax.Array, key: jax.Array) -> jax.Array:
+        """logits [..., V] -> [...] int32, one independent draw per row."""
+        return jax.random.categorical(key, self.log_probs(logits), axis=-1).astype(jnp.int32)
 
 
 def make_sampler(temperature: float = 0.0, top_p: float = 1.0):
