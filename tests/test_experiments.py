@@ -38,6 +38,8 @@ SMOKE_OUTPUT = {  # what each smoke run must print beyond exiting 0
     "bench_kda": [r"^\| section \| name \| numbers \|", r"checks passed; total"],
     "bench_moe": [r"^\| kind \| backend \| T \|"],
     "bench_mla": [r"^\| L \| T \| backend \|"],
+    "bench_suffix": [r"^\| history \| capacity \| k \|", r"^device path = host path, step for step"],
+    "bench_spec": [r"^\s+plain\s+1\.00", r"^\s+k=3 a=2\.5\s+2\.50"],  # the planned accept length is exact
 }
 
 

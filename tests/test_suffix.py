@@ -5,6 +5,7 @@ and a compiled step with no host-side control flow."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 
 import jax
@@ -21,12 +22,18 @@ def jitted(drafter: SuffixDrafter, k: int):
 
 
 def propose(drafter: SuffixDrafter, rows: list[list[int]], k: int) -> list[list[int]]:
-    """The valid drafts of each row, the rows right-padded to the capacity (one compiled shape per batch size)."""
+    """The valid drafts of each row, the rows right-padded to the capacity (one compiled shape per batch size),
+    counted both ways, which must agree."""
     padded = np.array([r + [0] * (drafter.capacity - len(r)) for r in rows], np.int32)
-    drafts, valid = jax.device_get(jitted(drafter, k)(padded, np.array([len(r) for r in rows], np.int32)))
-    for row in valid:  # the valid drafts are a prefix
-        assert not np.any(row[np.argmin(row):]) or row.all(), valid
-    return [d[v].tolist() for d, v in zip(drafts, valid)]
+    lengths = np.array([len(r) for r in rows], np.int32)
+    results = []
+    for counting in ("pairs", "sorted"):
+        drafts, valid = jax.device_get(jitted(dataclasses.replace(drafter, counting=counting), k)(padded, lengths))
+        for row in valid:  # the valid drafts are a prefix
+            assert not np.any(row[np.argmin(row):]) or row.all(), valid
+        results.append([d[v].tolist() for d, v in zip(drafts, valid)])
+    assert results[0] == results[1], results
+    return results[0]
 
 
 def reference(history: list[int], k: int, d: SuffixDrafter) -> list[int]:
@@ -120,7 +127,8 @@ def test_the_history_is_bounded_and_keeps_the_newest_tokens():
     state = drafter.observe(state, np.array([[X, 0]], np.int32), jnp.int32(1))
     assert int(state.length[0]) == 16
     assert state.history[0].tolist() == (old + new[0].tolist() + [X])[-16:]
-    assert propose(drafter, state.history.tolist(), 3) == [[Y, Z, 1]]  # the X -> A B C occurrence was dropped, X -> Y Z kept
+    # The X -> A B C occurrence was dropped, X -> Y Z kept.
+    assert propose(drafter, state.history.tolist(), 3) == [[Y, Z, 1]]
     long_prompt = np.arange(1000, 1040, dtype=np.int32)[None]
     assert drafter.init(long_prompt).history[0].tolist() == list(range(1024, 1040))
 
@@ -147,8 +155,9 @@ def no_host_control_flow(compiled_text: str) -> list[str]:
             if "conditional(" in line or ("while(" in line and "known_trip_count" not in line)]
 
 
-def test_the_compiled_step_has_no_host_control_flow():
-    drafter = SuffixDrafter(capacity=256, max_match=16, min_token_prob=0.1)
+@pytest.mark.parametrize("counting", ["pairs", "sorted"])
+def test_the_compiled_step_has_no_host_control_flow(counting):
+    drafter = SuffixDrafter(capacity=256, max_match=16, min_token_prob=0.1, counting=counting)
     state = drafter.init(np.arange(40, dtype=np.int32)[None] % 7)
     propose_text = jax.jit(lambda s: drafter.propose(s, 5)).lower(state).compile().as_text()
     observe_text = jax.jit(drafter.observe).lower(state, np.zeros((1, 6), np.int32), jnp.int32(3)).compile().as_text()
@@ -156,14 +165,16 @@ def test_the_compiled_step_has_no_host_control_flow():
     assert no_host_control_flow(observe_text) == []
 
 
-@pytest.mark.parametrize("field, value, fix", [
-    ("capacity", 1, "use e.g. 4096"),
-    ("max_match", 0, "use e.g. 64"),
-    ("min_match", 0, "use 1 or 2"),
-    ("min_token_prob", 1.5, "use 0 to propose every continuation"),
+@pytest.mark.parametrize("field, value, message", [
+    ("capacity", 1, r"capacity=1 must be an int in \[2, 46340\].*use e.g. 4096"),
+    ("capacity", 50000, r"capacity=50000 must be an int in \[2, 46340\].*use e.g. 4096"),
+    ("max_match", 0, "max_match=0 must be an int >= 1; use e.g. 64"),
+    ("min_match", 0, r"min_match=0 must be an int in \[1, max_match=64\]; use 1 or 2"),
+    ("min_token_prob", 1.5, r"min_token_prob=1.5 must lie in \[0, 1\]; use 0 to propose every continuation"),
+    ("counting", "hash", "counting='hash' is unknown; use auto, pairs or sorted"),
 ])
-def test_bad_fields_are_named_with_the_fix(field, value, fix):
-    with pytest.raises(ValueError, match=f"{field}={value}.*{fix}"):
+def test_bad_fields_are_named_with_the_fix(field, value, message):
+    with pytest.raises(ValueError, match=message):
         SuffixDrafter(**{field: value})
 
 

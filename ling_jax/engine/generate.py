@@ -109,18 +109,7 @@ def generate(params, cfg: LingConfig, prompt, *, max_new_tokens: int, sampler, s
     check_config(cfg, backend)  # raises on an unknown backend spec or sizes its kernels cannot take
     check_partitioning(params, backend)
     prepare(backend)
-    try:
-        prompt = np.asarray(prompt)
-    except ValueError:
-        raise ValueError("prompt rows differ in length: generate takes one [batch, T] array; run prompts of "
-                         "different lengths as separate calls") from None
-    if not (np.issubdtype(prompt.dtype, np.integer) or prompt.size == 0):
-        raise ValueError(f"prompt dtype {prompt.dtype} must be integer token ids")
-    prompt = prompt.astype(np.int32)
-    if prompt.ndim != 2 or prompt.shape[1] == 0:
-        raise ValueError(f"prompt shape {prompt.shape} must be [batch, T] with T >= 1")
-    if prompt.min() < 0 or prompt.max() >= cfg.vocab_size:
-        raise ValueError(f"prompt token ids must lie in [0, {cfg.vocab_size}); got [{prompt.min()}, {prompt.max()}]")
+    prompt = host_prompt(prompt, cfg)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
     if block_size < 1:
@@ -160,6 +149,23 @@ def generate(params, cfg: LingConfig, prompt, *, max_new_tokens: int, sampler, s
     tokens = np.concatenate(chunks, axis=1)[:, :max_new_tokens]
     return GenerateResult(_cut_after_eos(tokens, cfg.eos_token_ids, ignore_eos), t1 - t0, t2 - t1, steps,
                           compiled.count)
+
+
+def host_prompt(prompt, cfg: LingConfig) -> np.ndarray:
+    """`prompt` as an int32 [B, T] host array of ids in the vocabulary, or a ValueError saying what is wrong."""
+    try:
+        prompt = np.asarray(prompt)
+    except ValueError:
+        raise ValueError("prompt rows differ in length: generate takes one [batch, T] array; run prompts of "
+                         "different lengths as separate calls") from None
+    if not (np.issubdtype(prompt.dtype, np.integer) or prompt.size == 0):
+        raise ValueError(f"prompt dtype {prompt.dtype} must be integer token ids")
+    prompt = prompt.astype(np.int32)
+    if prompt.ndim != 2 or prompt.shape[1] == 0:
+        raise ValueError(f"prompt shape {prompt.shape} must be [batch, T] with T >= 1")
+    if prompt.min() < 0 or prompt.max() >= cfg.vocab_size:
+        raise ValueError(f"prompt token ids must lie in [0, {cfg.vocab_size}); got [{prompt.min()}, {prompt.max()}]")
+    return prompt
 
 
 class _CompileCounter:

@@ -1,6 +1,6 @@
 """Speculative decoding: draft -> verify -> accept -> commit as one jitted step, acceptance state on the device.
 
-One step, with a static number of drafts k (docs/design.md §3):
+One step, with a static number of drafts k (docs/design.md §2):
 
     propose   the drafter continues the committed tokens with k drafts (and, if it has them, their probabilities)
     verify    one target forward over k + 1 positions: the last committed token (not yet in the caches) + the drafts
@@ -41,11 +41,13 @@ from ling_jax.backends import check_config, check_partitioning, prepare
 from ling_jax.cache import ModelState, StagedState, cache_len, commit
 from ling_jax.config import LingConfig
 from ling_jax.engine import acceptance
-from ling_jax.engine.generate import _CompileCounter, _cut_after_eos, _mask_eos
+from ling_jax.engine.generate import _CompileCounter, _cut_after_eos, _mask_eos, host_prompt
 from ling_jax.model import forward, prefill
 
 VERIFY_STEPS, DRAFTED, ACCEPTED = range(3)
-MAX_DRAFTS = 16  # k + 1 verify positions must stay within the MoE and KDA verify kernels' token limits
+# k + 1 <= 17 verify positions keep the step in the decode/verify kernels' regime (they take <= 64 tokens); longer
+# chains would be prefill-sized forwards.
+MAX_DRAFTS = 16
 
 
 class SpecState(NamedTuple):
@@ -167,9 +169,7 @@ def generate_speculative(params, cfg: LingConfig, prompt, *, max_new_tokens: int
     if not 1 <= k <= MAX_DRAFTS:
         raise ValueError(f"k={k} drafts: choose 1 <= k <= {MAX_DRAFTS} (the verify kernels take k + 1 tokens)")
     drafter.check(aux, params, cfg)
-    prompt = np.asarray(prompt, np.int32)
-    if prompt.ndim != 2 or prompt.shape[1] == 0:
-        raise ValueError(f"prompt shape {prompt.shape} must be [batch, T] with T >= 1")
+    prompt = host_prompt(prompt, cfg)
     if max_new_tokens < 1 or block_size < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} and block_size={block_size} must be >= 1")
     # The last useful step may run k + 1 positions past the output's end; later steps' tokens are discarded.

@@ -19,14 +19,19 @@ Definitions, per row, with h = history[:length] and L = length:
     path, as Arctic's tree scores a path.
   - A draft is valid while its probability is > 0 and >= `min_token_prob`; from the first invalid one on, every
     draft is invalid and holds token 0 (a real id, so a verify forward may embed it).
-The one departure from Arctic: it scores every match length and keeps the best-scoring path, which may start
-from a shorter, more frequent match; this drafter always takes the longest match, whose continuation is the most
-specific evidence.
+Where Arctic's suffix tree differs: it scores the path of every match length and keeps the best-scoring one, which
+may start from a shorter, more frequent match (this drafter always takes the longest match, the most specific
+evidence); its node counts include the current suffix itself, which has no continuation (left out of |S| here);
+and its depth, match plus draft, stops at 64 tokens (here only the history's end stops a draft).
 
-Cost per row and step: `propose` gathers and compares max_match x capacity tokens (the match lengths of every end
-position at once), then per draft position sorts `capacity` next tokens and counts them with two binary searches,
-O(k · capacity · log capacity); `observe` moves O(capacity) tokens. No vocabulary-sized array appears anywhere.
-Everything is static-shaped and branch-free: no `cond`, no data-dependent loop, no host read.
+Cost per row and step: `propose` gathers and compares max_match × capacity tokens (the match lengths of every end
+position at once); then, per draft position, counting by pairs compares capacity² token pairs in one fused
+reduction, counting sorted sorts the candidates' k-token continuations once and runs two binary searches per
+position (O(k · capacity · log capacity)). On the H200 (experiments/RESULTS.md), batch 1, max_match 64, chained:
+54 µs for k = 5 and 142 µs for k = 16 at capacity 4096 by pairs (120 and 311 µs sorted); `observe` moves
+O(capacity) tokens. No
+vocabulary-sized array appears anywhere, and everything is static-shaped and branch-free: no `cond`, no
+data-dependent loop, no host read.
 """
 
 from __future__ import annotations
@@ -44,6 +49,9 @@ _PAST_END = np.iinfo(np.int32).max - 1
 _NO_MATCH = np.iinfo(np.int32).max
 # The largest capacity whose (count · capacity + position) scores fit in int32.
 MAX_CAPACITY = 46340
+# Up to this capacity "auto" counts by pairs: on the H200 at 4096 tokens a 5-token proposal took 54 µs by pairs
+# against 120 µs sorted; at 8192 both took 119-140 µs, and pairs grow quadratically from there.
+PAIRS_MAX_CAPACITY = 4096
 
 
 class SuffixState(NamedTuple):
@@ -55,8 +63,12 @@ class SuffixState(NamedTuple):
 class SuffixDrafter:
     capacity: int = 4096  # history tokens kept per row
     max_match: int = 64  # longest suffix compared
-    min_token_prob: float = 0.1  # drafts whose path frequency among the matches is below it are cut (SGLang: 0.1)
+    min_token_prob: float = 0.1  # drafts whose path frequency among the matches is below it are cut (Arctic: 0.1)
     min_match: int = 1  # shorter longest-matches propose nothing
+    # How the continuations are counted, same drafts either way: "pairs" compares every candidate with every other
+    # (capacity² per draft, fastest on a GPU up to a few thousand tokens), "sorted" sorts them once (capacity · log
+    # capacity per draft); "auto" takes pairs up to PAIRS_MAX_CAPACITY.
+    counting: str = "auto"
 
     def __post_init__(self):
         if not (isinstance(self.capacity, int) and 2 <= self.capacity <= MAX_CAPACITY):
@@ -68,6 +80,8 @@ class SuffixDrafter:
         if not (isinstance(self.min_match, int) and 1 <= self.min_match <= self.max_match):
             raise ValueError(f"SuffixDrafter min_match={self.min_match!r} must be an int in [1, max_match="
                              f"{self.max_match}]; use 1 or 2")
+        if self.counting not in ("auto", "pairs", "sorted"):
+            raise ValueError(f"SuffixDrafter counting={self.counting!r} is unknown; use auto, pairs or sorted")
         if not 0.0 <= self.min_token_prob <= 1.0:
             raise ValueError(f"SuffixDrafter min_token_prob={self.min_token_prob!r} must lie in [0, 1]; "
                              f"use 0 to propose every continuation, e.g. 0.1 to cut rare ones")
@@ -98,8 +112,8 @@ class SuffixDrafter:
 
     def propose_host(self, tokens: np.ndarray, k: int) -> list[int]:
         """The valid drafts `propose` returns for a row whose committed tokens are `tokens` (1-D), computed on the
-        host with numpy: for replaying long workloads on a CPU, where the device path's sort is slow. It narrows
-        the set of ends whose match reaches each length instead of comparing every end at every length."""
+        host with numpy: for replaying long workloads on a CPU, where the device path is slow. It narrows the set of
+        ends whose match reaches each length instead of comparing every end at every length."""
         history = np.asarray(tokens, np.int64)[-self.capacity:]
         last = len(history) - 1
         reach = np.flatnonzero(history[:max(last, 0)] == history[last]) if last > 0 else np.zeros(0, np.int64)
@@ -157,34 +171,67 @@ class SuffixDrafter:
         return jnp.where(ends < length - 1, match, 0)
 
     def _propose_row(self, history: jax.Array, length: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-        capacity = self.capacity
-        rows = jnp.arange(capacity)
         match = self._match_lengths(history, length)
         longest = jnp.max(match)
         candidates = (match == longest) & (longest >= self.min_match)
-        n_matches = jnp.sum(candidates, dtype=jnp.int32)
-        # follow[t, i]: the t-th token after the match ending at i. Sorting the candidates by their continuations
-        # (lexicographically, non-candidates last) makes the candidates of every path one contiguous range of
-        # rows [lo, hi), itself sorted by the token that comes next.
-        at = rows[None, :] + jnp.arange(1, k + 1)[:, None]
-        follow = jnp.where(at < length, history[jnp.minimum(at, capacity - 1)], _PAST_END)
-        follow = jnp.where(candidates[None, :], follow, _NO_MATCH)
-        *follow, end_at = jax.lax.sort((*follow, rows), num_keys=k)
-        lo, hi, alive = jnp.int32(0), n_matches, jnp.array(True)
+        n_matches = jnp.maximum(jnp.sum(candidates, dtype=jnp.int32), 1)
+        by_pairs = self.counting == "pairs" or (self.counting == "auto" and self.capacity <= PAIRS_MAX_CAPACITY)
+        path = _path_by_pairs if by_pairs else _path_by_sorting
+        alive = jnp.array(True)
         drafts, valid = [], []
-        for t, column in enumerate(follow):  # k is small and static: unrolled, no loop in the graph
-            # Rows below the range at -1 and above it at _NO_MATCH keep the whole column sorted.
-            on_path = (rows >= lo) & (rows < hi)
-            keys = jnp.where(on_path, column, jnp.where(rows < lo, -1, _NO_MATCH))
-            run = (jnp.searchsorted(keys, keys, side="right", method="scan_unrolled")
-                   - jnp.searchsorted(keys, keys, side="left", method="scan_unrolled"))
-            # One reduction picks the longest run, a tie going to the latest match: score = run · capacity + end.
-            score = jnp.max(jnp.where(on_path & (column != _PAST_END), run * capacity + end_at, -1))
-            count = jnp.where(score >= 0, score // capacity, 0)
-            token = history[jnp.clip(score % capacity + t + 1, 0, capacity - 1)]
-            alive &= (count > 0) & (count.astype(jnp.float32) / jnp.maximum(n_matches, 1) >= self.min_token_prob)
+        for token, count in path(history, length, candidates, k):
+            alive &= (count > 0) & (count.astype(jnp.float32) / n_matches >= self.min_token_prob)
             drafts.append(jnp.where(alive, token, 0))
             valid.append(alive)
-            lo = jnp.searchsorted(keys, token, side="left", method="scan_unrolled").astype(jnp.int32)
-            hi = lo + count
         return jnp.stack(drafts), jnp.stack(valid)
+
+
+# Both paths yield, per draft position t, (the token, how many matches continue with the path through it); they
+# agree exactly (tested). k is small and static: the loops unroll, so the graph holds no loop.
+
+def _path_by_pairs(history, length, candidates, k):
+    """Counts each candidate's next token against every other candidate's: one fused capacity² reduction per
+    draft position."""
+    capacity = history.shape[0]
+    ends = jnp.arange(capacity)
+    for t in range(k):
+        at = ends + t + 1
+        candidates &= at < length
+        following = history[jnp.minimum(at, capacity - 1)]
+        run = jnp.sum((following[None, :] == following[:, None]) & candidates[None, :], axis=1, dtype=jnp.int32)
+        token, count = _pick(run, candidates, ends, history, t)
+        yield token, count
+        candidates &= following == token
+
+
+def _path_by_sorting(history, length, candidates, k):
+    """Sorts the candidates once by their continuations (lexicographically, non-candidates last): the candidates
+    of every path are then one contiguous range of rows [lo, hi), itself sorted by the token that comes next, and
+    each run's length comes from two binary searches."""
+    capacity = history.shape[0]
+    rows = jnp.arange(capacity)
+    at = rows[None, :] + jnp.arange(1, k + 1)[:, None]
+    follow = jnp.where(at < length, history[jnp.minimum(at, capacity - 1)], _PAST_END)
+    follow = jnp.where(candidates[None, :], follow, _NO_MATCH)
+    *follow, end_at = jax.lax.sort((*follow, rows), num_keys=k)
+    lo, hi = jnp.int32(0), jnp.sum(candidates, dtype=jnp.int32)
+    for t, column in enumerate(follow):
+        on_path = (rows >= lo) & (rows < hi)
+        # Rows below the range at -1 and above it at _NO_MATCH keep the whole column sorted.
+        keys = jnp.where(on_path, column, jnp.where(rows < lo, -1, _NO_MATCH))
+        # scan_unrolled: the binary search as straight-line code.
+        run = (jnp.searchsorted(keys, keys, side="right", method="scan_unrolled")
+               - jnp.searchsorted(keys, keys, side="left", method="scan_unrolled"))
+        token, count = _pick(run, on_path & (column != _PAST_END), end_at, history, t)
+        yield token, count
+        lo = jnp.searchsorted(keys, token, side="left", method="scan_unrolled").astype(jnp.int32)
+        hi = lo + count
+
+
+def _pick(run, eligible, end_at, history, t):
+    """(the token of the longest run among the eligible rows, its length); a tie goes to the latest match. One
+    reduction does both: score = run · capacity + end. Length 0 when no row is eligible."""
+    capacity = history.shape[0]
+    score = jnp.max(jnp.where(eligible, run * capacity + end_at, -1))
+    count = jnp.where(score >= 0, score // capacity, 0)
+    return history[jnp.clip(score % capacity + t + 1, 0, capacity - 1)], count
