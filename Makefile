@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: demo test install install-test clean
+.PHONY: demo test mutate install install-test clean
 
 $(VENV)/.installed: pyproject.toml
 	@test -n "$(PYTHON312)" || { echo "Python 3.12 not found: install it or pass PYTHON312=/path/to/python3.12"; exit 1; }
@@ -28,6 +28,10 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed-test
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q $(PYTEST_ARGS)
+
+# Single-line bugs applied one at a time in a scratch copy; each must make its tests fail (tests/mutations.py).
+mutate: $(VENV)/.installed-test
+	JAX_PLATFORMS=cpu $(PY) tests/mutations.py $(MUTATE_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

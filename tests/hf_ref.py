@@ -71,15 +71,23 @@ class SmallConfig:
     intermediate_size: int = 96
     moe_intermediate_size: int = 32
     vocab_size: int = 211
+    norm_topk_prob: bool = True
     # None: transformers' own rule fills them in (and writes them into config.json either way).
     layer_types: tuple[str, ...] | None = None
     mlp_layer_types: tuple[str, ...] | None = None
+    # None: not written. transformers keeps them in config.json but never applies them (ling-jax does).
+    expert_swiglu_limit_list: tuple[float, ...] | None = None
+    share_expert_swiglu_limit_list: tuple[float, ...] | None = None
 
     def hf(self):
         kw = dataclasses.asdict(self)
         kw.pop("name")
         for name in ("layer_types", "mlp_layer_types"):
             kw[name] = None if kw[name] is None else list(kw[name])
+        for name in ("expert_swiglu_limit_list", "share_expert_swiglu_limit_list"):
+            limits = kw.pop(name)
+            if limits is not None:
+                kw[name] = list(limits)
         cfg = MOD.BailingHybridConfig(num_key_value_heads=self.num_attention_heads, pad_token_id=0, eos_token_id=1,
                                       num_mtp_layers=0, **kw)
         cfg._attn_implementation = "eager"
@@ -118,8 +126,15 @@ CONFIGS = [
 WEIGHT_SCALE = 0.3
 
 
-def randomize_(model: torch.nn.Module, seed: int) -> None:
-    """O(1)-activation random weights (transformers' 0.02 init leaves logits nearly flat and routing trivial)."""
+# A mixer weight scale at which each layer's output is as large as the residual it joins, as in a trained model:
+# a small numerics error in any one mixer then reaches the logits instead of being diluted by the 0.3 stack.
+MIXER_SCALE_REALISTIC = 1.0
+
+
+def randomize_(model: torch.nn.Module, seed: int, *, mixer_scale: float = WEIGHT_SCALE,
+               embed_scale: float = 1.0) -> None:
+    """O(1)-activation random weights (transformers' 0.02 init leaves logits nearly flat and routing trivial).
+    `mixer_scale` sets the KDA / MLA projections (over 1/sqrt(fan_in)), `embed_scale` the embedding rows' rms."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -130,20 +145,20 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
             elif "conv1d" in name:
                 p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
             elif "embed_tokens" in name:
-                p.copy_(torch.randn(p.shape, generator=g))
+                p.copy_(embed_scale * torch.randn(p.shape, generator=g))
             else:
-                fan_in = p.shape[-1]
-                p.copy_(WEIGHT_SCALE * torch.randn(p.shape, generator=g) / math.sqrt(fan_in))
+                scale = mixer_scale if ".self_attn." in name else WEIGHT_SCALE
+                p.copy_(scale * torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.05 * torch.randn(b.shape, generator=g))
 
 
-def build(small: SmallConfig, seed: int = 0):
-    """(float32 model, float64 model) with the same random weights."""
+def build(small: SmallConfig, seed: int = 0, **scales):
+    """(float32 model, float64 model) with the same random weights; `scales` go to `randomize_`."""
     torch.manual_seed(seed)
     m32 = MOD.BailingHybridForCausalLM(small.hf()).eval()
-    randomize_(m32, seed)
+    randomize_(m32, seed, **scales)
     m64 = MOD.BailingHybridForCausalLM(small.hf()).eval()
     m64.load_state_dict(m32.state_dict())
     m64.config._experts_implementation = "eager"  # the grouped-matmul default rejects float64

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ling_jax import model
-from ling_jax.cache import commit
+from ling_jax.cache import MLACache, commit
 from ling_jax.config import preset
 from ling_jax.engine import generate as G
 from ling_jax.engine.sampling import Greedy, TopP, make_sampler
@@ -83,6 +83,40 @@ def test_commit_keeps_prefix(toy, tokens, full_logits, keep):
     state = commit(staged, jnp.int32(keep))
     logits, state, _ = model.decode(params, state, tokens[:, P + keep], cfg)
     assert rel(logits, full_logits[:, P + keep]) < TOL_F32
+
+
+def decoded_states(params, cfg, state, tokens):
+    """The state after each decode step over tokens [B, T], one copy per step (decode donates its input state)."""
+    states = []
+    for t in range(tokens.shape[1]):
+        _, state, _ = model.decode(params, state, tokens[:, t], cfg)
+        states.append(jax.tree.map(jnp.copy, state))
+    return states
+
+
+def assert_commit_matches_decode(committed, decoded, tol):
+    """Every layer's committed cache equals the decoded one: KDA window and state, MLA latents below the length."""
+    length = int(decoded.length)
+    assert int(committed.length) == length
+    for i, (mine, ref) in enumerate(zip(committed.layers, decoded.layers)):
+        if isinstance(mine, MLACache):
+            # Slots past the length hold the rejected drafts; they are never read.
+            assert rel(mine.kv[:, :length], ref.kv[:, :length]) < tol, (i, length)
+        else:
+            assert rel(mine.conv_window, ref.conv_window) < tol, (i, length)
+            assert rel(mine.state, ref.state) < tol, (i, length)
+
+
+def test_commit_every_n_matches_decoding_n(toy, tokens):
+    """commit(verify(T drafts), n) for every n in 1..T is the state of decoding those n tokens: below T an
+    off-by-one in the kept window rows, the picked state or the new length is not clamped back into place."""
+    cfg, params = toy
+    P, T = 40, 5
+    _, state, _ = model.prefill(params, tokens[:, :P], cfg, max_len=128)
+    decoded = decoded_states(params, cfg, jax.tree.map(jnp.copy, state), tokens[:, P:P + T])
+    _, staged, _ = model.verify(params, state, tokens[:, P:P + T], cfg)
+    for n in range(1, T + 1):
+        assert_commit_matches_decode(commit(staged, jnp.int32(n)), decoded[n - 1], TOL_F32)
 
 
 def test_clamped_layer_matches_float64_formula():

@@ -37,6 +37,44 @@ def test_tp4_matches_single_device(toy):
     assert len(state.layers[0].state.sharding.device_set) == 4
 
 
+@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (tests/conftest.py sets jax_num_cpu_devices)")
+def test_tp4_commit_every_n_matches_single_device_decode(toy):
+    """Under TP4, commit(verify(T drafts), n) for every n in 1..T is the single-device state after decoding n."""
+    from ling_jax.cache import commit
+    from tests.test_model import assert_commit_matches_decode, decoded_states
+
+    cfg, params, tokens, _ = toy
+    P, T = 40, 5
+    _, state, _ = model.prefill(params, tokens[:, :P], cfg, max_len=64)
+    decoded = decoded_states(params, cfg, state, tokens[:, P:P + T])
+    mesh = make_mesh(4)
+    sharded = jax.device_put(params, param_shardings(cfg, mesh, with_mtp=False))
+    _, state, _ = model.prefill(sharded, tokens[:, :P], cfg, max_len=64)
+    state = jax.device_put(state, state_shardings(state, mesh))
+    _, staged, _ = model.verify(sharded, state, tokens[:, P:P + T], cfg)
+    for n in range(1, T + 1):
+        assert_commit_matches_decode(commit(staged, jnp.int32(n)), decoded[n - 1], 1e-5)
+
+
+@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (tests/conftest.py sets jax_num_cpu_devices)")
+def test_tp4_prefill_across_chunks_matches_single_device(toy):
+    """A TP4 prefill of 150 tokens (two full 64-token KDA chunks and a partial one), batch 2: the single-device
+    logits and caches, and the next decode step from them."""
+    cfg, params, _, _ = toy
+    tokens = jax.random.randint(jax.random.key(2), (2, 151), 0, cfg.vocab_size)
+    ref_logits, ref_state, _ = model.prefill(params, tokens[:, :150], cfg, max_len=256, all_logits=True)
+    ref_step, _, _ = model.decode(params, ref_state, tokens[:, 150], cfg)
+    _, ref_state, _ = model.prefill(params, tokens[:, :150], cfg, max_len=256)  # decode donated it
+    mesh = make_mesh(4)
+    sharded = jax.device_put(params, param_shardings(cfg, mesh, with_mtp=False))
+    logits, state, _ = model.prefill(sharded, tokens[:, :150], cfg, max_len=256, all_logits=True)
+    assert rel(logits, ref_logits) < 1e-5
+    for mine, ref in zip(jax.tree.leaves(state.layers), jax.tree.leaves(ref_state.layers)):
+        assert rel(mine, ref) < 1e-5
+    step, _, _ = model.decode(sharded, jax.device_put(state, state_shardings(state, mesh)), tokens[:, 150], cfg)
+    assert rel(step, ref_step) < 1e-5
+
+
 def test_bad_device_counts_are_named():
     cfg = preset("toy")
     with pytest.raises(ValueError, match="needs 9 devices"):

@@ -16,6 +16,9 @@ from ling_jax.cache import MLACache
 from ling_jax.config import LingConfig
 from ling_jax.layers.linear import proj
 from ling_jax.layers.norms import rms_norm
+
+# q_a_layernorm and kv_a_layernorm keep their own eps whatever rms_norm_eps says (docs/model.md §3.3).
+LATENT_NORM_EPS = 1e-6
 from ling_jax.layers.rope import apply_rope, rope_cos_sin
 from ling_jax.sharding import TP, per_shard
 from pallas_kernels import mla as mla_ops
@@ -27,7 +30,7 @@ _Q = P(None, None, TP, None)
 def _queries(p: dict, x: jnp.ndarray, cfg: LingConfig) -> jnp.ndarray:
     if cfg.q_lora_rank is None:
         return proj("btd,dhe->bthe", x, p["w_q"])
-    q_a = rms_norm(proj("btd,dr->btr", x, p["w_q_a"]), p["q_a_norm"], cfg.rms_norm_eps)
+    q_a = rms_norm(proj("btd,dr->btr", x, p["w_q_a"]), p["q_a_norm"], LATENT_NORM_EPS)
     return proj("btr,rhe->bthe", q_a, p["w_q_b"])  # [B, T, H, Dn + P]
 
 
@@ -42,7 +45,7 @@ def mla_block(p: dict, x: jnp.ndarray, cache: MLACache, start: jax.Array, cfg: L
     q = _queries(p, x, cfg)
     q_nope, q_rope = q[..., :Dn], apply_rope(q[..., Dn:], cos, sin)
     latent = proj("btd,dc->btc", x, p["w_kv_a"])  # [B, T, R + P]
-    c_kv = rms_norm(latent[..., :R], p["kv_a_norm"], cfg.rms_norm_eps)
+    c_kv = rms_norm(latent[..., :R], p["kv_a_norm"], LATENT_NORM_EPS)
     k_rope = apply_rope(latent[..., R:], cos, sin)  # [B, T, P], shared by all heads
     kv = jax.lax.dynamic_update_slice(cache.kv, jnp.concatenate([c_kv, k_rope], -1).astype(cache.kv.dtype),
                                       (0, start, 0))

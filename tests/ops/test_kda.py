@@ -1,8 +1,8 @@
 """KDA ops: reference vs fla's pure-torch naive code, then dispatch (reference and Pallas) vs the reference.
 
-Inputs are fresh random draws every run (the seed is printed in each failure message). Comparisons use the
-relative error ||a - b|| / ||b||. On CPU the Pallas kernels run in interpret mode, so CI tests them; on a GPU
-the same suite runs them compiled.
+Inputs are random draws from a fixed seed (tests/numerics.py's input_seed; LING_JAX_TEST_SEED=random sweeps, and
+the seed is printed in each failure message). Comparisons use the relative error ||a - b|| / ||b||. On CPU the
+Pallas kernels run in interpret mode, so CI tests them; on a GPU the same suite runs them compiled.
 """
 
 import numpy as np
@@ -21,13 +21,9 @@ jax.config.update("jax_default_matmul_precision", "highest")
 from fla.ops.kda.gate import naive_kda_lowerbound_gate  # noqa: E402
 from fla.ops.kda.naive import naive_chunk_kda, naive_recurrent_kda  # noqa: E402
 
-from tests.numerics import rel_err  # noqa: E402
+from tests.numerics import input_seed, rel_err  # noqa: E402
 
 W = 4
-
-
-def fresh_seed():
-    return int(np.random.default_rng().integers(2**31))
 
 
 def core_inputs(seed, B, T, H, K, gate="mixed"):
@@ -74,37 +70,41 @@ def torch_layer(qkv, f, b, z, window, state, conv_w, A_log, dt_bias, o_norm_w, *
 
 # --- reference vs fla naive --------------------------------------------------------------------------------
 
-def test_gate():
-    seed = fresh_seed()
+@pytest.mark.parametrize("lower_bound", [-5.0, -0.7])
+def test_gate(lower_bound):
+    seed = input_seed()
     _, f, *_ , A_log, dt_bias, _ = layer_inputs(seed, 2, 5, 3, 16, gate="strong")
-    got = ref.kda_gate(f, A_log, dt_bias)
-    want = naive_kda_lowerbound_gate(to_t(f), to_t(A_log), to_t(dt_bias).reshape(-1), -5.0)
+    got = ref.kda_gate(f, A_log, dt_bias, lower_bound)
+    want = naive_kda_lowerbound_gate(to_t(f), to_t(A_log), to_t(dt_bias).reshape(-1), lower_bound)
     # Same fp32 formula; only exp/sigmoid implementations differ.
     assert rel_err(got, want.numpy()) < 1e-6, seed
     # sigmoid saturates to 1 in fp32, so the bound itself is reachable.
-    assert float(got.min()) >= -5.0 and float(got.max()) <= 0.0
+    assert float(got.min()) >= lower_bound and float(got.max()) <= 0.0
 
 
 CORE_CASES = [
-    # (B, T, H, K, gate)
-    (1, 1, 2, 16, "mixed"),
-    (2, 7, 3, 32, "strong"),
-    (1, 64, 2, 64, "strong"),
-    (2, 100, 2, 32, "mixed"),
-    (1, 128, 4, 64, "weak"),
-    (1, 300, 2, 16, "strong"),
+    # (B, T, H, K, gate, scale): scale None is the default K^-1/2; 1.0 and 0.05 sit far on either side of it.
+    (1, 1, 2, 16, "mixed", None),
+    (2, 7, 3, 32, "strong", None),
+    (2, 7, 3, 32, "mixed", 1.0),
+    (1, 64, 2, 64, "strong", None),
+    (2, 100, 2, 32, "mixed", None),
+    (1, 64, 2, 32, "weak", 0.05),
+    (1, 128, 4, 64, "weak", None),
+    (1, 300, 2, 16, "strong", None),
 ]
 
 
-@pytest.mark.parametrize("B,T,H,K,gate", CORE_CASES, ids=[f"B{c[0]}-T{c[1]}-H{c[2]}-K{c[3]}-{c[4]}" for c in CORE_CASES])
-def test_naive_chunk(B, T, H, K, gate):
+@pytest.mark.parametrize("B,T,H,K,gate,scale", CORE_CASES,
+                         ids=[f"B{c[0]}-T{c[1]}-H{c[2]}-K{c[3]}-{c[4]}-scale{c[5]}" for c in CORE_CASES])
+def test_naive_chunk(B, T, H, K, gate, scale):
     """reference recurrent and chunk vs fla naive_recurrent_kda (and naive_chunk_kda when T % 64 == 0)."""
-    seed = fresh_seed()
+    seed = input_seed()
     q, k, v, g, beta, h0 = core_inputs(seed, B, T, H, K, gate)
-    o_rec, S_rec = ref.recurrent_kda(q, k, v, g, beta, h0)
-    o_chk, S_chk = ref.chunk_kda(q, k, v, g, beta, h0)
+    o_rec, S_rec = ref.recurrent_kda(q, k, v, g, beta, h0, scale=scale)
+    o_chk, S_chk = ref.chunk_kda(q, k, v, g, beta, h0, scale=scale)
     t = [torch.from_numpy(x) for x in (q, k, v, g, beta)]
-    o_fla, S_fla = naive_recurrent_kda(*t, initial_state=torch.from_numpy(h0), output_final_state=True)
+    o_fla, S_fla = naive_recurrent_kda(*t, scale=scale, initial_state=torch.from_numpy(h0), output_final_state=True)
     # fp32 everywhere: only summation order differs. The token loop matches to rounding (1e-5); the chunked
     # form re-associates through the triangular solve (1e-4, the prefill tolerance throughout).
     assert rel_err(o_rec, o_fla.numpy()) < 1e-5, seed
@@ -112,14 +112,14 @@ def test_naive_chunk(B, T, H, K, gate):
     assert rel_err(o_chk, o_fla.numpy()) < 1e-4, seed
     assert rel_err(S_chk, S_fla.numpy()) < 1e-4, seed
     if T % 64 == 0:
-        o_nc, S_nc = naive_chunk_kda(*t, initial_state=torch.from_numpy(h0), output_final_state=True)
+        o_nc, S_nc = naive_chunk_kda(*t, scale=scale, initial_state=torch.from_numpy(h0), output_final_state=True)
         assert rel_err(o_chk, o_nc.numpy()) < 1e-4, seed
         assert rel_err(S_chk, S_nc.numpy()) < 1e-4, seed
 
 
 def test_chunk_padding_leaves_state():
     """Padding T=5 to a chunk: the padded tail (g=0, beta=0, k=0) must not move the state."""
-    seed = fresh_seed()
+    seed = input_seed()
     q, k, v, g, beta, h0 = core_inputs(seed, 1, 5, 2, 16, "strong")
     _, S_rec = ref.recurrent_kda(q, k, v, g, beta, h0)
     _, S_chk = ref.chunk_kda(q, k, v, g, beta, h0, chunk_size=16)
@@ -140,7 +140,7 @@ LAYER_CASES = [
                          ids=[f"B{c[0]}-T{c[1]}-H{c[2]}-K{c[3]}-{c[4]}-{c[5]}" for c in LAYER_CASES])
 def test_reference_layer(B, T, H, K, dtype, gate):
     """Reference layer (recurrent and chunk) vs an independent torch composition around fla's naive code."""
-    seed = fresh_seed()
+    seed = input_seed()
     args = layer_inputs(seed, B, T, H, K, jnp.dtype(dtype), gate)
     y_t, win_t, S_t = torch_layer(*args)
     for mode in ("recurrent", "chunk"):
@@ -149,12 +149,13 @@ def test_reference_layer(B, T, H, K, dtype, gate):
         assert rel_err(win, win_t) == 0.0, seed
         if dtype == "float32":
             # fp32: the recurrent path is the same op sequence as fla's naive loop (1e-5); chunk re-associates (1e-4).
-            tol = 1e-5 if mode == "recurrent" else 1e-4
+            tol_y = tol_s = 1e-5 if mode == "recurrent" else 1e-4
         else:
-            # bf16 rounds o before the norm and y after it: one bf16 ulp (2^-8) flips on near-ties.
-            tol = 2e-2
-        assert rel_err(y, y_t) < tol, (seed, mode)
-        assert rel_err(S, S_t) < tol, (seed, mode)
+            # bf16 rounds the conv output, g, beta, o and y: one bf16 ulp flips on near-ties. Measured max over 200
+            # seeds (T = 64) and 40 (T = 300), both modes, on CPU: 2.5e-4 (y), 8.4e-6 (S); tolerances 4x, 3.6x.
+            tol_y, tol_s = 1e-3, 3e-5
+        assert rel_err(y, y_t) < tol_y, (seed, mode)
+        assert rel_err(S, S_t) < tol_s, (seed, mode)
 
 
 # --- Pallas kernels vs the reference (interpret mode on CPU, compiled on GPU) -------------------------------
@@ -172,7 +173,7 @@ DECODE_CASES = [
                          ids=[f"B{c[0]}-H{c[1]}-K{c[2]}-{c[3]}-{c[4]}-BV{c[5]}" for c in DECODE_CASES])
 def test_decode(B, H, K, dtype, gate, BV):
     from pallas_kernels.kda import recurrent
-    seed = fresh_seed()
+    seed = input_seed()
     args = layer_inputs(seed, B, 1, H, K, jnp.dtype(dtype), gate)
     y_r, w_r, S_r = kda.kda_decode(*args)
     cfg = recurrent.RecurrentConfig(BV=BV, num_warps=8 if BV == 128 else 4)
@@ -180,11 +181,13 @@ def test_decode(B, H, K, dtype, gate, BV):
     step = jax.jit(lambda *a: recurrent.decode(*a, cfg=cfg), donate_argnums=5)
     y, w, S = step(*args[:5], jnp.array(args[5]), *args[6:])
     assert y.dtype == args[0].dtype and w.dtype == args[0].dtype and S.dtype == jnp.float32
-    # fp32: same op sequence, reductions ordered differently (1e-5). bf16: y is rounded to bf16 after the
-    # norm and o before it, so near-ties flip one bf16 ulp (2^-8) on a few elements (2e-2).
-    tol = 1e-5 if dtype == "float32" else 2e-2
+    # fp32: same op sequence, reductions ordered differently (1e-5). bf16: the conv output, o and y are rounded
+    # to bf16, so a near-tie now and then flips one bf16 ulp and carries it into y and S. Over 600 seeds on CPU
+    # y differed in 5.5% of them, by at most 1.8e-3 (tolerance 4e-3, 2.2x); S by at most 2.8e-4, and 4.7e-4 at
+    # seed 1272601626 (tolerance 1e-3, 2.1x the worst seen).
+    tol = 1e-5 if dtype == "float32" else 4e-3
     assert rel_err(y, y_r) < tol, seed
-    assert rel_err(S, S_r) < (1e-5 if dtype == "float32" else 1e-4), seed
+    assert rel_err(S, S_r) < (1e-5 if dtype == "float32" else 1e-3), seed
     np.testing.assert_array_equal(np.asarray(w), np.asarray(w_r))
     # Through dispatch too.
     y2, _, _ = kda.kda_decode(*args, backend="pallas")
@@ -211,7 +214,7 @@ def test_prefill(B, T, H, K, dtype, gate, BV):
     Interpret mode pads out-of-bounds reads with NaN, so a load past T that is not masked poisons the output.
     """
     from pallas_kernels.kda import chunk
-    seed = fresh_seed()
+    seed = input_seed()
     args = layer_inputs(seed, B, T, H, K, jnp.dtype(dtype), gate)
     y, w, S = chunk.prefill(*args, cfg=chunk.ChunkConfig(BV=BV))
     y_r, w_r, S_r = kda.kda_prefill(*args)
@@ -222,7 +225,8 @@ def test_prefill(B, T, H, K, dtype, gate, BV):
         tol_y, tol_s = 1e-4, 1e-4
     else:
         # bf16 inputs: q̂/k̂/v and W/U/Ã are stored in bf16 between the kernels, as fla's chunk path does.
-        tol_y, tol_s = 2e-2, 2e-2
+        # Measured max over 10 seeds on CPU: 3.6e-3 (y), 3.3e-3 (S), against every reference; 1e-2 is 2.8x, 3x.
+        tol_y, tol_s = 1e-2, 1e-2
     assert rel_err(y, y_r) < tol_y, seed
     assert rel_err(S, S_r) < tol_s, seed
     assert rel_err(y, y_t) < tol_y, seed
@@ -239,7 +243,7 @@ def test_prefill(B, T, H, K, dtype, gate, BV):
 
 def test_prefill_split_matches_whole():
     """prefill(0:37) then prefill(37:100), then decode x3 == one prefill over the 103 rows (state and window thread)."""
-    seed = fresh_seed()
+    seed = input_seed()
     args = layer_inputs(seed, 1, 103, 2, 32, fresh_window=True)
     qkv, f, b, z, window, state = args[:6]
     rest = args[6:]
@@ -262,7 +266,7 @@ def test_prefill_split_matches_whole():
 @pytest.mark.parametrize("T", [2, 6, 9])
 def test_verify_commit(T, backend):
     """verify's outputs equal decode's token by token, and commit equals (to rounding) decoding n tokens."""
-    seed = fresh_seed()
+    seed = input_seed()
     B, H, K = 2, 3, 32
     args = layer_inputs(seed, B, T, H, K)
     qkv, f, b, z, window, state = args[:6]
@@ -277,21 +281,58 @@ def test_verify_commit(T, backend):
         dec.append((y, w, S))
     # fp32, same recurrence (verify may fuse differently from decode): 1e-5.
     assert rel_err(y_v, jnp.concatenate([d[0] for d in dec], 1)) < 1e-5, seed
-    n = jnp.asarray(np.random.default_rng(seed).integers(1, T + 1, B), jnp.int32)  # per-sequence accept counts
-    wc, Sc = jax.jit(kda.kda_commit)(conv_rows, states, n)
-    for i in range(B):
-        ni = int(n[i])
-        assert rel_err(Sc[i], dec[ni - 1][2][i]) < 1e-5, seed
-        np.testing.assert_array_equal(np.asarray(wc[i]), np.asarray(dec[ni - 1][1][i]))
+    # Every accept count, for the whole batch and per sequence (the two sequences at opposite ends): below T an
+    # off-by-one in the window slice or the state index is not clamped back to the right position.
+    commit = jax.jit(kda.kda_commit)
+    for n in [np.full(B, i) for i in range(1, T + 1)] + [np.array([1, T]), np.array([T, 1])]:
+        wc, Sc = commit(conv_rows, states, jnp.asarray(n, jnp.int32))
+        for i, ni in enumerate(n):
+            assert rel_err(Sc[i], dec[ni - 1][2][i]) < 1e-5, (seed, n)
+            np.testing.assert_array_equal(np.asarray(wc[i]), np.asarray(dec[ni - 1][1][i]), err_msg=f"{seed=} {n=}")
 
 
 def test_commit_scalar_n():
-    seed = fresh_seed()
+    seed = input_seed()
     args = layer_inputs(seed, 1, 4, 2, 16)
     _, conv_rows, states = kda.kda_verify(*args)
-    w, S = kda.kda_commit(conv_rows, states, jnp.int32(4))
-    np.testing.assert_array_equal(np.asarray(S), np.asarray(states[:, 3]))
-    np.testing.assert_array_equal(np.asarray(w), np.asarray(conv_rows[:, 4:]))
+    for n in range(1, 5):
+        w, S = kda.kda_commit(conv_rows, states, jnp.int32(n))
+        np.testing.assert_array_equal(np.asarray(S), np.asarray(states[:, n - 1]))
+        np.testing.assert_array_equal(np.asarray(w), np.asarray(conv_rows[:, n:n + W - 1]))
+
+
+SCALAR_CASES = [
+    # (lower_bound, eps, BV): a weak bound and a large norm eps (each visible in y and S; the defaults run in every
+    # other test), with the gated norm outside the kernel (BV < K) and fused into it (BV == K).
+    (-0.7, 0.5, 16),
+    (-0.7, 0.5, 32),
+]
+
+
+@pytest.mark.parametrize("lower_bound,eps,BV", SCALAR_CASES, ids=[f"lb{c[0]}-eps{c[1]}-BV{c[2]}" for c in SCALAR_CASES])
+def test_kernel_scalars(lower_bound, eps, BV):
+    """The gate's lower bound and the norm's eps reach every Pallas kernel (decode, verify, prefill) vs the
+    independent torch composition at the same scalars."""
+    from pallas_kernels.kda import chunk, recurrent
+    seed = input_seed()
+    B, H, K = 2, 2, 32
+    kw = dict(lower_bound=lower_bound, eps=eps)
+    rc = recurrent.RecurrentConfig(BV=BV, num_warps=4)
+    for T, run in ((1, lambda *a: recurrent.decode(*a, **kw, cfg=rc)),
+                   (5, lambda *a: recurrent.verify(*a, **kw, cfg=rc)),
+                   (20, lambda *a: chunk.prefill(*a, **kw, cfg=chunk.ChunkConfig(BV=BV)))):
+        args = layer_inputs(seed, B, T, H, K, gate="mixed")
+        y, _, S = run(*args)
+        y_t, _, S_t = torch_layer(*args, **kw)
+        S = S[:, -1] if S.ndim == 5 else S  # verify returns every position's state
+        # fp32; the chunked prefill re-associates through the triangular solve (1e-4), the token loops do not.
+        tol = 1e-4 if T == 20 else 1e-5
+        assert rel_err(y, y_t) < tol, (seed, T)
+        assert rel_err(S, S_t) < tol, (seed, T)
+        # Each value alone moves the result far beyond the tolerance: a kernel that ignored one would fail.
+        y_eps, _, _ = torch_layer(*args, lower_bound=lower_bound)
+        _, _, S_lb = torch_layer(*args, eps=eps)
+        assert rel_err(y_eps, y_t) > 100 * tol and rel_err(S_lb, S_t) > 100 * tol, (seed, T)
 
 
 def test_validation_messages():

@@ -15,8 +15,7 @@ import jax.numpy as jnp
 from pallas_kernels import kda
 from pallas_kernels.kda import chunk, conv, reference
 from pallas_kernels.kda.reference import layer_inputs
-from tests.numerics import rel_err
-from tests.ops.test_kda import fresh_seed
+from tests.numerics import input_seed, rel_err
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -35,7 +34,7 @@ def test_pallas_conv_prefill(T, dtype, gate):
     """The Pallas conv pass in the prefill vs the reference layer, and bit for bit vs the same kernels on the
     reference conv's output (same conv bits, same kernels); f32 and more edges of the conv alone are covered by
     test_short_conv_kernel."""
-    seed = fresh_seed()
+    seed = input_seed()
     args = layer_inputs(seed, 1, T, 2, 32, jnp.dtype(dtype), gate)
     qkv, f, b, z, window, state, conv_w, A_log, dt_bias, o_norm_w = args
     cfg = chunk.ChunkConfig(BV=32, conv_cfg=conv.ConvConfig(BT=16))
@@ -45,7 +44,8 @@ def test_pallas_conv_prefill(T, dtype, gate):
     y_r, w_r, S_r = kda.kda_prefill(*args)
     np.testing.assert_array_equal(np.asarray(w), np.asarray(w_r))
     np.testing.assert_array_equal(np.asarray(w_x), np.asarray(w_r))
-    tol = 1e-4 if dtype == "float32" else 2e-2
+    # bf16: the kernels store q̂/k̂/v and W/U/Ã in bf16; measured max over 10 seeds on CPU 3.9e-3 (y), 2.9e-3 (S).
+    tol = 1e-4 if dtype == "float32" else 1e-2
     assert rel_err(y, y_r) < tol, seed
     assert rel_err(S, S_r) < tol, seed
     np.testing.assert_array_equal(np.asarray(y), np.asarray(y_x), err_msg=f"{seed=}")
@@ -74,7 +74,7 @@ def test_short_conv_kernel(dtype):
     survive), T inside one block, T crossing blocks (the halo rows come from the previous block), a nonzero
     window. Against the *jitted* reference: eager op-by-op execution rounds every product and sum (no FMA
     contraction), so it differs from any compiled form in the last fp32 bit."""
-    rng = np.random.default_rng(fresh_seed())
+    rng = np.random.default_rng(input_seed())
     H, K, W = 2, 32, 4
     ref = jax.jit(reference.short_conv)
     for T, cfg in [(1, conv.ConvConfig()), (2, conv.ConvConfig()), (5, conv.ConvConfig()),

@@ -14,8 +14,7 @@ import jax.numpy as jnp
 from pallas_kernels import kda
 from pallas_kernels.kda import recurrent
 from pallas_kernels.kda.reference import layer_inputs
-from tests.numerics import rel_err
-from tests.ops.test_kda import fresh_seed
+from tests.numerics import input_seed, rel_err
 
 RC = recurrent.RecurrentConfig
 VERIFY_TILINGS = [
@@ -28,7 +27,7 @@ VERIFY_TILINGS = [
 @pytest.mark.parametrize("B,T,H,K,cfg", VERIFY_TILINGS,
                          ids=[f"B{c[0]}-T{c[1]}-H{c[2]}-K{c[3]}-BV{c[4].BV}" for c in VERIFY_TILINGS])
 def test_verify_tiling(B, T, H, K, cfg):
-    seed = fresh_seed()
+    seed = input_seed()
     args = layer_inputs(seed, B, T, H, K)
     y_r, rows_r, states_r = kda.kda_verify(*args)
     y, rows, states = recurrent.verify(*args, cfg=cfg)
@@ -39,7 +38,7 @@ def test_verify_tiling(B, T, H, K, cfg):
 
 def test_decode_bv8():
     cfg = RC(BV=8, num_warps=1)
-    seed = fresh_seed()
+    seed = input_seed()
     args = layer_inputs(seed, 2, 1, 3, 16)
     y_r, w_r, S_r = kda.kda_decode(*args)
     y, w, S = jax.jit(lambda *a: recurrent.decode(*a, cfg=cfg), donate_argnums=5)(*args[:5], jnp.array(args[5]),

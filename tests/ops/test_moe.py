@@ -13,7 +13,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from tests.numerics import rel_err
+from tests.numerics import input_seed, rel_err
 from pallas_kernels import moe
 from pallas_kernels.moe import reference
 
@@ -47,7 +47,7 @@ def np_route(x, router, bias, *, n_group, topk_group, top_k, routed_scaling_fact
 
 
 def _router_inputs(seed, n, d=256, e=512, ties=False):
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(input_seed(seed))
     x = rng.standard_normal((n, d)).astype(np.float32)
     router = (rng.standard_normal((e, d)) / np.sqrt(d)).astype(np.float32)  # [E, D]
     bias = (0.01 * rng.standard_normal(e)).astype(np.float32)
@@ -117,7 +117,7 @@ def np_moe(x, weights, ids, we_gate, we_up, we_down, ws=None, *, limit=0.0, shar
 
 
 def _expert_inputs(seed, n, *, d=128, i=64, e=16, k=4, i_s=64, dtype=jnp.float32, repeat=True, big=False):
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(input_seed(seed))
     # Scale so that |g|, |u| reach a few units: the clamps at 4/5/7 engage with `big`.
     amp = 3.0 if big else 1.0
     x = (amp * rng.standard_normal((n, d))).astype(np.float32)
@@ -146,14 +146,22 @@ def _expert_inputs(seed, n, *, d=128, i=64, e=16, k=4, i_s=64, dtype=jnp.float32
     return args, tuple(cast(a) for a in ws), np_args, ws
 
 
-@pytest.mark.parametrize("limits", [(0.0, 0.0), (4.0, 5.0)], ids=["noclamp", "clamp"])
+# Ling's limits (routed 4, shared 5 or 7) and a pair far below them, the routed one the tighter.
+LIMITS = {"noclamp": (0.0, 0.0), "clamp": (4.0, 5.0), "clamp0.5-2": (0.5, 2.0)}
+
+
+@pytest.mark.parametrize("limits", list(LIMITS))
 @pytest.mark.parametrize("n", [1, 3, 16])
 def test_experts_reference_f32(n, limits):
-    args, ws, np_args, np_ws = _expert_inputs(n, n, big=limits[0] > 0)
-    y = moe.moe_experts(*args, *ws, limit=limits[0], shared_limit=limits[1])
-    want = np_moe(*np_args, np_ws, limit=limits[0], shared_limit=limits[1])
+    limit, shared_limit = LIMITS[limits]
+    args, ws, np_args, np_ws = _expert_inputs(n, n, big=limit > 0)
+    y = moe.moe_experts(*args, *ws, limit=limit, shared_limit=shared_limit)
+    want = np_moe(*np_args, np_ws, limit=limit, shared_limit=shared_limit)
     assert y.dtype == jnp.float32
     assert rel_err(y, want) <= 1e-5
+    if limit:  # each clamp engages: dropping either one moves the result
+        assert rel_err(np_moe(*np_args, np_ws, shared_limit=shared_limit), want) > 1e-2
+        assert rel_err(np_moe(*np_args, np_ws, limit=limit), want) > 1e-3
 
 
 def test_experts_reference_clamp_engages():
@@ -168,7 +176,8 @@ def test_experts_reference_paths_agree():
         args, ws, _, _ = _expert_inputs(3, 40, dtype=dtype, big=True)
         a = reference.moe_experts(*args, *ws, limit=4.0, shared_limit=5.0, path="gather")
         b = reference.moe_experts(*args, *ws, limit=4.0, shared_limit=5.0, path="sorted")
-        assert rel_err(a, b) <= (1e-6 if dtype == jnp.float32 else 1e-2)
+        # bf16: the two paths round the same products in another order; measured max 6.5e-5 over 10 seeds (3x).
+        assert rel_err(a, b) <= (1e-6 if dtype == jnp.float32 else 2e-4)
 
 
 def test_experts_reference_bf16():
@@ -176,7 +185,9 @@ def test_experts_reference_bf16():
     y = moe.moe_experts(*args, *ws, limit=4.0, shared_limit=5.0)
     want = np_moe(*np_args, np_ws, limit=4.0, shared_limit=5.0)
     assert y.dtype == jnp.bfloat16
-    assert rel_err(y, want) <= 2e-2
+    # bf16 activations and outputs against float64 on the same bf16 weights: measured max 4.5e-3 over 60 seeds
+    # on CPU (2.2x).
+    assert rel_err(y, want) <= 1e-2
 
 
 def test_experts_no_shared():
@@ -218,6 +229,38 @@ def test_dispatch_errors():
         moe.route(x, router.T, jnp.zeros(512), **ROUTE_KW)
     with pytest.raises(ValueError, match=r"router.shape=\(512, 64\) must be \[E, D\]"):
         moe.route(x, router[:, :64], jnp.zeros(512), **ROUTE_KW)
+
+
+ROUTE_VARIANTS = {
+    # Fewer, larger groups keeping one, top 4, no renormalisation, unit scale: with norm_topk_prob off the weights
+    # are the raw sigmoid scores, so a kernel that renormalised anyway (or dropped the scale) is caught.
+    "g4-keep1-top4-raw": dict(n_group=4, topk_group=1, top_k=4, routed_scaling_factor=1.0, norm_topk_prob=False),
+    # One group (no group restriction), top 2, a scale far below Ling's 2.5, renormalised.
+    "g1-top2-scale0.3": dict(n_group=1, topk_group=1, top_k=2, routed_scaling_factor=0.3),
+    "g8-keep4-top8-raw": dict(ROUTE_KW, norm_topk_prob=False),
+}
+
+
+@pytest.mark.parametrize("variant", list(ROUTE_VARIANTS))
+@pytest.mark.parametrize("n", [1, 7])
+def test_route_variants(n, variant):
+    """Every routing scalar away from Ling's values: the reference against the NumPy loops and the Pallas router
+    (interpreted on CPU) against the reference, ids exactly, random inputs and ties."""
+    kw = ROUTE_VARIANTS[variant]
+    for ties in (False, True):
+        x, router, bias = _router_inputs(500, n, ties=ties)
+        args = (jnp.asarray(x), jnp.asarray(router), jnp.asarray(bias))
+        w_ref, ids_ref = moe.route(*args, **kw)
+        w_np, ids_np = np_route(x, router, bias, **kw)
+        np.testing.assert_array_equal(np.asarray(ids_ref), ids_np)
+        np.testing.assert_allclose(np.asarray(w_ref), w_np, rtol=1e-5, atol=1e-6)
+        w, ids = moe.route(*args, **kw, backend="pallas")
+        np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids_ref))
+        np.testing.assert_allclose(np.asarray(w), np.asarray(w_ref), rtol=1e-5, atol=1e-6)
+    # The chosen variant differs visibly from the default routing's weights (not a no-op change of arguments).
+    if not kw.get("norm_topk_prob", True):
+        w_norm, _ = moe.route(*args, **dict(kw, norm_topk_prob=True))
+        assert rel_err(w_ref, w_norm) > 0.1
 
 
 @pytest.mark.parametrize("n", [1, 7, 40])
@@ -435,7 +478,7 @@ def test_route_pallas_exact_ties():
     match lax.top_k's lower-index order exactly."""
     from pallas_kernels.moe import router as router_mod
 
-    rng = np.random.default_rng(11)
+    rng = np.random.default_rng(input_seed(11))
     d, e, n = 64, 512, 12
     x = rng.standard_normal((n, d)).astype(np.float32)
     # Few distinct router rows and biases on a coarse grid: most scores collide exactly.
@@ -464,6 +507,10 @@ def test_route_pallas_exact_ties():
             np.testing.assert_allclose(np.asarray(w), np.asarray(w_ref[rows]), rtol=1e-5, atol=1e-6)
 
 
+# The fused kernels against the reference in bf16 (see test_experts_pallas for the measurement).
+BF16_EXPERTS_TOL = 2e-3
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("limits", [(0.0, 0.0), (4.0, 5.0)], ids=["noclamp", "clamp"])
 @pytest.mark.parametrize("n", [1, 2, 3, 6, 16])
@@ -476,7 +523,19 @@ def test_experts_pallas(n, limits, dtype):
     y_ref = moe.moe_experts(*args, *ws, **kw)
     assert y.dtype == dtype and y.shape == y_ref.shape
     assert np.isfinite(np.asarray(y, np.float32)).all()
-    assert rel_err(y, y_ref) <= (1e-5 if dtype == jnp.float32 else 2e-2)
+    # bf16: mostly bit-exact in interpret mode; a near-tie in a bf16 rounding of h or y flips one ulp now and then
+    # (T = 2, 3): measured max 5.3e-4 over 60 seeds on CPU (BF16_EXPERTS_TOL is 3.8x).
+    assert rel_err(y, y_ref) <= (1e-5 if dtype == jnp.float32 else BF16_EXPERTS_TOL)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_experts_pallas_far_scalars(n):
+    """The fused kernel at scalars far from Ling's: top 2 of 16 experts, clamps far below Ling's (routed 0.5, shared
+    2), against the NumPy loops; T = 1 (the decode kernels) and T = 3."""
+    args, ws, np_args, np_ws = _expert_inputs(60 + n, n, k=2, big=True)
+    kw = dict(limit=0.5, shared_limit=2.0)
+    y = moe.moe_experts(*args, *ws, **kw, backend="pallas")
+    assert rel_err(y, np_moe(*np_args, np_ws, **kw)) <= 1e-5
 
 
 # Small blocks so every loop runs several chunks at the test sizes (D = 128, I = 64): BK = 32, BKI = 16.
@@ -504,7 +563,8 @@ def test_experts_pallas_tunings(n, tu, dtype):
     y = moe_experts_fused(*args, *ws, limit=4.0, shared_limit=5.0, tuning=ExpertsTuning(**_TUNINGS[tu]))
     y_ref = moe.moe_experts(*args, *ws, limit=4.0, shared_limit=5.0)
     assert y.dtype == dtype
-    assert rel_err(y, y_ref) <= (1e-5 if dtype == jnp.float32 else 2e-2)
+    # bf16: bit-exact over 10 seeds in interpret mode; the bound of the same kernels in test_experts_pallas.
+    assert rel_err(y, y_ref) <= (1e-5 if dtype == jnp.float32 else BF16_EXPERTS_TOL)
 
 
 @pytest.mark.parametrize("n,tu", [(1, "bi16"), (1, "bi2"), (1, "down_bd1"), (3, "dot"), (3, "fma_tokens")])
@@ -529,7 +589,7 @@ def test_experts_residual(n, dtype):
     combine): the values of adding it outside, with and without the shared expert."""
     dtype = jnp.dtype(dtype)
     args, ws, _, _ = _expert_inputs(50 + n, n, k=8, e=32, dtype=dtype, big=True)
-    r = jnp.asarray(3.0 * np.random.default_rng(7).standard_normal((n, 128)), dtype)
+    r = jnp.asarray(3.0 * np.random.default_rng(input_seed(7)).standard_normal((n, 128)), dtype)
     kw = dict(limit=4.0, shared_limit=5.0)
     for backend in ("reference", "pallas"):
         for shared in (ws, ()):
@@ -539,10 +599,11 @@ def test_experts_residual(n, dtype):
             if dtype == jnp.float32:  # one fp32 add, in or out of the kernel
                 np.testing.assert_array_equal(np.asarray(y_r), np.asarray(r + y))
             else:  # XLA may keep r + y's operands unrounded when it fuses them: one bf16 rounding apart at most
+                # (equal on CPU over 10 seeds, 60 at N = 3; the bound is for fusions elsewhere)
                 assert rel_err(y_r, r + y) <= 4e-3
     y_ref = moe.moe_experts(*args, *ws, **kw, residual=r)
     assert rel_err(moe.moe_experts(*args, *ws, **kw, backend="pallas", residual=r), y_ref) <= (
-        1e-5 if dtype == jnp.float32 else 2e-2)
+        1e-5 if dtype == jnp.float32 else BF16_EXPERTS_TOL)  # measured max 3.3e-4 over 60 seeds
 
 
 def test_experts_residual_errors():
