@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import re
 import warnings
 from pathlib import Path
@@ -24,7 +23,7 @@ from safetensors import SafetensorError, safe_open
 
 from conversion import hf
 from ling_jax.config import (DENSE, HF_FFN_NAMES, HF_MIXER_NAMES, KDA, MLA, MOE, LingConfig, from_hf,
-                             read_config_json)
+                             read_config_json, read_json)
 from ling_jax.params import is_spec, param_specs
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -98,13 +97,7 @@ def read_catalog(hf_dir: str | Path) -> tuple[dict[str, TensorInfo], list[str]]:
 
 
 def _read_weight_map(index_path: Path) -> dict[str, str]:
-    try:
-        index = json.loads(index_path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{index_path} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}): "
-                              "re-download or re-copy it") from None
-    except UnicodeDecodeError:
-        raise CheckpointError(f"{index_path} is not UTF-8 text: re-download or re-copy it") from None
+    index = read_json(index_path, CheckpointError, "re-download or re-copy it")
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
         raise CheckpointError(f"{index_path} has no \"weight_map\" object of tensor name -> shard file: re-download "

@@ -262,6 +262,16 @@ _MIXER_VALUES = "'full_attention' (MLA) or 'linear_attention' (KDA)"
 _FFN_VALUES = "'dense' (dense MLP) or 'sparse' (MoE)"
 
 
+def read_json(path: Path, error: type[Exception], fix: str) -> Any:
+    """The parsed JSON file at `path`, or `error` naming the file, where the text breaks, and `fix`."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise error(f"{path} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}): {fix}") from None
+    except UnicodeDecodeError:
+        raise error(f"{path} is not UTF-8 text: {fix}") from None
+
+
 def read_config_json(source: str | Path) -> dict:
     """The parsed config.json at `source`: the file itself or a checkpoint directory holding it."""
     path = Path(source)
@@ -269,13 +279,7 @@ def read_config_json(source: str | Path) -> dict:
         path = path / "config.json"
     if not path.is_file():
         raise ConfigError(f"no config.json at {path}: pass a Ling-3 checkpoint directory or its config.json")
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}): fix it there, "
-                          "or copy config.json from the original checkpoint again") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{path} is not UTF-8 text: copy config.json from the original checkpoint again") from None
+    raw = read_json(path, ConfigError, "fix it there, or copy config.json from the original checkpoint again")
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} holds {_json_kind(raw)}, not a JSON object: copy config.json from the original "
                           "checkpoint again")

@@ -9,8 +9,8 @@ One step, with a static number of drafts k (docs/design.md §2):
     commit    the caches keep the n + 1 fed positions that are now committed (`cache.commit`, device indices only),
               the drafter observes the n + 1 emitted tokens, `length` advances by n + 1
 
-The batch shares one length, so a step keeps the smallest accepted count of its rows (each row's extra accepted
-drafts are re-proposed next step; nothing is lost, greedy or sampled). There is no `lax.cond`, no data-dependent
+The batch shares one length, so a step keeps the smallest accepted count of its rows (`acceptance.accept` cuts
+them; a row's extra accepted drafts are re-proposed next step; nothing is lost, greedy or sampled). There is no `lax.cond`, no data-dependent
 `while_loop` and no host read: a block of steps is one `lax.fori_loop` with a static trip count writing its tokens
 into a device buffer at a device-computed offset, and the host reads a block's tokens only after the next block has
 been dispatched, as `engine.generate` does.
@@ -86,13 +86,12 @@ class SpecResult:
         return len(self.tokens[0]) / (self.ttft_s + self.decode_s)
 
 
-def _emitted_tokens(drafts, n_acc, nxt, n):
-    """The n + 1 tokens a step emits per row: drafts[:, :n] then the row's own token at n (its correction or bonus
-    if it accepted exactly n drafts, else its accepted draft n). Entries past n are don't-care."""
+def _emitted_tokens(drafts, nxt, n):
+    """The n + 1 tokens a step emits per row: drafts[:, :n] then the row's token at n (`accept` has already cut
+    every row to the batch's n and picked that token). Entries past n are don't-care."""
     k = drafts.shape[1]
-    own = jnp.where(n_acc == n, nxt, drafts[:, jnp.minimum(n, k - 1)])
     padded = jnp.concatenate([drafts, drafts[:, -1:]], axis=1)
-    return jnp.where(jnp.arange(k + 1)[None] == n, own[:, None], padded)
+    return jnp.where(jnp.arange(k + 1)[None] == n, nxt[:, None], padded)
 
 
 def _mask_eos_run(tokens, count, done, eos, pad_id):
@@ -113,8 +112,8 @@ def spec_step(params, aux, state: SpecState, eos, cfg: LingConfig, sampler, draf
     logits, hidden, layers = forward(params, fed, state.model.layers, state.model.length, cfg, mode="verify",
                                      backend=backend)
     n_acc, nxt = acceptance.accept(sampler, logits, drafts, valid, q, k_accept)
-    n = jnp.min(n_acc)
-    tokens = _emitted_tokens(drafts, n_acc, nxt, n)
+    n = n_acc[0]  # the batch's shared count
+    tokens = _emitted_tokens(drafts, nxt, n)
     model = commit(StagedState(state.model.length, layers), n + 1)
     dstate = drafter.observe(aux, params, cfg, state, dstate, tokens, n + 1, hidden, backend)
 
