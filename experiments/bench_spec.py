@@ -3,9 +3,16 @@ plain decode, in one run.
 
 Questions: what does one spec step (k drafts, one verify forward over k + 1 positions, accept, commit) cost next to
 a plain decode step, and what TPOT does it give at a controlled accept length? The drafter is the oracle: it
-replays the slice's own greedy output (a plain run first), corrupted at positions chosen so each step accepts a
-planned number of drafts; the accept length is then exact (checked against the device counters), and the
-drafter costs nothing, so the step time is the verify forward and its bookkeeping.
+replays a greedy output, corrupted at positions chosen so each step accepts a planned number of drafts; the accept
+length is then exact (checked against the device counters), and the drafter costs nothing, so the step time is the
+verify forward and its bookkeeping.
+
+In bf16 the verify forward (k + 1 positions) and plain decode are different programs whose roundings differ, so a
+near-tie can flip an argmax and the spec output leaves plain greedy's; an oracle replaying plain greedy would then
+miss its plan. So each row's continuation is the spec path's own output under that row's corruptions, found by
+iteration: replay plain greedy, take the output, replay it, until the output equals what was replayed (each round
+fixes the first disagreement, since positions before it see the same inputs). Each row reports how many rounds that
+took and where its output first left plain greedy's.
 
     python experiments/bench_spec.py --layers 6 --prompt-len 2048 --new-tokens 257 --ks 1,2,3,4,5,6,7,8 \
         --accepts 3:1,3:2,3:3.25,4:5 --profile-k 3
@@ -89,28 +96,42 @@ def run(args):
 
     plain_runs, plain_s = timed(lambda: G.generate(params, cfg, prompt, max_new_tokens=n_new + 24,
                                                    block_size=args.block_size, **common), args.repeats)
-    truth = plain_runs[0].tokens[0]
+    truth = [int(t) for t in plain_runs[0].tokens[0]]
     plain = dict(kind="plain", k=0, accept_length=1.0, step_us=plain_s / plain_runs[0].steps * 1e6,
                  tpot_us=plain_s / plain_runs[0].steps * 1e6)
     rows = [plain]
     print(json.dumps(plain), flush=True)
 
+    def spec(k, continuation, bad, n):
+        return S.generate_speculative(params, cfg, prompt, max_new_tokens=n, drafter=OracleDrafter(), k=k,
+                                      aux=oracle_aux(continuation, bad), block_size=args.block_size, **common)
+
+    def own_output(k, bad):
+        """The continuation the spec path reproduces under corruptions `bad` (module docstring), and the rounds."""
+        continuation = truth
+        for rounds in range(1, args.max_rounds + 1):
+            out = [int(t) for t in spec(k, continuation, bad, len(truth)).tokens[0]]
+            if out == continuation:
+                return continuation, rounds
+            continuation = out
+        return continuation, None
+
     def spec_row(k, bad, planned):
-        runs, decode_s = timed(lambda: S.generate_speculative(
-            params, cfg, prompt, max_new_tokens=n_new, drafter=OracleDrafter(), k=k, aux=oracle_aux(truth, bad),
-            block_size=args.block_size, **common), args.repeats)
+        continuation, rounds = own_output(k, bad)
+        if not bad:
+            own[k] = continuation
+        runs, decode_s = timed(lambda: spec(k, continuation, bad, n_new), args.repeats)
         r = runs[0]
-        # In bf16 the verify kernels (k + 1 positions) and the decode kernels round differently, so a near-tie can
-        # flip an argmax: the output then leaves the oracle's continuation and the accept length drops below plan.
         same = [a == b for a, b in zip(r.tokens[0], truth)]
         row = dict(kind="spec", k=k, planned_accept=planned, accept_length=r.accept_length,
-                   first_divergence=same.index(False) if False in same else None,
+                   oracle_rounds=rounds, first_divergence_from_plain=same.index(False) if False in same else None,
                    verify_steps=r.verify_steps, step_us=decode_s / r.verify_steps * 1e6,
                    tpot_us=decode_s / (len(r.tokens[0]) - 1) * 1e6)
         row["tpot_vs_plain"] = row["tpot_us"] / plain["tpot_us"]
         print(json.dumps(row), flush=True)
         return row
 
+    own = {}  # k -> the spec path's own output with no corruption (the profile replays it)
     for k in map(int, args.ks.split(",")):
         rows.append(spec_row(k, [], k + 1))
     for item in filter(None, args.accepts.split(",")):
@@ -118,7 +139,8 @@ def run(args):
         k, a = int(k), float(a)
         plan = accept_plan(k, a, n_new)
         rows.append(spec_row(k, corruptions(k, plan, n_new), a))
-    profile = profile_spec(params, cfg, prompt, truth, args) if args.profile_k else None
+    profile = profile_spec(params, cfg, prompt, own.get(args.profile_k) or own_output(args.profile_k, [])[0], args) \
+        if args.profile_k else None
     return cfg, rows, profile
 
 
@@ -189,6 +211,8 @@ def main(argv=None):
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--backend", default="fast")
     parser.add_argument("--router-dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    parser.add_argument("--max-rounds", type=int, default=8,
+                        help="replay rounds to find each row's own greedy output (module docstring)")
     parser.add_argument("--profile-k", type=int, default=0, help="profile the spec step at this k (0: no)")
     parser.add_argument("--json", default="bench_spec.json", help="results file name (experiments/results, $OUT)")
     parser.add_argument("--smoke", action="store_true", help="toy preset on the CPU; writes nothing to the repo")
@@ -199,11 +223,12 @@ def main(argv=None):
     cfg, rows, profile = run(args)
     print(f"\nslice of {args.layers} layers of {args.preset}, prompt {args.prompt_len}, {args.new_tokens} new tokens, "
           f"backend {args.backend}, oracle drafter")
-    print(f"{'row':>14s} {'accept':>7s} {'step us':>9s} {'TPOT us':>9s} {'vs plain':>9s}")
+    print(f"{'row':>14s} {'accept':>7s} {'step us':>9s} {'TPOT us':>9s} {'vs plain':>9s} {'rounds':>6s} {'left plain at':>13s}")
     for r in rows:
         name = "plain" if r["kind"] == "plain" else f"k={r['k']} a={r['planned_accept']:g}"
         print(f"{name:>14s} {r['accept_length']:7.2f} {r['step_us']:9.1f} {r['tpot_us']:9.1f} "
-              f"{r['tpot_us'] / rows[0]['tpot_us']:9.2f}")
+              f"{r['tpot_us'] / rows[0]['tpot_us']:9.2f} {str(r.get('oracle_rounds', '')):>6s} "
+              f"{str(r.get('first_divergence_from_plain', '')):>13s}")
     write_results(args.json, dict(args=vars(args), rows=rows, profile=profile, **header), to_repo=not args.smoke)
 
 

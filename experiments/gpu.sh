@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The benchmarks and the compiled kernel tests on a GPU machine, by suite (wheels the machine lacks, fla-core and
-# einops for the fla comparisons, go in .whl/):   bash experiments/gpu.sh SUITE [SUITE...]   (tests engine decode moe kda mla all)
+# einops for the fla comparisons, go in .whl/):   bash experiments/gpu.sh SUITE [SUITE...]   (tests engine decode moe kda mla spec all)
 # Each suite writes its log and results JSON into $OUT (default /tmp/out) and the JSON under its canonical name into
 # experiments/results/ (what plot_results.py reads); the tail of every log is printed at the end. Every suite has
 # its own timeout under the 600 s a device command may run; with several GPUs the suites run side by side, one
@@ -33,6 +33,11 @@ suite_kda() {  # compiled checks, then decode, verify and bf16 prefill against f
   timeout 540 python3 experiments/bench_kda.py --sections check,decode,verify,prefill --prefill-dtypes bfloat16 \
     --budget 420
 }
+suite_spec() {  # the spec step against plain decode on the slice (oracle at planned accept lengths), then suffix timing
+  timeout 480 python3 experiments/bench_spec.py --layers 6 --prompt-len 2048 --new-tokens 257 --ks 1,2,3,4,5,6,7,8 \
+    --accepts 3:1,3:2,3:3.25,4:5 --profile-k 3 --backend fast --repeats 3
+  timeout 60 python3 experiments/bench_suffix.py --time-propose 4096:5,4096:16,8192:5
+}
 suite_mla() {  # device time per call from the profiler, then bench_mla's compiled checks and slopes
   timeout 240 python3 experiments/profile_ops.py --ops mla_1k_t1,mla_1k_t6,mla_8k_t1,mla_8k_t6,mla_32k_t1,mla_32k_t6 \
     --backends pallas,reference --n 8 --json mla_profile.json
@@ -42,9 +47,9 @@ suite_mla() {  # device time per call from the profiler, then bench_mla's compil
 suites=()
 for s in "$@"; do
   case "$s" in
-    all) suites+=(tests engine decode moe kda mla) ;;
-    tests|engine|decode|moe|kda|mla) suites+=("$s") ;;
-    *) echo "unknown suite '$s' (tests engine decode moe kda mla all)"; exit 2 ;;
+    all) suites+=(tests engine decode moe kda mla spec) ;;
+    tests|engine|decode|moe|kda|mla|spec) suites+=("$s") ;;
+    *) echo "unknown suite '$s' (tests engine decode moe kda mla spec all)"; exit 2 ;;
   esac
 done
 [ ${#suites[@]} -gt 0 ] || { sed -n 2,7p "$0"; exit 2; }

@@ -5,6 +5,7 @@ Reads the benchmarks' canonical results files (no GPU) and draws:
   kda.png           kda_bench.json: decode device time per layer against the floor and fla; verify + commit vs T
   mla_decode.png    mla_profile.json (profile_ops.py's MLA ops): device µs per attention call vs cache length
   decode_slice.png  bench_decode.json: the slice's TPOT per backend against its floor
+  spec.png          bench_spec.json: spec step time vs k, and TPOT vs accept length against plain decode
 
     python experiments/plot_results.py [--results DIR] [--out DIR]
 
@@ -129,8 +130,35 @@ def plot_slice(data):
     return fig
 
 
+def plot_spec(data):
+    """Left: the spec step's time vs k (true continuation) beside plain decode's step. Right: TPOT vs accept length,
+    k = 3 and the true-continuation rows, against plain TPOT and the ideal plain / accept length."""
+    rows = data["rows"]
+    plain = rows[0]["tpot_us"]
+    full = sorted((r["k"], r["step_us"], r["tpot_us"], r["accept_length"]) for r in rows
+                  if r["kind"] == "spec" and r["planned_accept"] == r["k"] + 1)
+    k3 = sorted((r["accept_length"], r["tpot_us"]) for r in rows if r["kind"] == "spec" and r["k"] == 3)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
+    a.plot([k for k, *_ in full], [s for _, s, *_ in full], "o-", label="spec step (k drafts, all accepted)")
+    a.axhline(plain, color="k", ls="--", label="plain decode step")
+    a.set(xlabel="k (drafts per step)", ylabel="µs per step", title="Spec step vs k")
+    a.set_ylim(0, None)
+    a.legend(fontsize=8)
+    b.plot([x for x, _ in k3], [t for _, t in k3], "o-", label="k = 3, planned accept lengths")
+    b.plot([acc for *_, acc in full], [t for _, _, t, _ in full], "s:", label="k + 1 accepted (k = 1..8)")
+    xs = [1 + i * 0.1 for i in range(81)]
+    b.plot(xs, [plain / x for x in xs], color="0.6", lw=1, label="plain TPOT / accept length")
+    b.axhline(plain, color="k", ls="--", label="plain TPOT")
+    b.set(xlabel="accept length (tokens per verify step)", ylabel="TPOT µs",
+          title=f"{data['args']['layers']}-layer Flash slice, {data['device']}")
+    b.set_ylim(0, None)
+    b.legend(fontsize=8)
+    return fig
+
+
 FIGURES = (("bench_moe.json", plot_moe, "moe.png"), ("kda_bench.json", plot_kda, "kda.png"),
-           ("mla_profile.json", plot_mla, "mla_decode.png"), ("bench_decode.json", plot_slice, "decode_slice.png"))
+           ("mla_profile.json", plot_mla, "mla_decode.png"), ("bench_decode.json", plot_slice, "decode_slice.png"),
+           ("bench_spec.json", plot_spec, "spec.png"))
 
 
 def main(argv=None):
