@@ -31,7 +31,7 @@ class Mutation:
     file: str
     old: str
     new: str
-    tests: tuple[str, ...]
+    tests: tuple[str, ...]  # test files, or pytest node ids (file::test) where one test is the one that can tell
 
 
 PARITY = "tests/test_parity.py"
@@ -85,7 +85,8 @@ MUTATIONS = (
     Mutation("top_p_keeps_one_more", "sampling", "ling_jax/engine/sampling.py",
              "kept = jnp.where(mass_before < self.top_p, sorted_logits, jnp.inf)",
              "kept = jnp.where(mass_before <= self.top_p, sorted_logits, jnp.inf)",
-             ("tests/test_sampling.py", "tests/test_acceptance.py")),
+             ("tests/test_sampling.py::test_top_p_boundary_excludes_the_token_the_mass_before_reaches",
+              "tests/test_acceptance.py")),
     Mutation("temperature_multiplies", "sampling", "ling_jax/engine/sampling.py",
              "logits = logits.astype(jnp.float32) / self.temperature",
              "logits = logits.astype(jnp.float32) * self.temperature",
@@ -110,7 +111,7 @@ def run_one(m: Mutation, base: Path, python: str) -> tuple[str, float, str]:
     original = target.read_text()
     if original.count(m.old) != 1:
         return "stale", 0.0, f"the original text occurs {original.count(m.old)} times in {m.file}"
-    tests = [t for t in m.tests if (base / t).exists()]
+    tests = [t for t in m.tests if (base / t.split("::")[0]).exists()]
     if not tests:
         return "missing test", 0.0, ", ".join(m.tests)
     target.write_text(original.replace(m.old, m.new))

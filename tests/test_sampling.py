@@ -6,6 +6,9 @@ Each case draws N tokens per row from two different rows at once and runs a chi-
 row; it fails below P_MIN = 1e-4 (with the fixed seeds a pass is reproducible; under LING_JAX_TEST_SEED=random
 a correct sampler fails a given row-case with probability 1e-4). Tokens outside the top-p set must never appear,
 and each case shows its power: the same counts reject the distribution at temperature 1.
+
+The keep rule's own decision point (mass before a token exactly equal to top_p) is tested apart, on logits whose
+float32 softmax is exactly dyadic, so the kept set is known without tolerance.
 """
 
 import jax
@@ -29,7 +32,11 @@ def reference_probs(logits: np.ndarray, temperature: float, top_p: float) -> np.
     """[rows, V] float64 probabilities of the top-p sampler, written from its definition."""
     z = logits.astype(np.float64) / temperature
     p = np.exp(z - z.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
+    return restrict_to_top_p(p / p.sum(-1, keepdims=True), top_p)
+
+
+def restrict_to_top_p(p: np.ndarray, top_p: float) -> np.ndarray:
+    """[rows, V] probabilities -> the same restricted to each row's top-p set and renormalised."""
     out = np.zeros_like(p)
     for row, probs in enumerate(p):
         order = np.argsort(-probs)
@@ -78,12 +85,12 @@ def case_logits(rng: np.random.Generator, temperature: float, top_p: float) -> n
     raise AssertionError(f"no logits in 100 draws show the top-{top_p} cut at temperature {temperature}")
 
 
-def draw_counts(sampler, logits: np.ndarray, seed: int) -> np.ndarray:
-    """[rows, V] counts of N independent draws per row, all rows in one sample call."""
-    batch = jnp.broadcast_to(jnp.asarray(logits), (N, *logits.shape))
+def draw_counts(sampler, logits: np.ndarray, seed: int, n: int = N) -> np.ndarray:
+    """[rows, vocab] counts of n independent draws per row, all rows in one sample call."""
+    batch = jnp.broadcast_to(jnp.asarray(logits), (n, *logits.shape))
     tokens = np.asarray(sampler.sample(batch, jax.random.key(seed)))
-    assert tokens.shape == (N, logits.shape[0]) and tokens.dtype == np.int32
-    return np.stack([np.bincount(tokens[:, row], minlength=V) for row in range(logits.shape[0])])
+    assert tokens.shape == (n, logits.shape[0]) and tokens.dtype == np.int32
+    return np.stack([np.bincount(tokens[:, row], minlength=logits.shape[-1]) for row in range(logits.shape[0])])
 
 
 @pytest.mark.parametrize("top_p", [0.9, 1.0], ids=["top_p0.9", "top_p1"])
@@ -105,6 +112,59 @@ def test_top_p_frequencies(temperature, top_p):
         print(f"  against temperature 1: p = {wrong:.3g}")
         assert wrong < P_MIN, (f"seed {seed}, row {row}: the test cannot tell temperature {temperature} from 1 "
                                f"(p = {wrong:.2e}); draw more samples")
+
+
+# Probabilities 16, 8, 4, 3, 1 / 32: every one and every partial sum is exact in float32 (and in float64).
+DYADIC_PROBS = np.array([16, 8, 4, 3, 1]) / 32
+DYADIC_ORDERS = ([3, 0, 4, 1, 2], [1, 4, 2, 3, 0])  # two rows, the tokens in two orders (the sort must sort)
+BOUNDARY_DRAWS = 20_000  # the rarest kept token has probability >= 3/31, so every kept token is drawn
+
+
+def exact_logit(ratio: float) -> np.float32:
+    """A float32 logit whose float32 exp on this backend is exactly `ratio` (a dyadic in (0, 1]): the nearest of
+    log(ratio)'s float32 neighbours that gives it, as backends' exp may differ in the last ulp."""
+    x = np.float32(np.log(ratio))
+    below, above = [x], [x]
+    for _ in range(4):
+        below.append(np.nextafter(below[-1], np.float32(-np.inf)))
+        above.append(np.nextafter(above[-1], np.float32(np.inf)))
+    for candidate in sorted(set(below + above), key=lambda c: abs(float(c) - np.log(ratio))):
+        if float(jnp.exp(jnp.float32(candidate))) == ratio:
+            return candidate
+    raise AssertionError(f"no float32 logit near log({ratio}) has exp exactly {ratio} on this backend")
+
+
+def dyadic_case() -> tuple[np.ndarray, np.ndarray]:
+    """-> (float32 logits [2, 5], their exact probabilities): the top logit is 0, so softmax's max subtraction is
+    exact, the exps are exact by construction and their sum is 2; the float32 softmax is checked to be exact."""
+    row = np.array([exact_logit(r) for r in DYADIC_PROBS / DYADIC_PROBS.max()], dtype=np.float32)
+    logits = np.stack([row[order] for order in DYADIC_ORDERS])
+    probs = np.stack([DYADIC_PROBS[order] for order in DYADIC_ORDERS])
+    got = np.asarray(jax.nn.softmax(jnp.asarray(logits), axis=-1))
+    assert (got == probs).all(), f"float32 softmax {got.tolist()} is not exactly {probs.tolist()}"
+    return logits, probs
+
+
+@pytest.mark.parametrize("top_p,n_kept", [(0.5, 1), (0.75, 2), (0.875, 3), (0.96875, 4), (0.8, 3)])
+def test_top_p_boundary_excludes_the_token_the_mass_before_reaches(top_p, n_kept):
+    """At top_p equal to a partial sum of the probabilities, the token whose mass before equals top_p is dropped:
+    the smallest set whose mass reaches top_p. This is transformers' TopPLogitsWarper convention: it sorts
+    ascending and removes a token when the cumulative mass up to and including it is <= 1 - top_p, which is the
+    descending mass before it being >= top_p (0.8 is off every boundary, as a control)."""
+    logits, probs = dyadic_case()
+    want = restrict_to_top_p(probs, top_p)
+    assert ((want > 0).sum(-1) == n_kept).all()
+    sampler = TopP(1.0, top_p)
+    log_probs = np.asarray(sampler.log_probs(jnp.asarray(logits)))
+    for row in range(len(logits)):
+        kept = np.flatnonzero(np.isfinite(log_probs[row])).tolist()
+        assert kept == np.flatnonzero(want[row]).tolist(), (
+            f"row {row}, top_p {top_p}: kept tokens {kept}, the smallest set whose mass reaches top_p is "
+            f"{np.flatnonzero(want[row]).tolist()}")
+        # float32 log_softmax of exact inputs: a few ulps
+        np.testing.assert_allclose(np.exp(log_probs[row, kept]), want[row, kept], rtol=1e-6)
+    counts = draw_counts(sampler, logits, input_seed(5), BOUNDARY_DRAWS)
+    assert ((counts > 0) == (want > 0)).all(), f"top_p {top_p}: drawn tokens {counts.tolist()}, kept set {want > 0}"
 
 
 def test_greedy_is_the_numpy_argmax():
