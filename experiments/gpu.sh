@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The benchmarks and the compiled kernel tests on a GPU machine, by suite (wheels the machine lacks, fla-core and
-# einops for the fla comparisons, go in .whl/):   bash experiments/gpu.sh SUITE [SUITE...]   (tests engine decode moe kda mla spec all)
+# einops for the fla comparisons, go in .whl/):   bash experiments/gpu.sh SUITE [SUITE...]   (tests engine decode moe kda mla spec prefill prefill_check all)
 # Each suite writes its log and results JSON into $OUT (default /tmp/out) and the JSON under its canonical name into
 # experiments/results/ (what plot_results.py reads); the tail of every log is printed at the end. Every suite has
 # its own timeout under the 600 s a device command may run; with several GPUs the suites run side by side, one
@@ -38,6 +38,20 @@ suite_spec() {  # the spec step against plain decode on the slice (oracle at pla
     --accepts 3:1,3:2,3:3.25,4:5 --profile-k 3 --backend fast --repeats 3
   timeout 60 python3 experiments/bench_suffix.py --time-propose 4096:5,4096:16,8192:5
 }
+suite_prefill() {  # the MoE and MLA prefill kernels with their tuning sweeps, then the slice's TTFT and profile
+  timeout 170 python3 experiments/bench_moe_prefill.py --sweep
+  timeout 150 python3 experiments/bench_mla_prefill.py --sweep --budget 110
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 250 python3 experiments/bench_prefill.py --layers 6 \
+    --rows 2048:8192,8192:8192,8192:2048,32768:8192,32768:4096 --profile 8192:8192
+}
+suite_prefill_check() {  # the MoE layer and the slice with the tuned defaults, then the prefill tests compiled
+  timeout 90 python3 experiments/bench_moe_prefill.py --ns 2048,8192 --no-xla
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout 200 python3 experiments/bench_prefill.py --layers 6 \
+    --rows 2048:8192,8192:8192,8192:2048,32768:8192,32768:4096 --profile 8192:8192
+  JAX_DEFAULT_MATMUL_PRECISION=highest XLA_FLAGS=--xla_allow_excess_precision=false timeout 200 \
+    python3 -m pytest -q -rf --tb=short -p no:cacheprovider \
+    tests/ops/test_moe_grouped.py tests/ops/test_mla_prefill.py tests/test_prefill_chunked.py -k "not cli"
+}
 suite_mla() {  # device time per call from the profiler, then bench_mla's compiled checks and slopes
   timeout 240 python3 experiments/profile_ops.py --ops mla_1k_t1,mla_1k_t6,mla_8k_t1,mla_8k_t6,mla_32k_t1,mla_32k_t6 \
     --backends pallas,reference --n 8 --json mla_profile.json
@@ -47,9 +61,9 @@ suite_mla() {  # device time per call from the profiler, then bench_mla's compil
 suites=()
 for s in "$@"; do
   case "$s" in
-    all) suites+=(tests engine decode moe kda mla spec) ;;
-    tests|engine|decode|moe|kda|mla|spec) suites+=("$s") ;;
-    *) echo "unknown suite '$s' (tests engine decode moe kda mla spec all)"; exit 2 ;;
+    all) suites+=(tests engine decode moe kda mla spec prefill) ;;
+    tests|engine|decode|moe|kda|mla|spec|prefill|prefill_check) suites+=("$s") ;;
+    *) echo "unknown suite '$s' (tests engine decode moe kda mla spec prefill prefill_check all)"; exit 2 ;;
   esac
 done
 [ ${#suites[@]} -gt 0 ] || { sed -n 2,7p "$0"; exit 2; }

@@ -6,6 +6,7 @@ Reads the benchmarks' canonical results files (no GPU) and draws:
   mla_decode.png    mla_profile.json (profile_ops.py's MLA ops): device µs per attention call vs cache length
   decode_slice.png  bench_decode.json: the slice's TPOT per backend against its floor
   spec.png          bench_spec.json: spec step time vs k, and TPOT vs accept length against plain decode
+  prefill.png       bench_prefill.json: the slice's TTFT and useful TFLOP/s per prompt and chunk, its op split
 
     python experiments/plot_results.py [--results DIR] [--out DIR]
 
@@ -156,9 +157,30 @@ def plot_spec(data):
     return fig
 
 
+def plot_prefill(data):
+    """Left: TTFT per (prompt, chunk) with the useful TFLOP/s on each bar. Right: the profiled prefill's device
+    time by op class."""
+    rows = [r for r in data["rows"] if "ttft_ms" in r]
+    prof = data.get("profile") or {}
+    fig, axes = plt.subplots(1, 2 if prof else 1, figsize=(12 if prof else 7, 3.8), squeeze=False)
+    a = axes[0][0]
+    labels = [f"{r['prompt']}\nchunk {r['chunk']}" for r in rows]
+    a.bar(labels, [r["ttft_ms"] for r in rows])
+    for i, r in enumerate(rows):
+        a.text(i, r["ttft_ms"], f"{r['tflops_per_s']:.0f} TFLOP/s", ha="center", va="bottom", fontsize=8)
+    a.set(ylabel="TTFT ms", title=f"Prefill, {data['args']['layers']}-layer Flash slice, {data['device']}")
+    a.set_ylim(0, max(r["ttft_ms"] for r in rows) * 1.2)
+    if prof:
+        b = axes[0][1]
+        classes = sorted(prof["classes_ms"].items(), key=lambda kv: -kv[1])
+        b.barh([c for c, _ in classes], [ms for _, ms in classes])
+        b.set(xlabel="device ms", title=f"prompt {prof['prompt']}: {prof['kernels_ms']:.1f} ms of kernels by op")
+    return fig
+
+
 FIGURES = (("bench_moe.json", plot_moe, "moe.png"), ("kda_bench.json", plot_kda, "kda.png"),
            ("mla_profile.json", plot_mla, "mla_decode.png"), ("bench_decode.json", plot_slice, "decode_slice.png"),
-           ("bench_spec.json", plot_spec, "spec.png"))
+           ("bench_spec.json", plot_spec, "spec.png"), ("bench_prefill.json", plot_prefill, "prefill.png"))
 
 
 def main(argv=None):

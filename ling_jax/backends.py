@@ -1,11 +1,9 @@
 """Which implementation runs each op: `backend` is "reference", "pallas", "fast", or per op, e.g.
 "kda=pallas,moe_decode=pallas,mla_decode=reference".
 
-"pallas" means every op that has a Pallas kernel (what the tests exercise); "fast" means, per op, whichever
-implementation measured faster on the H200 (experiments/RESULTS.md; update it with every new measurement).
-Prefill-sized MoE and MLA prefill have no kernel (the MoE kernels are built for decode/verify, T <= 64; prefill
-is compute-bound and XLA's ragged_dot / attention serve it), so they run the reference under every profile. This table is the only place that says so: ops never fall back on
-their own.
+"pallas" means every op's Pallas kernel (what the tests exercise); "fast" means, per op, whichever implementation
+measured faster on the H200 (experiments/RESULTS.md; update it with every new measurement). This table is the only
+place that picks: ops never fall back on their own.
 """
 
 from __future__ import annotations
@@ -15,18 +13,20 @@ import functools
 from ling_jax.config import ConfigError, LingConfig
 
 OPS = ("kda", "moe_decode", "moe_prefill", "mla_decode", "mla_prefill")
-NO_KERNEL = ("moe_prefill", "mla_prefill")
+NO_KERNEL: tuple[str, ...] = ()  # ops without a Pallas kernel (none today); they run the reference everywhere
 CHOICES = ("reference", "pallas")
 PROFILES = {
     "reference": dict.fromkeys(OPS, "reference"),
     "pallas": {op: "reference" if op in NO_KERNEL else "pallas" for op in OPS},
     # Per op on the H200 (experiments/RESULTS.md): MoE layer at T = 1 33.4 µs Pallas vs 150-181 µs XLA; KDA decode
     # 5.3 µs per layer vs fla's 5.3-6.4 µs core alone; MLA decode 11 / 23 / 50 µs at L = 1k / 8k / 32k vs XLA's
-    # 18 / 51 / 147 µs. Every op with a kernel is faster in Pallas today, so "fast" equals "pallas"; it stays a
-    # separate profile because a kernel that loses a later measurement leaves "fast" and stays in "pallas" (what the
-    # tests run).
-    "fast": {"kda": "pallas", "moe_decode": "pallas", "moe_prefill": "reference", "mla_decode": "pallas",
-             "mla_prefill": "reference"},
+    # 18 / 51 / 147 µs. Prefill at 8192 tokens: the grouped-GEMM MoE 2.8-3.1 ms of routed experts where XLA's
+    # ragged dot asks for 160 GiB (at 2048: 2.1 vs 148 ms); MLA flash 2.6 ms vs the eager reference's 11.4 ms (cuDNN
+    # with V padded to 192: 1.6 ms, not wired in). Every op with a kernel is faster in Pallas today, so "fast"
+    # equals "pallas"; it stays a separate profile because a kernel that loses a later measurement leaves "fast" and
+    # stays in "pallas" (what the tests run).
+    "fast": {"kda": "pallas", "moe_decode": "pallas", "moe_prefill": "pallas", "mla_decode": "pallas",
+             "mla_prefill": "pallas"},
 }
 
 

@@ -4,7 +4,7 @@
     ling-jax generate (--checkpoint DIR | --hf-dir DIR | --preset NAME)
                       (--prompt-ids 1,2,3 | --prompt TEXT --tokenizer tokenizer.json) --max-new-tokens N
                       [--temperature T --top-p P --seed S] [--dtype float32|bfloat16] [--backend reference|pallas]
-                      [--block-size N] [--ignore-eos] [--json]
+                      [--block-size N] [--prefill-chunk C] [--ignore-eos] [--json]
 
 With no arguments, `generate` runs the embedded default: the `toy` preset with random weights, a fixed prompt and
 64 new tokens.
@@ -29,6 +29,7 @@ HF_DIR_HELP = "the HF checkpoint directory (config.json + *.safetensors)"
 SPEC_CHOICES = ("none", "oracle", "mtp", "suffix", "model")
 MAX_DRAFTS = 16  # engine.speculative.MAX_DRAFTS, restated so option errors need no JAX import
 DEFAULT_DRAFTS = 3
+PREFILL_CHUNK = 8192  # model.PREFILL_CHUNK, restated for the same reason
 
 
 class _Parser(argparse.ArgumentParser):
@@ -105,6 +106,9 @@ def _add_generate(gen: argparse.ArgumentParser) -> None:
                      help="reference | pallas | fast (per op, the faster on the H200) | per op, e.g. "
                           "kda=pallas,moe_decode=pallas (ling_jax/backends.py)")
     gen.add_argument("--block-size", type=int, default=16, metavar="N", help="decode steps per jitted block")
+    gen.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="C",
+                     help="prompt tokens per prefill forward: a longer prompt is prefilled in chunks of C, so its "
+                          "activation memory scales with C, not with the prompt")
     gen.add_argument("--ignore-eos", action="store_true", help="always produce --max-new-tokens tokens")
     gen.add_argument("--warmup", type=int, default=1, metavar="N",
                      help="untimed runs first, so the reported times exclude compilation (should the timed run "
@@ -127,7 +131,7 @@ def _add_generate(gen: argparse.ArgumentParser) -> None:
 
 def _check_numbers(args, parser) -> None:
     for option, value, least in (("--max-new-tokens", args.max_new_tokens, 1), ("--block-size", args.block_size, 1),
-                                 ("--warmup", args.warmup, 0)):
+                                 ("--prefill-chunk", args.prefill_chunk, 1), ("--warmup", args.warmup, 0)):
         if value < least:
             parser.error(f"{option} {value} must be >= {least}")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
@@ -297,7 +301,7 @@ def _generate(args, parser) -> int:
     if args.spec == "none":
         run = lambda: generate(params, cfg, [ids], max_new_tokens=args.max_new_tokens, sampler=sampler,  # noqa: E731
                                seed=args.seed, backend=args.backend, block_size=args.block_size,
-                               ignore_eos=args.ignore_eos)
+                               ignore_eos=args.ignore_eos, prefill_chunk=args.prefill_chunk)
     else:
         run = _speculative_run(args, cfg, params, draft_cfg, ids, sampler)
     for _ in range(args.warmup):
@@ -423,7 +427,7 @@ def _speculative_run(args, cfg, params, draft_cfg, ids, sampler):
     return lambda: generate_speculative(params, cfg, [ids], max_new_tokens=args.max_new_tokens, sampler=sampler,
                                         drafter=drafter, k=args.num_draft, aux=aux, seed=args.seed,
                                         backend=args.backend, block_size=args.block_size,
-                                        ignore_eos=args.ignore_eos)
+                                        ignore_eos=args.ignore_eos, prefill_chunk=args.prefill_chunk)
 
 
 def _load_draft(path: str, params):

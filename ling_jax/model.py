@@ -3,7 +3,10 @@
 All three run one `forward`: embed -> 42 pre-norm blocks (KDA or MLA mixer, dense or MoE FFN) -> final norm ->
 lm_head. The mode only picks how the mixers use their caches:
 
-    prefill  fresh sequence, T tokens: chunked KDA, expanded MLA attention; returns a ModelState
+    prefill  fresh sequence, T tokens: chunked KDA, expanded MLA attention; returns a ModelState. A prompt longer
+             than `chunk` runs as chunks, each a forward in mode "extend" from the state the previous one left
+             (KDA from its state and conv window, MLA over the latent cache so far), so activations scale with
+             the chunk, not the prompt
     decode   one token per sequence from a ModelState: recurrent KDA, absorbed MLA over the latent cache
     verify   T tokens from a ModelState (last committed + drafts): every position's logits and a StagedState;
              `ling_jax.cache.commit(staged, n)` keeps the first n positions
@@ -31,6 +34,12 @@ from ling_jax.layers.mla import mla_block
 from ling_jax.layers.mlp import dense_mlp
 from ling_jax.layers.moe import moe_block
 from ling_jax.layers.norms import rms_norm
+
+
+PREFILL_MODES = ("prefill", "extend")
+# Prompt tokens per prefill forward: a one-shot prefill up to this length, chunks beyond it. The MoE prefill's
+# sorted pairs and the MLA keys over the whole cache grow with the chunk; 8192 covers SGLang's prompt in one forward.
+PREFILL_CHUNK = 8192
 
 
 def _check_call(params: dict, cfg: LingConfig, backend: str) -> None:
@@ -86,12 +95,12 @@ def block(p: dict, h: jnp.ndarray, entry, start: jax.Array, cfg: LingConfig, lay
     if mixer == KDA:
         a, entry = kda_block(p["mixer"], x, entry, cfg, mode=mode, backend=op_backend(backend, "kda"))
     else:
-        mla_op = "mla_prefill" if mode == "prefill" else "mla_decode"
+        mla_op = "mla_prefill" if mode in PREFILL_MODES else "mla_decode"
         a, entry = mla_block(p["mixer"], x, entry, start, cfg, mode=mode, backend=op_backend(backend, mla_op))
     h = h + a
     x = rms_norm(h, p["post_norm"], eps)
     if ffn == MOE:
-        moe_op = "moe_prefill" if mode == "prefill" else "moe_decode"
+        moe_op = "moe_prefill" if mode in PREFILL_MODES else "moe_decode"
         return moe_block(p["ffn"], x, cfg, layer, backend=op_backend(backend, moe_op), residual=h), entry
     return h + dense_mlp(p["ffn"], x), entry
 
@@ -113,27 +122,116 @@ def forward(params: dict, tokens: jax.Array, layers: tuple, start: jax.Array, cf
 
 
 def prefill(params: dict, tokens: jax.Array, cfg: LingConfig, *, max_len: int, backend: str = "reference",
-            all_logits: bool = False):
+            all_logits: bool = False, chunk: int | None = None):
     """Start sequences from `tokens` [B, T] -> (logits [B, T or 1, V], ModelState, hidden [B, T, D]).
 
     `max_len` sizes the MLA latent caches (prompt + every token to come; rounded up, see cache.cache_len).
-    Token ids are range-checked on the host when they are concrete (called outside jit).
+    `chunk` (default PREFILL_CHUNK): prompt tokens per forward; a longer prompt runs in chunks of this size (the
+    first takes the remainder), which gives the same result as one forward up to rounding order.
+    Token ids are range-checked on the host when they are concrete (called outside jit), and the caches plus one
+    chunk's activations are checked against the device's free memory before anything is allocated.
     """
     _check_call(params, cfg, backend)
     _check_tokens(tokens, cfg, "tokens")
-    if jnp.shape(tokens)[1] > max_len:
-        raise ValueError(f"prompt length {jnp.shape(tokens)[1]} exceeds max_len={max_len}: pass a max_len that "
+    B, T = jnp.shape(tokens)
+    if T > max_len:
+        raise ValueError(f"prompt length {T} exceeds max_len={max_len}: pass a max_len that "
                          "holds the prompt and every token to come")
-    return _prefill(params, tokens, cfg, max_len=max_len, backend=backend, all_logits=all_logits)
+    chunk = check_chunk(chunk)
+    check_prefill_memory(params, cfg, B, T, chunk, max_len, backend)
+    return _prefill(params, tokens, cfg, max_len=max_len, backend=backend, all_logits=all_logits, chunk=chunk)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_len", "backend", "all_logits"))
-def _prefill(params, tokens, cfg, *, max_len, backend, all_logits):
+def check_chunk(chunk: int | None) -> int:
+    if chunk is None:
+        return PREFILL_CHUNK
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
+        raise ValueError(f"prefill chunk={chunk!r} must be an int >= 1 (prompt tokens per prefill forward)")
+    return chunk
+
+
+def _prefill_chunks(T: int, chunk: int) -> tuple[int, int]:
+    """(tokens of the first forward, number of full chunks after it): the remainder goes first, so the rest is one
+    scan over equal chunks (one compiled body)."""
+    head = T % chunk or min(T, chunk)
+    return head, (T - head) // chunk
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "max_len", "backend", "all_logits", "chunk"))
+def _prefill(params, tokens, cfg, *, max_len, backend, all_logits, chunk=PREFILL_CHUNK):
     B, T = tokens.shape
     state = init_state(cfg, B, max_len, params["embed"].dtype)
-    logits, hidden, layers = forward(params, tokens, state.layers, state.length, cfg, mode="prefill",
+    head, n_chunks = _prefill_chunks(T, chunk)
+    logits, hidden, layers = forward(params, tokens[:, :head], state.layers, state.length, cfg, mode="prefill",
                                      backend=backend, all_logits=all_logits)
-    return logits, ModelState(jnp.asarray(T, jnp.int32), layers), hidden
+    state = ModelState(jnp.asarray(head, jnp.int32), layers)
+    if not n_chunks:
+        return logits, state, hidden
+
+    def one_chunk(state, piece):
+        lg, hd, layers = forward(params, piece, state.layers, state.length, cfg, mode="extend", backend=backend,
+                                 all_logits=all_logits)
+        return ModelState(state.length + chunk, layers), (lg, hd)
+
+    pieces = tokens[:, head:].reshape(B, n_chunks, chunk).swapaxes(0, 1)  # [n, B, C]
+    state, (lgs, hds) = jax.lax.scan(one_chunk, state, pieces)
+    hidden = jnp.concatenate([hidden, hds.swapaxes(0, 1).reshape(B, T - head, -1)], axis=1)
+    logits = jnp.concatenate([logits, lgs.swapaxes(0, 1).reshape(B, T - head, -1)], 1) if all_logits else lgs[-1]
+    return logits, state, hidden
+
+
+def prefill_bytes(cfg: LingConfig, batch: int, prompt_len: int, chunk: int, max_len: int, itemsize: int, *,
+                  tp: int = 1, flash_attention: bool = False, dense_moe: bool = False) -> dict:
+    """Per-device bytes a prefill allocates beside the params: the caches, and an estimate of one chunk's largest
+    live activations: the MoE's sorted pairs (or XLA's dense form of the reference's ragged dots, `dense_moe`), the
+    MLA keys and values (over the whole cache in a later chunk), and the reference attention's score matrix."""
+    from ling_jax.cache import cache_len
+
+    n_mla = sum(cfg.mixer_kind(i) == MLA for i in range(cfg.num_layers))
+    n_kda = cfg.num_layers - n_mla
+    L, c = cache_len(max_len), min(prompt_len, chunk)
+    keys_len = L if prompt_len > chunk else c
+    H, K = cfg.num_heads // tp, cfg.head_dim
+    caches = (n_mla * batch * L * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * itemsize
+              + n_kda * batch * (H * K * K * 4 + (cfg.conv_kernel_size - 1) * 3 * H * K * itemsize))
+    pairs = batch * c * cfg.num_experts_per_tok
+    # Sorted inputs and expert outputs in the compute dtype, weighted contributions and their [N, K, D] scatter in
+    # fp32, gate/up/activation rows.
+    moe = pairs * (cfg.hidden_size * (2 * itemsize + 8) + 3 * cfg.moe_intermediate_size * itemsize)
+    if dense_moe:  # XLA:GPU expands each ragged dot into [pairs, E·D] (experiments/RESULTS.md, "Prefill")
+        moe += pairs * cfg.num_experts * cfg.hidden_size * itemsize
+    keys = batch * keys_len * H * (cfg.qk_head_dim + cfg.v_head_dim) * itemsize
+    scores = 0 if flash_attention else batch * H * c * keys_len * (itemsize + 4)
+    return dict(caches=caches, activations=max(moe, keys) + scores + batch * cfg.vocab_size * 4)
+
+
+def check_prefill_memory(params, cfg: LingConfig, batch: int, prompt_len: int, chunk: int, max_len: int,
+                         backend: str) -> None:
+    """Refuse a prefill whose caches plus one chunk's activations exceed the device's free memory, with the sizes,
+    before any allocation. Skipped where the runtime reports no memory limit (the CPU) and inside an outer jit."""
+    from ling_jax.backends import op_backend
+    from ling_jax.sharding import tp_size
+
+    try:
+        device = next(iter(params["embed"].sharding.device_set))
+        stats = device.memory_stats()
+    except Exception:  # a tracer, or a runtime without memory stats
+        return
+    if not stats or "bytes_limit" not in stats:
+        return
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    need = prefill_bytes(cfg, batch, prompt_len, chunk, max_len, jnp.dtype(params["embed"].dtype).itemsize,
+                         tp=max(tp_size(), 1), flash_attention=op_backend(backend, "mla_prefill") != "reference",
+                         dense_moe=op_backend(backend, "moe_prefill") == "reference" and device.platform == "gpu")
+    total = need["caches"] + need["activations"]
+    if total > free:
+        gib = 2 ** 30
+        raise MemoryError(
+            f"prefill of batch {batch} x {prompt_len} tokens with max_len={max_len} needs ~{total / gib:.1f} GiB per "
+            f"device (caches {need['caches'] / gib:.1f} GiB, one {min(prompt_len, chunk)}-token chunk's activations "
+            f"~{need['activations'] / gib:.1f} GiB) but {free / gib:.1f} GiB are free on {device.device_kind}: pass "
+            f"a smaller prefill chunk (--prefill-chunk), a backend with the prefill kernels (backend='fast'), a "
+            f"smaller max_len, more devices, or a larger XLA_PYTHON_CLIENT_MEM_FRACTION")
 
 
 def decode_forward(params: dict, state: ModelState, token: jax.Array, cfg: LingConfig, *, backend: str):

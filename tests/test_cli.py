@@ -165,6 +165,7 @@ BAD_INPUTS = [
     (["generate", "--max-new-tokens", "0"], ["--max-new-tokens 0 must be >= 1"]),
     (["generate", "--max-new-tokens", "-1"], ["--max-new-tokens -1 must be >= 1"]),
     (["generate", "--block-size", "0"], ["--block-size 0 must be >= 1"]),
+    (["generate", "--prefill-chunk", "0"], ["--prefill-chunk 0 must be >= 1"]),
     (["generate", "--warmup", "-1"], ["--warmup -1 must be >= 0"]),
     (["generate", "--temperature", "-1"], ["--temperature -1.0 must be a number >= 0"]),
     (["generate", "--temperature", "nan"], ["--temperature nan must be a number >= 0"]),

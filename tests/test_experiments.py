@@ -40,6 +40,9 @@ SMOKE_OUTPUT = {  # what each smoke run must print beyond exiting 0
     "bench_mla": [r"^\| L \| T \| backend \|"],
     "bench_suffix": [r"^\| history \| capacity \| k \|", r"^device path = host path, step for step"],
     "bench_spec": [r"^\s+plain\s+1\.00", r"^\s+k=3 a=2\.5\s+2\.50"],  # the planned accept length is exact
+    "bench_moe_prefill": [r"^\| kind \| N \| ms \|"],
+    "bench_mla_prefill": [r"^\| kind \| T \| L \|"],
+    "bench_prefill": [r"^\| prompt \| chunk \| ttft_ms \|"],
 }
 
 

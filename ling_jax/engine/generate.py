@@ -27,7 +27,7 @@ import numpy as np
 from ling_jax.backends import check_config, check_partitioning, prepare
 from ling_jax.cache import ModelState, cache_len
 from ling_jax.config import LingConfig
-from ling_jax.model import decode_forward, prefill
+from ling_jax.model import check_chunk, check_prefill_memory, decode_forward, prefill
 
 
 # jax.monitoring's event for one XLA compilation (jax._src.dispatch.BACKEND_COMPILE_EVENT; a test pins that it fires).
@@ -65,10 +65,11 @@ def _mask_eos(token: jax.Array, done: jax.Array, eos: jax.Array, pad_id: int):
     return token, done | jnp.isin(token, eos)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sampler", "max_len", "backend", "pad_id"))
-def start(params, prompt, key, eos, cfg: LingConfig, sampler, *, max_len: int, backend: str, pad_id: int):
+@functools.partial(jax.jit, static_argnames=("cfg", "sampler", "max_len", "backend", "pad_id", "prefill_chunk"))
+def start(params, prompt, key, eos, cfg: LingConfig, sampler, *, max_len: int, backend: str, pad_id: int,
+          prefill_chunk: int | None = None):
     """Prefill and pick the first token -> (LoopState, first token [B])."""
-    logits, model, _ = prefill(params, prompt, cfg, max_len=max_len, backend=backend)
+    logits, model, _ = prefill(params, prompt, cfg, max_len=max_len, backend=backend, chunk=prefill_chunk)
     key, sub = jax.random.split(key)
     first = sampler.sample(logits[:, -1], sub)
     first, done = _mask_eos(first, jnp.zeros(first.shape, bool), eos, pad_id)
@@ -101,10 +102,12 @@ def decode_block(params, loop: LoopState, eos, cfg: LingConfig, sampler, *, step
 
 
 def generate(params, cfg: LingConfig, prompt, *, max_new_tokens: int, sampler, seed: int = 0,
-             backend: str = "reference", block_size: int = 16, ignore_eos: bool = False) -> GenerateResult:
+             backend: str = "reference", block_size: int = 16, ignore_eos: bool = False,
+             prefill_chunk: int | None = None) -> GenerateResult:
     """prompt: [B, T] ints (host) -> GenerateResult. Times come from host clocks around blocking reads.
 
     The latent caches are sized here from the prompt and `max_new_tokens`, so no step can outgrow them.
+    `prefill_chunk`: prompt tokens per prefill forward (model.PREFILL_CHUNK by default; model.prefill).
     """
     check_config(cfg, backend)  # raises on an unknown backend spec or sizes its kernels cannot take
     check_partitioning(params, backend)
@@ -121,6 +124,8 @@ def generate(params, cfg: LingConfig, prompt, *, max_new_tokens: int, sampler, s
     # Bucketed, so prompts of similar length share compiled executables; the last block's steps past
     # max_new_tokens are discarded, so only the tokens kept must fit the model's positions.
     max_len = min(cache_len(prompt.shape[1] + 1 + n_blocks * block_size), cfg.max_position_embeddings)
+    prefill_chunk = check_chunk(prefill_chunk)
+    check_prefill_memory(params, cfg, *prompt.shape, prefill_chunk, max_len, backend)
     pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
     eos = jnp.asarray([] if ignore_eos else cfg.eos_token_ids, jnp.int32)
     prompt_dev, key = jnp.asarray(prompt), jax.random.key(seed)
@@ -129,7 +134,7 @@ def generate(params, cfg: LingConfig, prompt, *, max_new_tokens: int, sampler, s
     with jax.transfer_guard("disallow"), _CompileCounter() as compiled:
         t0 = time.perf_counter()
         loop, first = start(params, prompt_dev, key, eos, cfg, sampler, max_len=max_len, backend=backend,
-                            pad_id=pad_id)
+                            pad_id=pad_id, prefill_chunk=prefill_chunk)
         chunks = [jax.device_get(first)[:, None]]
         t1 = time.perf_counter()
         pending, steps = None, 0

@@ -42,7 +42,7 @@ from ling_jax.cache import ModelState, StagedState, cache_len, commit
 from ling_jax.config import LingConfig
 from ling_jax.engine import acceptance
 from ling_jax.engine.generate import _CompileCounter, _cut_after_eos, _mask_eos, host_prompt
-from ling_jax.model import forward, prefill
+from ling_jax.model import check_chunk, check_prefill_memory, forward, prefill
 
 VERIFY_STEPS, DRAFTED, ACCEPTED = range(3)
 # k + 1 <= 17 verify positions keep the step in the decode/verify kernels' regime (they take <= 64 tokens); longer
@@ -144,11 +144,12 @@ def spec_block(params, aux, state: SpecState, eos, cfg: LingConfig, sampler, dra
     return state, out, filled, state.done
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sampler", "drafter", "max_len", "backend", "pad_id"))
+@functools.partial(jax.jit, static_argnames=("cfg", "sampler", "drafter", "max_len", "backend", "pad_id",
+                                             "prefill_chunk"))
 def spec_start(params, aux, prompt, key, eos, cfg: LingConfig, sampler, drafter, *, max_len: int, backend: str,
-               pad_id: int):
+               pad_id: int, prefill_chunk: int | None = None):
     """Prefill, the first token and the drafter's initial state -> (SpecState, first token [B])."""
-    logits, model, hidden = prefill(params, prompt, cfg, max_len=max_len, backend=backend)
+    logits, model, hidden = prefill(params, prompt, cfg, max_len=max_len, backend=backend, chunk=prefill_chunk)
     key, sub = jax.random.split(key)
     first = sampler.sample(logits[:, -1], sub)
     first, done = _mask_eos(first, jnp.zeros(first.shape, bool), eos, pad_id)
@@ -159,9 +160,9 @@ def spec_start(params, aux, prompt, key, eos, cfg: LingConfig, sampler, drafter,
 
 def generate_speculative(params, cfg: LingConfig, prompt, *, max_new_tokens: int, sampler, drafter, k: int,
                          aux: Any = None, seed: int = 0, backend: str = "reference", block_size: int = 8,
-                         ignore_eos: bool = False) -> SpecResult:
+                         ignore_eos: bool = False, prefill_chunk: int | None = None) -> SpecResult:
     """prompt [B, T] host ints -> SpecResult; `aux` holds the drafter's arrays (the oracle's continuation, a draft
-    model's params). `block_size` spec steps per dispatched executable."""
+    model's params). `block_size` spec steps per dispatched executable; `prefill_chunk` as in `generate`."""
     check_config(cfg, backend)
     check_partitioning(params, backend)
     prepare(backend)
@@ -177,6 +178,8 @@ def generate_speculative(params, cfg: LingConfig, prompt, *, max_new_tokens: int
         raise ValueError(f"prompt length {prompt.shape[1]} + max_new_tokens={max_new_tokens} + k + 1 exceeds the "
                          f"model's max_position_embeddings={cfg.max_position_embeddings}; shorten one of them")
     max_len = cache_len(needed)
+    prefill_chunk = check_chunk(prefill_chunk)
+    check_prefill_memory(params, cfg, *prompt.shape, prefill_chunk, max_len, backend)
     pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
     eos = jnp.asarray([] if ignore_eos else cfg.eos_token_ids, jnp.int32)
     n_blocks = -(-(max_new_tokens - 1) // block_size)  # a step emits >= 1 token
@@ -186,7 +189,8 @@ def generate_speculative(params, cfg: LingConfig, prompt, *, max_new_tokens: int
 
     with jax.transfer_guard("disallow"), _CompileCounter() as compiled:
         t0 = time.perf_counter()
-        state, first = spec_start(params, aux, prompt_dev, key, eos, max_len=max_len, **statics)
+        state, first = spec_start(params, aux, prompt_dev, key, eos, max_len=max_len, prefill_chunk=prefill_chunk,
+                                  **statics)
         chunks = [jax.device_get(first)[:, None]]
         t1 = time.perf_counter()
         pending = None

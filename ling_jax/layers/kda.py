@@ -16,7 +16,9 @@ from ling_jax.params import kda_specs
 from ling_jax.sharding import logical_to_spec, per_shard
 from pallas_kernels import kda as kda_ops
 
-_MODES = {"prefill": kda_ops.kda_prefill, "decode": kda_ops.kda_decode, "verify": kda_ops.kda_verify}
+# A later prefill chunk ("extend") is the chunked prefill from the state and window the previous chunk left.
+_MODES = {"prefill": kda_ops.kda_prefill, "extend": kda_ops.kda_prefill, "decode": kda_ops.kda_decode,
+          "verify": kda_ops.kda_verify}
 
 # Every KDA head is independent, so a kernel runs per shard of heads. The activations' and states' layouts (the
 # params' come from their declared axes):

@@ -1,9 +1,13 @@
 """Gated multi-head latent attention (docs/model.md §3.3).
 
-Prefill expands the latents into per-head keys and values (the reference's eager attention). Decode and verify
-attend in the latent space ("absorbed"): q_nope is multiplied into W_uk so scores read the cached [c_kv | k_rope]
-rows directly, and the attention output is lifted back through W_uv. Both write the new latents into the cache
-at positions [start, start + T).
+Prefill expands the latents into per-head keys and values (the reference's eager attention). A later prefill
+chunk ("extend") expands the whole latent cache the same way, so its queries see every earlier position and,
+causally, their own chunk; the expansion covers the cache's static length L, not just start + T, a cost of
+L·R·H·(Dn + Dv)·2 FLOPs per chunk (275 GFLOP per layer at L = 32768, ~10 % of that chunk-set's attention) that a
+kernel reading the latent cache directly would remove. Decode and verify attend in the latent space
+("absorbed"): q_nope is multiplied into W_uk so scores read the cached [c_kv | k_rope] rows directly, and the
+attention output is lifted back through W_uv. Every mode writes the new latents into the cache at positions
+[start, start + T).
 """
 
 import functools
@@ -51,13 +55,20 @@ def mla_block(p: dict, x: jnp.ndarray, cache: MLACache, start: jax.Array, cfg: L
                                       (0, start, 0))
     scale = cfg.qk_head_dim ** -0.5
 
-    if mode == "prefill":
-        k_nope = proj("btr,rhn->bthn", c_kv, p["w_k_b"])
-        v = proj("btr,rhv->bthv", c_kv, p["w_v_b"])
-        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None, :], (*k_nope.shape[:3], k_rope.shape[-1]))],
+    if mode in ("prefill", "extend"):
+        # A first chunk attends among its own tokens; a later one over the whole cache, masked past its end.
+        if mode == "prefill":
+            c_all, r_all = c_kv, k_rope
+        else:
+            c_all, r_all = kv[..., :R].astype(x.dtype), kv[..., R:].astype(x.dtype)
+        k_nope = proj("btr,rhn->bthn", c_all, p["w_k_b"])
+        v = proj("btr,rhv->bthv", c_all, p["w_v_b"])
+        k = jnp.concatenate([k_nope, jnp.broadcast_to(r_all[:, :, None, :], (*k_nope.shape[:3], r_all.shape[-1]))],
                             axis=-1)
-        o = mla_ops.mla_prefill_attention(jnp.concatenate([q_nope, q_rope], -1), k, v, scale=scale,
-                                          backend=backend)
+        attend = functools.partial(mla_ops.mla_prefill_attention, scale=scale, backend=backend)
+        if backend == "pallas":
+            attend = per_shard(attend, (_Q, _Q, _Q, P()), _Q)
+        o = attend(jnp.concatenate([q_nope, q_rope], -1), k, v, start if mode == "extend" else jnp.int32(0))
     else:
         q_latent = proj("bthn,rhn->bthr", q_nope, p["w_k_b"], out_dtype=jnp.float32)
         attend = functools.partial(mla_ops.mla_decode_attention, scale=scale, backend=backend)

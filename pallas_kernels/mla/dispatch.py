@@ -1,24 +1,29 @@
 """Public MLA entry points: validate shapes and dtypes, then run the chosen backend (never a silent fallback).
 
-`backend="reference"` runs `reference.py`; `backend="pallas"` runs `decode.py` (compiled on a GPU, interpreted
-on CPU). Prefill has no kernel yet: `backend="pallas"` raises rather than falling back.
+`backend="reference"` runs `reference.py`; `backend="pallas"` runs `prefill.py` (flash attention over the expanded
+heads) or `decode.py` (absorbed, over the latent cache), compiled on a GPU and interpreted on CPU.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels.common import COMPUTE_DTYPES, check_backend, check_dtype, check_rank, check_shape
 from pallas_kernels.mla import reference
 
 
-def mla_prefill_attention(q, k, v, *, scale, backend="reference"):
-    """Causal softmax attention over expanded MLA heads, transformers' eager numerics.
+def mla_prefill_attention(q, k, v, start=0, *, scale, backend="reference", tuning=None):
+    """Causal softmax attention of T queries over L >= T expanded MLA heads, transformers' eager numerics.
 
     Args:
-      q, k: [B, T, H, Dqk] compute dtype; v: [B, T, H, Dv] compute dtype.
+      q: [B, T, H, Dqk] compute dtype, the queries at positions start .. start+T-1.
+      k: [B, L, H, Dqk], v: [B, L, H, Dv], q's dtype: keys and values of positions 0 .. L-1; positions
+        >= start + T are never read into the result (garbage or NaN there is fine).
+      start: int32 scalar (may be traced), the position of the first query; 0 for a one-shot prefill (L = T).
       scale: softmax scale (192^-0.5 for Ling).
-      backend: "reference" ("pallas" has no prefill kernel and raises).
+      backend: "reference" | "pallas".
+      tuning: optional `prefill.MLAPrefillTuning` for backend="pallas" (tiling).
     Returns:
       o [B, T, H, Dv] compute dtype.
     """
@@ -26,14 +31,39 @@ def mla_prefill_attention(q, k, v, *, scale, backend="reference"):
     check_rank("q", q, 4, "[B, T, H, Dqk]")
     check_dtype("q", q, COMPUTE_DTYPES)
     b, t, h, dqk = q.shape
-    check_shape("k", k, (b, t, h, dqk), "[B, T, H, Dqk]")
-    check_rank("v", v, 4, "[B, T, H, Dv]")
-    check_shape("v", v, (b, t, h, v.shape[3]), "[B, T, H, Dv]")
+    check_rank("k", k, 4, "[B, L, H, Dqk]")
+    length = k.shape[1]
+    check_shape("k", k, (b, length, h, dqk), "[B, L, H, Dqk]")
+    if length < t:
+        raise ValueError(f"k.shape={tuple(k.shape)} must have L >= T = {t} (the keys include the queries' own)")
+    check_rank("v", v, 4, "[B, L, H, Dv]")
+    check_shape("v", v, (b, length, h, v.shape[3]), "[B, L, H, Dv]")
     check_dtype("k", k, (q.dtype,))
     check_dtype("v", v, (q.dtype,))
-    if backend == "pallas":
-        raise NotImplementedError("mla_prefill_attention has no Pallas kernel; use backend='reference'")
-    return reference.mla_prefill_attention(q, k, v, scale=scale)
+    start = _check_start(start, t, length)
+    if backend == "reference":
+        if tuning is not None:
+            raise ValueError("tuning= tunes the Pallas kernel: pass backend='pallas', or drop tuning= for the "
+                             "reference")
+        return reference.mla_prefill_attention(q, k, v, start, scale=scale)
+    from pallas_kernels.mla import prefill
+
+    if tuning is not None and not isinstance(tuning, prefill.MLAPrefillTuning):
+        raise TypeError(f"tuning must be a pallas_kernels.mla.prefill.MLAPrefillTuning, got {type(tuning).__name__}")
+    tuning = prefill.MLAPrefillTuning() if tuning is None else tuning
+    return prefill.mla_prefill_attention(q, k, v, start, scale=scale, tuning=tuning)
+
+
+def _check_start(start, t, length):
+    """start as an int32 scalar; a concrete one must put the T queries inside the L keys."""
+    concrete = not isinstance(start, jax.core.Tracer)
+    start = jnp.asarray(start)
+    if start.ndim != 0 or not jnp.issubdtype(start.dtype, jnp.integer):
+        raise ValueError(f"start (shape {start.shape}, dtype {start.dtype}) must be an integer scalar")
+    if concrete and not 0 <= int(start) <= length - t:
+        raise ValueError(f"start={int(start)} must be in [0, L - T] = [0, {length - t}]: the queries' positions "
+                         f"start .. start + T - 1 index the L = {length} keys")
+    return start.astype(jnp.int32)
 
 
 def mla_decode_attention(q_latent, q_rope, kv_cache, start, *, scale, backend="reference", tuning=None):

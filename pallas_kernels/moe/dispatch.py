@@ -1,7 +1,9 @@
 """Public MoE entry points: validate shapes and dtypes, then run the chosen backend (never a silent fallback).
 
-`backend="reference"` runs `reference.py` (pure jnp). `backend="pallas"` runs the Pallas-Triton kernels in
-`router.py` / `experts.py` (compiled on a GPU, interpreted on CPU).
+`backend="reference"` runs `reference.py` (pure jnp). `backend="pallas"` runs the Pallas-Triton kernels (compiled
+on a GPU, interpreted on CPU): `router.py` for routing; for the experts `experts.py` up to experts.MAX_TOKENS tokens
+(decode, verify: each selected expert read once) and `grouped.py` beyond (prefill: a grouped GEMM over the pairs
+sorted by expert).
 """
 
 from __future__ import annotations
@@ -93,7 +95,8 @@ def moe_experts(x, weights, ids, we_gate, we_up, we_down, ws_gate=None, ws_up=No
         it: ling_jax/params.py).
       ws_gate, ws_up: [Is, D]; ws_down: [D, Is]; compute dtype (same convention); all three or none.
       limit, shared_limit: static floats, 0 = no clamp; else act = min(silu(g), L) · clip(u, -L, L).
-      backend: "reference" | "pallas".
+      backend: "reference" | "pallas". Pallas: N <= experts.MAX_TOKENS runs the decode/verify kernels
+        (experts.py), larger N the grouped GEMM (grouped.py).
       residual: optional [N, D] in the compute dtype, added last (a pre-norm block's h + MoE(x)). The Pallas T = 1
         down kernel adds it in its epilogue, saving the separate add launch.
     Returns:
@@ -142,5 +145,10 @@ def moe_experts(x, weights, ids, we_gate, we_up, we_down, ws_gate=None, ws_up=No
         return y if residual is None else residual + y
     from pallas_kernels.moe import experts as experts_kernel
 
+    if n > experts_kernel.MAX_TOKENS:
+        from pallas_kernels.moe import grouped
+
+        return grouped.moe_experts(x, weights, ids, we_gate, we_up, we_down, ws_gate, ws_up, ws_down, limit=limit,
+                                   shared_limit=shared_limit, residual=residual)
     return experts_kernel.moe_experts(x, weights, ids, we_gate, we_up, we_down, ws_gate, ws_up, ws_down,
                                       limit=limit, shared_limit=shared_limit, residual=residual)

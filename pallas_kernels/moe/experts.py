@@ -331,7 +331,7 @@ def moe_experts_fused(x, weights, ids, we_gate, we_up, we_down, ws_gate, ws_up, 
         raise ValueError(f"the Pallas experts kernel needs a power-of-two top_k, got K={k}")
     if n > MAX_TOKENS:
         raise ValueError(f"the Pallas experts kernel takes T <= {MAX_TOKENS} tokens (decode/verify), got T={n}; "
-                         "use backend='reference' for prefill")
+                         "larger T goes to pallas_kernels.moe.grouped (dispatch.moe_experts picks it)")
     has_shared = ws_gate is not None
     if has_shared and ws_gate.shape[0] != i:  # one h buffer holds every slot's I values
         raise ValueError(f"the Pallas experts kernel needs Is = I; got Is={ws_gate.shape[0]}, I={i}")

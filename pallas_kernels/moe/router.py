@@ -87,6 +87,10 @@ VERIFY_TUNING = dataclasses.replace(DECODE_TUNING, multi_token="per_token", k_sp
 # (extrapolated); with no split it took 54 µs at T = 6.
 WIDE_TUNING = RouterTuning(k_splits=4)
 PER_TOKEN_MAX = 16  # the largest N given VERIFY_TUNING by default
+# N > WIDE_MAX (prefill): 64 x 64 dot tiles and no D-split, so each program reuses its tiles over 64 tokens and
+# experts and no [KS, N, E] partials are written.
+PREFILL_TUNING = RouterTuning(block_e=64, block_n=64, block_k=64, k_splits=1)
+WIDE_MAX = 256
 
 
 def default_tuning(n_tokens: int, router_dtype=jnp.float32) -> RouterTuning:
@@ -94,7 +98,9 @@ def default_tuning(n_tokens: int, router_dtype=jnp.float32) -> RouterTuning:
     tunings were measured with fp32 routers only)."""
     if n_tokens == 1:
         return DECODE_TUNING_BF16 if jnp.dtype(router_dtype) == jnp.bfloat16 else DECODE_TUNING
-    return VERIFY_TUNING if n_tokens <= PER_TOKEN_MAX else WIDE_TUNING
+    if n_tokens <= PER_TOKEN_MAX:
+        return VERIFY_TUNING
+    return WIDE_TUNING if n_tokens <= WIDE_MAX else PREFILL_TUNING
 
 
 def _f32(w):
@@ -112,8 +118,16 @@ def _gemv_rows(x_ref, w_ref, *, BK, n_chunks, one_row):
 
         return lax.fori_loop(0, n_chunks, body_fma, jnp.zeros((1, be), jnp.float32))
 
+    # bf16 x bf16 products are exact in fp32, so with both operands bf16 a tensor-core dot accumulating in fp32
+    # computes the fp32 GEMV (up to summation order); an fp32 operand needs the full-precision (FMA) dot, which at
+    # prefill sizes ran 2.2 TFLOP/s on the H200 (experiments/RESULTS.md, "Prefill").
+    exact_bf16 = w_ref.dtype == jnp.bfloat16 and x_ref.dtype == jnp.bfloat16
+
     def body_dot(c, acc):
         ks = pl.ds(pl.multiple_of(c * BK, BK), BK)
+        if exact_bf16:
+            return acc + lax.dot_general(w_ref[:, ks], x_ref[:, ks], (((1,), (1,)), ((), ())),
+                                         preferred_element_type=jnp.float32)
         return acc + lax.dot_general(_f32(w_ref[:, ks]), x_ref[:, ks].astype(jnp.float32), (((1,), (1,)), ((), ())),
                                      precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
 
