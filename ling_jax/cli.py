@@ -464,10 +464,11 @@ def _convert(args, parser) -> int:
 def _bad_input_errors() -> tuple[type[Exception], ...]:
     """The exception types our code raises for bad input. CheckpointError's module imports JAX, so it is named only
     once loaded (it cannot have been raised otherwise) and option errors stay quick."""
-    from ling_jax.config import ConfigError
+    from ling_jax.config import ConfigError, DeviceMemoryError
 
     loaded = sys.modules.get("conversion.load")
-    return (ConfigError, FileNotFoundError, FileExistsError) + ((loaded.CheckpointError,) if loaded else ())
+    return (ConfigError, DeviceMemoryError, FileNotFoundError, FileExistsError) + (
+        (loaded.CheckpointError,) if loaded else ())
 
 
 def main(argv: list[str] | None = None) -> int:

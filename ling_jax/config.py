@@ -30,6 +30,11 @@ class ConfigError(ValueError):
     """A config.json or preset that ling-jax cannot run; the message names the field and the fix."""
 
 
+class DeviceMemoryError(MemoryError):
+    """Work that does not fit the devices' free memory, refused before allocating; the message gives the sizes and
+    the fix."""
+
+
 @dataclasses.dataclass(frozen=True)
 class LingConfig:
     vocab_size: int

@@ -27,7 +27,7 @@ import numpy as np
 
 from ling_jax.backends import check_config, check_partitioning, op_backend
 from ling_jax.cache import MLACache, ModelState, StagedState, cache_capacity, init_state, layers_capacity
-from ling_jax.config import KDA, MLA, MOE, LingConfig
+from ling_jax.config import KDA, MLA, MOE, DeviceMemoryError, LingConfig
 from ling_jax.layers.kda import kda_block
 from ling_jax.layers.linear import proj
 from ling_jax.layers.mla import mla_block
@@ -226,7 +226,7 @@ def check_prefill_memory(params, cfg: LingConfig, batch: int, prompt_len: int, c
     total = need["caches"] + need["activations"]
     if total > free:
         gib = 2 ** 30
-        raise MemoryError(
+        raise DeviceMemoryError(
             f"prefill of batch {batch} x {prompt_len} tokens with max_len={max_len} needs ~{total / gib:.1f} GiB per "
             f"device (caches {need['caches'] / gib:.1f} GiB, one {min(prompt_len, chunk)}-token chunk's activations "
             f"~{need['activations'] / gib:.1f} GiB) but {free / gib:.1f} GiB are free on {device.device_kind}: pass "

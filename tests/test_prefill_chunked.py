@@ -8,7 +8,7 @@ import pytest
 
 from ling_jax import model
 from ling_jax.cache import KDACache, MLACache
-from ling_jax.config import preset
+from ling_jax.config import DeviceMemoryError, preset
 from ling_jax.engine import generate as G
 from ling_jax.engine import speculative as S
 from ling_jax.engine.drafters import Suffix
@@ -174,11 +174,11 @@ def test_a_prefill_that_cannot_fit_is_refused_with_its_sizes():
     cfg = preset("ling-3.0-flash")
     params = {"embed": _FakeEmbed()}
     kernels = "kda=pallas,moe_prefill=pallas,mla_prefill=pallas"
-    with pytest.raises(MemoryError, match=r"needs ~\d+\.\d GiB per device \(caches 0\.3 GiB.*7\.0 GiB are free.*"
+    with pytest.raises(DeviceMemoryError, match=r"needs ~\d+\.\d GiB per device \(caches 0\.3 GiB.*7\.0 GiB are free.*"
                                           r"--prefill-chunk"):
         model.check_prefill_memory(params, cfg, 1, 32768, 32768, 33024, kernels)
     model.check_prefill_memory(params, cfg, 1, 32768, 2048, 33024, kernels)
-    with pytest.raises(MemoryError, match="backend='fast'"):
+    with pytest.raises(DeviceMemoryError, match="backend='fast'"):
         model.check_prefill_memory(params, cfg, 1, 8192, 8192, 9216, "reference")
 
 
@@ -194,3 +194,20 @@ def test_the_cli_prefills_in_chunks_with_the_same_tokens():
     import json
 
     assert json.loads(chunked.stdout)["tokens"] == json.loads(whole.stdout)["tokens"]
+
+
+def test_the_cli_reports_a_prefill_that_does_not_fit_in_one_line(monkeypatch, capsys):
+    """The CLI treats the memory refusal as bad input: one error line with the sizes, exit 2, no traceback."""
+    from ling_jax import cli
+
+    def refuse(*args, **kwargs):
+        raise DeviceMemoryError("prefill of batch 1 x 70 tokens ... needs ~9.0 GiB per device: pass a smaller "
+                                "prefill chunk (--prefill-chunk)")
+
+    monkeypatch.setattr(model, "check_prefill_memory", refuse)
+    monkeypatch.setattr(G, "check_prefill_memory", refuse)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["generate", "--preset", "toy", "--max-new-tokens", "2", "--warmup", "0"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "needs ~9.0 GiB per device" in err and "--prefill-chunk" in err and "Traceback" not in err
