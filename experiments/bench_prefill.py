@@ -102,7 +102,7 @@ def ttft_row(params, cfg, args, prompt_len: int, chunk: int) -> dict:
     return row
 
 
-OP_CLASSES = (("kda", ("kda", "chunk", "conv")), ("mla", ("mla", "attention", "flash")),
+OP_CLASSES = (("kda", ("kda_", "short_conv")), ("mla", ("mla", "attention", "flash")),
               ("moe", ("grouped", "experts", "router", "moe")), ("gemm", ("gemm", "dot", "cublas", "cutlass", "nvjet")))
 
 

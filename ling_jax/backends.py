@@ -75,18 +75,23 @@ def kernel_limits(cfg: LingConfig) -> dict[str, list[str]]:
     """Per op with a kernel, the config values its Pallas kernel cannot take ([] = it runs `cfg`)."""
     group = cfg.num_experts // cfg.n_group
     shared = cfg.shared_expert_intermediate_size
+    moe = [  # the router and experts kernels; prefill adds the grouped GEMM, whose needs these include
+        (_pow2(cfg.num_experts), f"num_experts={cfg.num_experts} (a power of two)"),
+        (_pow2(group), f"num_experts / n_group = {group} (a power of two)"),
+        (_pow2(cfg.num_experts_per_tok), f"num_experts_per_tok={cfg.num_experts_per_tok} (a power of two)"),
+        (cfg.hidden_size % 16 == 0, f"hidden_size={cfg.hidden_size} (a multiple of 16)"),
+        (cfg.moe_intermediate_size % 16 == 0,
+         f"moe_intermediate_size={cfg.moe_intermediate_size} (a multiple of 16)"),
+        (not cfg.num_shared_experts or shared == cfg.moe_intermediate_size,
+         f"the shared expert's width {shared} (equal to moe_intermediate_size={cfg.moe_intermediate_size})"),
+    ]
     checks = {
         "kda": [(_pow2(cfg.head_dim, 16), f"head_dim={cfg.head_dim} (a power of two >= 16)")],
-        "moe_decode": [
-            (_pow2(cfg.num_experts), f"num_experts={cfg.num_experts} (a power of two)"),
-            (_pow2(group), f"num_experts / n_group = {group} (a power of two)"),
-            (_pow2(cfg.num_experts_per_tok), f"num_experts_per_tok={cfg.num_experts_per_tok} (a power of two)"),
-            (cfg.hidden_size % 16 == 0, f"hidden_size={cfg.hidden_size} (a multiple of 16)"),
-            (cfg.moe_intermediate_size % 16 == 0,
-             f"moe_intermediate_size={cfg.moe_intermediate_size} (a multiple of 16)"),
-            (not cfg.num_shared_experts or shared == cfg.moe_intermediate_size,
-             f"the shared expert's width {shared} (equal to moe_intermediate_size={cfg.moe_intermediate_size})"),
-        ],
+        "moe_decode": moe,
+        "moe_prefill": moe,  # prompts up to 64 tokens run the decode kernels
+        "mla_prefill": [(cfg.qk_head_dim % 16 == 0, f"qk_nope_head_dim + qk_rope_head_dim = {cfg.qk_head_dim} "
+                                                    "(a multiple of 16)"),
+                        (cfg.v_head_dim % 16 == 0, f"v_head_dim={cfg.v_head_dim} (a multiple of 16)")],
         "mla_decode": [(_pow2(cfg.kv_lora_rank, 16), f"kv_lora_rank={cfg.kv_lora_rank} (a power of two >= 16)"),
                        (_pow2(cfg.qk_rope_head_dim, 16),
                         f"qk_rope_head_dim={cfg.qk_rope_head_dim} (a power of two >= 16)")],
@@ -103,7 +108,7 @@ def check_config(cfg: LingConfig, backend: str) -> None:
     blocked = {op: why for op, why in limits.items() if why and chosen[op] == "pallas"}
     if not blocked:
         return
-    runs = ",".join(f"{op}={'reference' if op in blocked or op in NO_KERNEL else chosen[op]}" for op in limits)
+    runs = ",".join(f"{op}={'reference' if op in blocked or op in NO_KERNEL else chosen[op]}" for op in OPS)
     reasons = "; ".join(f"{op} needs {', '.join(why)}" for op, why in blocked.items())
     raise ConfigError(f"backend={backend!r}: the Pallas kernels cannot run this config: {reasons}. Run it with "
                       f"backend={runs!r} (or 'reference')")

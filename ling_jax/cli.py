@@ -107,8 +107,8 @@ def _add_generate(gen: argparse.ArgumentParser) -> None:
                           "kda=pallas,moe_decode=pallas (ling_jax/backends.py)")
     gen.add_argument("--block-size", type=int, default=16, metavar="N", help="decode steps per jitted block")
     gen.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="C",
-                     help="prompt tokens per prefill forward: a longer prompt is prefilled in chunks of C, so its "
-                          "activation memory scales with C, not with the prompt")
+                     help="prompt tokens per prefill forward: a longer prompt is prefilled in chunks of C, so the "
+                          "MoE's activations scale with C, not with the prompt (smaller chunks cost time)")
     gen.add_argument("--ignore-eos", action="store_true", help="always produce --max-new-tokens tokens")
     gen.add_argument("--warmup", type=int, default=1, metavar="N",
                      help="untimed runs first, so the reported times exclude compilation (should the timed run "

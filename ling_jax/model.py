@@ -5,8 +5,8 @@ lm_head. The mode only picks how the mixers use their caches:
 
     prefill  fresh sequence, T tokens: chunked KDA, expanded MLA attention; returns a ModelState. A prompt longer
              than `chunk` runs as chunks, each a forward in mode "extend" from the state the previous one left
-             (KDA from its state and conv window, MLA over the latent cache so far), so activations scale with
-             the chunk, not the prompt
+             (KDA from its state and conv window, MLA over the latent cache so far), so the MoE's and the
+             queries' activations scale with the chunk, not the prompt (the MLA keys with the cache length)
     decode   one token per sequence from a ModelState: recurrent KDA, absorbed MLA over the latent cache
     verify   T tokens from a ModelState (last committed + drafts): every position's logits and a StagedState;
              `ling_jax.cache.commit(staged, n)` keeps the first n positions
@@ -38,7 +38,8 @@ from ling_jax.layers.norms import rms_norm
 
 PREFILL_MODES = ("prefill", "extend")
 # Prompt tokens per prefill forward: a one-shot prefill up to this length, chunks beyond it. The MoE prefill's
-# sorted pairs and the MLA keys over the whole cache grow with the chunk; 8192 covers SGLang's prompt in one forward.
+# sorted pairs grow with the chunk, and smaller chunks cost time (1.55x at 8192 in chunks of 2048 on the H200,
+# experiments/RESULTS.md "Prefill"); 8192 covers SGLang's prompt in one forward.
 PREFILL_CHUNK = 8192
 
 
@@ -137,8 +138,8 @@ def prefill(params: dict, tokens: jax.Array, cfg: LingConfig, *, max_len: int, b
     if T > max_len:
         raise ValueError(f"prompt length {T} exceeds max_len={max_len}: pass a max_len that "
                          "holds the prompt and every token to come")
-    chunk = check_chunk(chunk)
-    check_prefill_memory(params, cfg, B, T, chunk, max_len, backend)
+    chunk = min(check_chunk(chunk), T)  # any chunk >= T is the one-shot prefill: one compiled program
+    check_prefill_memory(params, cfg, B, T, chunk, max_len, backend, all_logits=all_logits)
     return _prefill(params, tokens, cfg, max_len=max_len, backend=backend, all_logits=all_logits, chunk=chunk)
 
 
@@ -181,7 +182,8 @@ def _prefill(params, tokens, cfg, *, max_len, backend, all_logits, chunk=PREFILL
 
 
 def prefill_bytes(cfg: LingConfig, batch: int, prompt_len: int, chunk: int, max_len: int, itemsize: int, *,
-                  tp: int = 1, flash_attention: bool = False, dense_moe: bool = False) -> dict:
+                  tp: int = 1, flash_attention: bool = False, dense_moe: bool = False,
+                  all_logits: bool = False) -> dict:
     """Per-device bytes a prefill allocates beside the params: the caches, and an estimate of one chunk's largest
     live activations: the MoE's sorted pairs (or XLA's dense form of the reference's ragged dots, `dense_moe`), the
     MLA keys and values (over the whole cache in a later chunk), and the reference attention's score matrix."""
@@ -202,11 +204,12 @@ def prefill_bytes(cfg: LingConfig, batch: int, prompt_len: int, chunk: int, max_
         moe += pairs * cfg.num_experts * cfg.hidden_size * itemsize
     keys = batch * keys_len * H * (cfg.qk_head_dim + cfg.v_head_dim) * itemsize
     scores = 0 if flash_attention else batch * H * c * keys_len * (itemsize + 4)
-    return dict(caches=caches, activations=max(moe, keys) + scores + batch * cfg.vocab_size * 4)
+    logits = batch * (prompt_len if all_logits else 1) * cfg.vocab_size * 4
+    return dict(caches=caches, activations=max(moe, keys + scores) + logits, moe=moe, attention=keys + scores)
 
 
 def check_prefill_memory(params, cfg: LingConfig, batch: int, prompt_len: int, chunk: int, max_len: int,
-                         backend: str) -> None:
+                         backend: str, *, all_logits: bool = False) -> None:
     """Refuse a prefill whose caches plus one chunk's activations exceed the device's free memory, with the sizes,
     before any allocation. Skipped where the runtime reports no memory limit (the CPU) and inside an outer jit."""
     from ling_jax.backends import op_backend
@@ -220,18 +223,24 @@ def check_prefill_memory(params, cfg: LingConfig, batch: int, prompt_len: int, c
     if not stats or "bytes_limit" not in stats:
         return
     free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    flash = op_backend(backend, "mla_prefill") != "reference"
+    dense_moe = op_backend(backend, "moe_prefill") == "reference" and device.platform == "gpu"
     need = prefill_bytes(cfg, batch, prompt_len, chunk, max_len, jnp.dtype(params["embed"].dtype).itemsize,
-                         tp=max(tp_size(), 1), flash_attention=op_backend(backend, "mla_prefill") != "reference",
-                         dense_moe=op_backend(backend, "moe_prefill") == "reference" and device.platform == "gpu")
+                         tp=max(tp_size(), 1), flash_attention=flash, dense_moe=dense_moe, all_logits=all_logits)
     total = need["caches"] + need["activations"]
     if total > free:
         gib = 2 ** 30
+        fixes = (["the prefill kernels (--backend fast)"] if dense_moe or not flash else []) + (
+            ["a smaller prefill chunk (--prefill-chunk)"] if need["moe"] >= need["attention"] else
+            ["a smaller max_len (the MLA keys and values span the whole cache)"]) + (
+            ["only the last position's logits (all_logits=False)"] if all_logits else []) + (
+            ["a larger XLA_PYTHON_CLIENT_MEM_FRACTION"])
         raise DeviceMemoryError(
             f"prefill of batch {batch} x {prompt_len} tokens with max_len={max_len} needs ~{total / gib:.1f} GiB per "
             f"device (caches {need['caches'] / gib:.1f} GiB, one {min(prompt_len, chunk)}-token chunk's activations "
-            f"~{need['activations'] / gib:.1f} GiB) but {free / gib:.1f} GiB are free on {device.device_kind}: pass "
-            f"a smaller prefill chunk (--prefill-chunk), a backend with the prefill kernels (backend='fast'), a "
-            f"smaller max_len, more devices, or a larger XLA_PYTHON_CLIENT_MEM_FRACTION")
+            f"~{need['activations'] / gib:.1f} GiB: MoE {need['moe'] / gib:.1f}, attention "
+            f"{need['attention'] / gib:.1f}) but {free / gib:.1f} GiB are free on {device.device_kind}: use "
+            + ", or ".join(fixes))
 
 
 def decode_forward(params: dict, state: ModelState, token: jax.Array, cfg: LingConfig, *, backend: str):

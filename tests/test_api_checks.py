@@ -114,6 +114,7 @@ def test_verify_donates_only_what_it_can_reuse(toy):
     (dict(head_dim=24), "head_dim=24"),
     (dict(num_experts_per_tok=3), "num_experts_per_tok=3"),
     (dict(num_experts=24, n_group=4), "num_experts=24"),
+    (dict(v_head_dim=24), "v_head_dim=24"),  # the MLA prefill kernel
 ])
 def test_pallas_refuses_sizes_its_kernels_cannot_take(toy, change, field):
     cfg = toy[0].replace(**change)
@@ -130,7 +131,8 @@ def test_the_suggested_backend_runs_the_refused_config(toy):
     with pytest.raises(ConfigError) as err:
         model.prefill(params, _prompt(cfg, 6), cfg, max_len=16, backend="pallas")
     spec = re.search(r"backend='([^']+)'", str(err.value).split("Run it with")[1]).group(1)
-    assert "mla_decode=reference" in spec and "kda=pallas" in spec
+    assert "mla_decode=reference" in spec and "mla_prefill=reference" in spec
+    assert "kda=pallas" in spec and "moe_prefill=pallas" in spec  # the ops that can keep their kernels do
     _, state, _ = model.prefill(params, _prompt(cfg, 6), cfg, max_len=16, backend="reference")
     ref, _, _ = model.decode(params, state, jnp.asarray([11]), cfg)
     _, state, _ = model.prefill(params, _prompt(cfg, 6), cfg, max_len=16, backend="reference")

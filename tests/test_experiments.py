@@ -43,6 +43,7 @@ SMOKE_OUTPUT = {  # what each smoke run must print beyond exiting 0
     "bench_moe_prefill": [r"^\| kind \| N \| ms \|"],
     "bench_mla_prefill": [r"^\| kind \| T \| L \|"],
     "bench_prefill": [r"^\| prompt \| chunk \| ttft_ms \|"],
+    "bench_gemv": [r"^\| kind \| shape \| T \|"],
 }
 
 

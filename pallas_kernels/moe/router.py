@@ -3,8 +3,10 @@
 
 Layout: the router is stored [E, D], torch's [out, in] (the checkpoint's `mlp.gate.weight` as it is, in its stored
 dtype, fp32 or bf16; ling_jax/params.py), so an expert's weights are one contiguous 10 KB (fp32) or 5 KB (bf16) D-row
-at Flash size. Each weight tile is widened to fp32 in registers before its products, so a bf16 router gives exactly
-the partial logits of its fp32 copy (same products, same order) from half the bytes. An fp32-stored router is never
+at Flash size. Every product is exact in fp32: the one-token FMA programs widen each tile to fp32 (so a bf16 router
+gives exactly the partial logits of its fp32 copy from half the bytes); the multi-token dot with bf16 tokens runs on
+tensor cores with fp32 accumulation, over the bf16 router as it is or over an fp32 router split into three bf16
+pieces whose sum is exact; with fp32 tokens it is an fp32 dot at precision HIGHEST. An fp32-stored router is never
 rounded: a bf16 copy would move near-ties.
 
 Kernel 1 (`router_fwd_kernel_gemv`), grid (E / BE, KS, N_pad / BN): program (j, k, n) owns expert rows
@@ -12,8 +14,7 @@ Kernel 1 (`router_fwd_kernel_gemv`), grid (E / BE, KS, N_pad / BN): program (j, 
 tokens. Split-K keeps enough programs in flight: one-row one-warp programs stream the 5.2 MB fp32 router in 3.07 µs
 with 5 splits against 4.45 with none on the H200 (experiments/RESULTS.md, "MoE").
 A one-token program (T = 1, or N > 1 with `multi_token="per_token"`) reduces each tile's products x[k]·w[e, k] into
-[1, BE] by FMAs. N > 1 with `multi_token="dot"` takes a tensor-core fp32 dot W·xᵀ (precision HIGHEST) of BN >= 16
-tokens per program, BE >= 16.
+[1, BE] by FMAs. N > 1 with `multi_token="dot"` takes dots W·xᵀ of BN >= 16 tokens per program, BE >= 16.
 
 Kernel 2 (`router_fwd_kernel_topk`), grid (N + prefetch chunks,), one program per token over its scores laid out
 [G, E/G]: sums the KS partials in split order, sigmoid, then few serial reductions: per-group top-2 sums for all
@@ -94,8 +95,8 @@ WIDE_MAX = 256
 
 
 def default_tuning(n_tokens: int, router_dtype=jnp.float32) -> RouterTuning:
-    """The tuning for N tokens and a router held in `router_dtype` (only T = 1 tells the two apart; the N > 1
-    tunings were measured with fp32 routers only)."""
+    """The tuning for N tokens and a router held in `router_dtype` (only T = 1 tells the two apart; the 2..256-token
+    tunings were measured with fp32 routers, PREFILL_TUNING with a bf16 one)."""
     if n_tokens == 1:
         return DECODE_TUNING_BF16 if jnp.dtype(router_dtype) == jnp.bfloat16 else DECODE_TUNING
     if n_tokens <= PER_TOKEN_MAX:
@@ -118,17 +119,29 @@ def _gemv_rows(x_ref, w_ref, *, BK, n_chunks, one_row):
 
         return lax.fori_loop(0, n_chunks, body_fma, jnp.zeros((1, be), jnp.float32))
 
-    # bf16 x bf16 products are exact in fp32, so with both operands bf16 a tensor-core dot accumulating in fp32
-    # computes the fp32 GEMV (up to summation order); an fp32 operand needs the full-precision (FMA) dot, which at
-    # prefill sizes ran 2.2 TFLOP/s on the H200 (experiments/RESULTS.md, "Prefill").
-    exact_bf16 = w_ref.dtype == jnp.bfloat16 and x_ref.dtype == jnp.bfloat16
+    # bf16 x bf16 products are exact in fp32, so with bf16 tokens a tensor-core dot accumulating in fp32 computes
+    # the fp32 GEMV up to summation order: a bf16 router directly, an fp32 one as three exact bf16 pieces
+    # (hi + mid + lo = w: 3 x 8 significand bits hold fp32's 24). The full-precision FMA dot, left for fp32 tokens,
+    # ran 2.2 TFLOP/s at prefill sizes on the H200 (experiments/RESULTS.md, "Prefill").
+    tensor_cores = x_ref.dtype == jnp.bfloat16
+    dims = (((1,), (1,)), ((), ()))
+
+    def pieces(w):
+        if w.dtype == jnp.bfloat16:
+            return (w,)
+        hi = w.astype(jnp.bfloat16)
+        rest = w - hi.astype(jnp.float32)
+        mid = rest.astype(jnp.bfloat16)
+        return hi, mid, (rest - mid.astype(jnp.float32)).astype(jnp.bfloat16)
 
     def body_dot(c, acc):
         ks = pl.ds(pl.multiple_of(c * BK, BK), BK)
-        if exact_bf16:
-            return acc + lax.dot_general(w_ref[:, ks], x_ref[:, ks], (((1,), (1,)), ((), ())),
-                                         preferred_element_type=jnp.float32)
-        return acc + lax.dot_general(_f32(w_ref[:, ks]), x_ref[:, ks].astype(jnp.float32), (((1,), (1,)), ((), ())),
+        if tensor_cores:
+            x = x_ref[:, ks]
+            for piece in pieces(w_ref[:, ks]):
+                acc = acc + lax.dot_general(piece, x, dims, preferred_element_type=jnp.float32)
+            return acc
+        return acc + lax.dot_general(_f32(w_ref[:, ks]), x_ref[:, ks].astype(jnp.float32), dims,
                                      precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
 
     acc = lax.fori_loop(0, n_chunks, body_dot, jnp.zeros((be, x_ref.shape[0]), jnp.float32))

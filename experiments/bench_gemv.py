@@ -1,0 +1,227 @@
+"""How close do the Pallas GEMV and greedy-head kernels (pallas_kernels/gemv/kernel.py) get to reading each weight
+once at 4.3 TB/s, at Ling-3.0-flash's decode projection shapes, against XLA (`jnp.dot` in the same layout, the
+model's `proj`)?
+
+Run on the GPU: `PYTHONPATH=. python3 experiments/bench_gemv.py` (`--sweep`: a few tunings per shape and T as well
+as the default; `--smoke`: toy sizes on CPU in interpret mode, nothing written under experiments/results).
+Shapes, w [K, N] bf16 ([in, out], ling_jax/params.py): 2560x4096 (each KDA input projection), 4096x2560 (KDA
+o_proj, with the block's residual added), 2560x576 (MLA kv_a), 2560x6144 (MLA q, 32 heads x 192), 2560x157184
+(lm_head); T in {1, 4}. Rows per shape and T: `xla` (reference.gemv jitted: XLA's fusion or library GEMV), `pallas`
+(kernel.gemv, the default tuning, then the --sweep variants). For the lm_head also the greedy pick: `xla_argmax`
+(XLA's logits rounded to bf16 as the model rounds them, then jnp.argmax) against `pallas_greedy` (kernel.greedy_head:
+no logits written).
+Cold weights: each shape has NW = max(8, COLD_BYTES / weight bytes) distinct copies used in rotation, so a call's
+weight was last read NW - 1 calls (>= 200 MB, four times the H200's 50 MB L2) earlier; every call has its own
+input x.
+Timing: one executable makes R·NW independent calls (R = 1 and 3: `common.slope_per_call`, the wall-clock slope,
+medians of --iters runs after 2 warm-ups); on a GPU also the profiler's device time: the R = 1 executable's
+timeline span / NW (`device_us`, what a row's µs and GB/s use there) and its kernel time sum / NW (`kernel_us`),
+medians over 5 traced runs after 2 warm-ups. Bytes: the weight + x + the output (+ the residual); % of 4.3 TB/s.
+Checks, compiled, before each timing: the GEMV against the XLA row's output (L2 relative error <= REL_ERR_MAX); the
+greedy ids equal to XLA's argmax, token for token. A tuning that fails to compile or run is a row with its error
+(not a crash); a wrong result is listed under `failed` and the run exits 1. Results are saved after each shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from common import HBM_BYTES_PER_S, parse_tunings, print_table, rel_err, run_header, slope_per_call, write_results
+from pallas_kernels.gemv import kernel, reference
+
+# (name, K, N, with residual): the decode projections of Flash (D 2560, KDA 32 heads x 128, MLA kv_lora 512 + rope
+# 64, MLA q 32 heads x 192, vocab 157184).
+SHAPES = [("kda_in", 2560, 4096, False), ("kda_o", 4096, 2560, True), ("mla_kv_a", 2560, 576, False),
+          ("mla_q", 2560, 32 * 192, False), ("lm_head", 2560, 157184, False)]
+LM_HEAD = "lm_head"
+COLD_BYTES = 200e6  # a shape's weight copies together: 4x the H200's 50 MB L2
+MIN_COPIES = 8
+# bf16 outputs against XLA's: every entry within one bf16 ulp (2^-7 relative at most), tests/ops/test_gemv.py's bound.
+REL_ERR_MAX = 8e-3
+# Each item replaces fields of the shape's default tuning (kernel.default_tuning / kernel.GREEDY_TUNING): wider and
+# narrower column blocks, longer K steps (more bytes in flight per program), fewer or more warps, K-splits.
+GEMV_SWEEP = ("block_k=128;block_k=256;num_warps=2;num_warps=1,block_k=256;num_warps=8;block_n=128;block_n=32;"
+              "k_splits=1;k_splits=4;k_splits=16;num_stages=1")
+GREEDY_SWEEP = "block_n=64;block_n=256;block_k=128;num_warps=8;num_warps=2;num_stages=1"
+
+
+def label(tuning, default):
+    """Every field of a tuning, short (`bn64 bk64 ks8 w4 s3`), marked when it is the shape's default."""
+    text = (f"bn{tuning.block_n} bk{tuning.block_k} ks{tuning.k_splits} w{tuning.num_warps} "
+            f"s{tuning.num_stages}")
+    return f"default {text}" if tuning == default else text
+
+
+def _distinct(tunings):
+    """The tunings in order, each once (a sweep item may equal the shape's default)."""
+    return list(dict.fromkeys(tunings))
+
+
+def make_weights(k, n, copies, key):
+    """`copies` distinct bf16 [K, N] buffers with the statistics of a fan-in init."""
+    base = jax.random.normal(key, (k, n), jnp.bfloat16) * (k ** -0.5)
+    return [jax.block_until_ready((base * (1.0 + 0.01 * c)).astype(jnp.bfloat16)) for c in range(copies)]
+
+
+def device_times(run, n_calls):
+    """(timeline span, kernel time sum) per call in µs from the profiler, medians over 5 traced runs of `run` (one
+    executable of n_calls calls); (None, None) off the GPU."""
+    if jax.default_backend() != "gpu":
+        return None, None
+    from ling_jax.profiling import call_span_us, split_calls, trace_kernels
+
+    calls = split_calls(trace_kernels(run, 5))
+    if not calls:
+        return None, None
+    kernel_sum = statistics.median(sum(dur for _, _, dur in c) for c in calls)
+    return round(call_span_us(calls) / n_calls, 2), round(kernel_sum / n_calls, 2)
+
+
+def time_op(op, ws, xs, rs, reps, iters):
+    """op(w, x, r) over the NW weight copies in rotation, each call with its own x (and r): (wall µs per call, its
+    spread, device µs per call, kernel µs per call)."""
+    nw = len(ws)
+    runs = {}
+
+    def make_run(r):
+        if r not in runs:
+            m = r * nw
+            fn = jax.jit(lambda ws, xs, rs: [op(ws[i % nw], xs[i], None if rs is None else rs[i]) for i in range(m)])
+            runs[r] = functools.partial(fn, ws, xs[:m], None if rs is None else rs[:m])
+        return runs[r]
+
+    wall, spread = slope_per_call(make_run, nw, reps, iters)
+    dev, kern = device_times(make_run(1), nw)
+    return wall, spread, dev, kern
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sweep", action="store_true", help="the --gemv-tunings / --greedy-tunings variants too")
+    ap.add_argument("--gemv-tunings", default=GEMV_SWEEP, help="';'-separated fields replacing the default's")
+    ap.add_argument("--greedy-tunings", default=GREEDY_SWEEP)
+    ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
+    ap.add_argument("--ts", default="1,4")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--smoke", action="store_true", help="toy sizes on CPU (interpret mode); writes nothing under "
+                                                         "experiments/results")
+    args = ap.parse_args(argv)
+    shapes = [s for s in SHAPES if s[0] in args.shapes.split(",")]
+    ts = [int(v) for v in args.ts.split(",")]
+    reps, iters, min_copies, cold_bytes = (1, 3), args.iters, MIN_COPIES, COLD_BYTES
+    gemv_sweep, greedy_sweep = args.gemv_tunings, args.greedy_tunings
+    if args.smoke:  # every call is an interpreted kernel inlined into the executable: few and tiny
+        shapes = [("kda_o", 128, 256, True), ("mla_kv_a", 128, 80, False), (LM_HEAD, 128, 300, False)]
+        reps, iters, min_copies, cold_bytes = (1, 2), 1, 2, 0
+        gemv_sweep, greedy_sweep, args.sweep = "block_n=16,k_splits=2", "block_n=64", True
+    header = run_header()
+    results = {**header, "hbm_bytes_per_s": HBM_BYTES_PER_S, "cold_bytes": cold_bytes, "rows": [], "errors": [],
+               "failed": [], "method": f"R·NW independent calls per executable, wall slope R={reps[0]}..{reps[1]}; "
+                                     "device: profiler span / NW of the R = 1 executable"}
+    t_start = time.time()
+    rng = np.random.default_rng(0)
+
+    def record(kind, name, k, n, t, backend, tuning, nbytes, timing=None, error=None, **extra):
+        row = dict(kind=kind, shape=name, K=k, N=n, T=t, backend=backend, tuning=tuning, bytes=int(nbytes),
+                   floor_us=round(nbytes / HBM_BYTES_PER_S * 1e6, 2), **extra)
+        if timing is not None:
+            wall, spread, dev, kern = timing
+            us = dev if dev is not None else wall
+            gbs = nbytes / (us * 1e-6) / 1e9
+            row.update(us=round(us, 2), wall_us=round(wall, 2), spread_us=round(spread, 2), device_us=dev,
+                       kernel_us=kern, GBps=round(gbs, 1), pct_of_4p3TBps=round(100 * gbs * 1e9 / HBM_BYTES_PER_S, 1))
+        if error is not None:
+            row["error"] = error
+            results["errors"].append(f"{kind} {name} T={t} {backend} {tuning}: {error}")
+        results["rows"].append(row)
+        state = f"{row['us']:9.2f} µs {row['pct_of_4p3TBps']:5.1f}%" if timing is not None else f"ERROR {error}"
+        print(f"{kind:6s} {name:9s} T={t} {backend:13s} {state}  floor {row['floor_us']:.2f} µs  {tuning}  "
+              f"[{time.time() - t_start:.0f}s]", flush=True)
+
+    def attempt(fn):
+        """fn() -> (timing, extra); an exception becomes an error string (re-raised in the smoke run, which is the
+        script's test)."""
+        try:
+            return (*fn(), None)
+        except Exception as exc:  # a tuning that does not compile or launch is a row, not a crash
+            if args.smoke:
+                raise
+            return None, {}, f"{type(exc).__name__}: {str(exc)[:300]}"
+
+    for si, (name, k, n, with_res) in enumerate(shapes):
+        w_bytes = k * n * 2
+        nw = max(min_copies, -(-int(cold_bytes) // w_bytes))
+        ws = make_weights(k, n, nw, jax.random.key(si))
+        print(f"{name}: [{k}, {n}] bf16, {nw} copies ({nw * w_bytes / 1e6:.0f} MB)", flush=True)
+        for t in ts:
+            m = max(reps) * nw
+            xs = [jnp.asarray(rng.standard_normal((t, k)), jnp.bfloat16) for _ in range(m)]
+            rs = [jnp.asarray(rng.standard_normal((t, n)), jnp.bfloat16) for _ in range(m)] if with_res else None
+            nbytes = w_bytes + t * k * 2 + t * n * 2 * (2 if with_res else 1)
+            want = jax.jit(reference.gemv)(xs[0], ws[0], None if rs is None else rs[0])
+
+            def run_xla():
+                return time_op(lambda w, x, r: reference.gemv(x, w, r), ws, xs, rs, reps, iters), {}
+
+            timing, extra, error = attempt(run_xla)
+            record("gemv", name, k, n, t, "xla", "", nbytes, timing, error, **extra)
+            base = kernel.default_tuning(t, k, n)
+            for tu in _distinct([base] + (parse_tunings(base, gemv_sweep) if args.sweep else [])):
+                def run_pallas(tu=tu):
+                    op = functools.partial(kernel.gemv, tuning=tu)
+                    err = rel_err(op(xs[0], ws[0], None if rs is None else rs[0]), want)
+                    if not err <= REL_ERR_MAX:
+                        results["failed"].append(f"gemv {name} T={t} {tu}: rel err {err:.2e} > {REL_ERR_MAX}")
+                        raise AssertionError(results["failed"][-1])
+                    extra = dict(rel_err=float(f"{err:.2e}"), programs=-(-n // tu.block_n) * tu.k_splits)
+                    return time_op(lambda w, x, r: op(x, w, r), ws, xs, rs, reps, iters), extra
+
+                timing, extra, error = attempt(run_pallas)
+                record("gemv", name, k, n, t, "pallas", label(tu, base), nbytes, timing, error, **extra)
+            if name == LM_HEAD:
+                g_bytes = w_bytes + t * k * 2
+                ids_want, max_want = jax.jit(reference.greedy_head)(xs[0], ws[0])
+
+                def run_xla_argmax():
+                    return time_op(lambda w, x, r: reference.greedy_head(x, w), ws, xs, None, reps, iters), {}
+
+                timing, extra, error = attempt(run_xla_argmax)
+                record("greedy", name, k, n, t, "xla_argmax", "", g_bytes, timing, error, **extra)
+                g_base = kernel.GREEDY_TUNING
+                for tu in _distinct([g_base] + (parse_tunings(g_base, greedy_sweep) if args.sweep else [])):
+                    def run_greedy(tu=tu):
+                        op = functools.partial(kernel.greedy_head, tuning=tu)
+                        ids, max_logit = op(xs[0], ws[0])
+                        differ = int((np.asarray(ids) != np.asarray(ids_want)).sum())
+                        if differ:
+                            results["failed"].append(f"greedy {name} T={t} {tu}: {differ}/{t} ids differ from "
+                                                     f"XLA's argmax (max logits {np.asarray(max_logit)} vs "
+                                                     f"{np.asarray(max_want)})")
+                            raise AssertionError(results["failed"][-1])
+                        return (time_op(lambda w, x, r: op(x, w), ws, xs, None, reps, iters),
+                                dict(ids_differ=differ, programs=-(-n // tu.block_n)))
+
+                    timing, extra, error = attempt(run_greedy)
+                    record("greedy", name, k, n, t, "pallas_greedy", label(tu, g_base), g_bytes, timing, error, **extra)
+        del ws
+        write_results("bench_gemv.json", results, to_repo=not args.smoke)
+
+    print_table(results["rows"], ["kind", "shape", "T", "backend", "us", "floor_us", "pct_of_4p3TBps", "GBps",
+                                  "tuning", "error"])
+    print(f"total bench time {time.time() - t_start:.0f}s")
+    if results["failed"]:
+        print(f"{len(results['failed'])} failed: " + "; ".join(results["failed"]))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""Public projection entry points: validate shapes and dtypes, then run the chosen backend (never a silent fallback).
+
+`backend="reference"` runs `reference.py` (pure jnp, any T). `backend="pallas"` runs the Pallas-Triton kernels of
+`kernel.py` (compiled on a GPU, interpreted on CPU) for 1 <= T <= kernel.MAX_TOKENS tokens and K divisible by 16;
+anything else is an error naming the limit.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from pallas_kernels.common import COMPUTE_DTYPES, check_backend, check_dtype, check_rank, check_shape
+from pallas_kernels.gemv import reference
+
+
+def _check_inputs(x, w, out_letter):
+    """x [T, K] compute dtype, w [K, out] in x's dtype -> (T, K, out)."""
+    check_rank("x", x, 2, "[T, K]")
+    check_dtype("x", x, COMPUTE_DTYPES)
+    t, k = x.shape
+    layout = f"[K, {out_letter}]"
+    if w.ndim != 2:
+        raise ValueError(f"w.shape={tuple(w.shape)} must be {layout} (a [D, H, Dh] projection: reshape it to "
+                         "[D, H·Dh], free on the contiguous array)")
+    if w.shape[0] != k:
+        hint = (" (torch's [out, in] layout: ling-jax stores projections [in, out], pass w.T)"
+                if w.shape[1] == k else "")
+        raise ValueError(f"w.shape={tuple(w.shape)} must be {layout} ([in, out]) with K = x.shape[1] = {k}{hint}")
+    check_dtype("w", w, (x.dtype,))
+    return t, k, w.shape[1]
+
+
+def _as_compute_dtype(dtype):
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt not in COMPUTE_DTYPES:
+        raise ValueError(f"logits_dtype={dtype!r} must be None (x's dtype) or one of "
+                         f"{[str(d) for d in COMPUTE_DTYPES]}")
+    return dt
+
+
+def _check_pallas(t, k, n):
+    from pallas_kernels.gemv import kernel
+
+    kernel.check_sizes(t, k, n)
+    return kernel
+
+
+def gemv(x, w, residual=None, *, backend="reference"):
+    """y = x·w (fp32 accumulation, rounded once to the compute dtype), plus `residual` after the rounding.
+
+    Args:
+      x: [T, K] compute dtype (float32 or bfloat16).
+      w: [K, N] in x's dtype: the [in, out] layout ling-jax stores projections in (ling_jax/params.py).
+      residual: optional [T, N] in x's dtype, added last (a pre-norm block's h + proj(x)); the Pallas kernel adds it
+        in its epilogue.
+      backend: "reference" | "pallas" (1 <= T <= kernel.MAX_TOKENS, K % 16 == 0).
+    Returns:
+      [T, N] in x's dtype; `ling_jax.layers.linear.proj("td,dn->tn", x, w)` (+ residual) for the reference.
+    """
+    check_backend(backend)
+    t, k, n = _check_inputs(x, w, "N")
+    if residual is not None:
+        check_shape("residual", residual, (t, n), "[T, N]")
+        check_dtype("residual", residual, (x.dtype,))
+    if backend == "reference":
+        return reference.gemv(x, w, residual)
+    return _check_pallas(t, k, n).gemv(x, w, residual)
+
+
+def greedy_head(x, w, *, logits_dtype=None, backend="reference"):
+    """Greedy next tokens from the lm_head: argmax over the vocabulary of x·w, without materialising the logits.
+
+    Args:
+      x: [T, K] compute dtype (the final-normed hidden states).
+      w: [K, V] in x's dtype (the lm_head as ling-jax stores it, [D, V]).
+      logits_dtype: the dtype the fp32 sums are rounded to before the argmax; None: x's dtype, which is what the
+        model's logits hold (`proj` rounds them to the compute dtype before widening to fp32), so the ids are the
+        model's greedy tokens; float32: the unrounded sums.
+      backend: "reference" | "pallas" (1 <= T <= kernel.MAX_TOKENS, K % 16 == 0).
+    Returns:
+      ids [T] int32: `jnp.argmax` over the logits (the lowest index among equal maxima; a NaN counts as the
+      largest); max_logit [T] float32: the logit at that index.
+    """
+    check_backend(backend)
+    t, k, v = _check_inputs(x, w, "V")
+    if logits_dtype is not None:
+        logits_dtype = _as_compute_dtype(logits_dtype)
+    if backend == "reference":
+        return reference.greedy_head(x, w, logits_dtype)
+    return _check_pallas(t, k, v).greedy_head(x, w, logits_dtype)
