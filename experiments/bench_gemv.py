@@ -34,7 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from common import HBM_BYTES_PER_S, parse_tunings, print_table, rel_err, run_header, slope_per_call, write_results
+from common import (HBM_BYTES_PER_S, finish, parse_tunings, print_table, rel_err, run_header, slope_per_call,
+                    write_results)
 from pallas_kernels.gemv import kernel, reference
 
 # (name, K, N, with residual): the decode projections of Flash (D 2560, KDA 32 heads x 128, MLA kv_lora 512 + rope
@@ -216,11 +217,7 @@ def main(argv=None):
 
     print_table(results["rows"], ["kind", "shape", "T", "backend", "us", "floor_us", "pct_of_4p3TBps", "GBps",
                                   "tuning", "error"])
-    print(f"total bench time {time.time() - t_start:.0f}s")
-    if results["failed"]:
-        print(f"{len(results['failed'])} failed: " + "; ".join(results["failed"]))
-        return 1
-    return 0
+    return finish(results, t_start)
 
 
 if __name__ == "__main__":

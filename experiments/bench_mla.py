@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (HBM_BYTES_PER_S, parse_tunings, print_table, rel_err, run_header, short,  # noqa: E402
-                    slope_per_call, write_results)
+from common import (HBM_BYTES_PER_S, finish, parse_tunings, print_table, rel_err, run_header,  # noqa: E402
+                    short, slope_per_call, write_results)
 
 from pallas_kernels import mla  # noqa: E402
 from pallas_kernels.mla.decode import MLADecodeTuning, mla_decode_attention as mla_pallas  # noqa: E402
@@ -155,11 +155,7 @@ def main(argv=None):
         ref = [x["us"] for x in results["rows"] if x["backend"] == "reference" and (x["L"], x["T"]) == (length, t)]
         print(f"best L={length} T={t}: {r['us']:.2f} µs ({r['note']})"
               + (f", reference {ref[0]:.2f} µs" if ref else ""))
-    print(f"total bench time {time.time() - t_start:.0f}s")
-    if results["failed"]:
-        print(f"{len(results['failed'])} failed: " + "; ".join(results["failed"]))
-        return 1
-    return 0
+    return finish(results, t_start)
 
 
 if __name__ == "__main__":

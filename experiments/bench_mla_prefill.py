@@ -32,7 +32,8 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import median_time, parse_tunings, print_table, rel_err, run_header, short, write_results  # noqa: E402
+from common import (finish, median_time, parse_tunings, print_table, rel_err, run_header, short,  # noqa: E402
+                    write_results)
 
 from pallas_kernels import mla  # noqa: E402
 from pallas_kernels.mla.prefill import MLAPrefillTuning, mla_prefill_attention as mla_pallas  # noqa: E402
@@ -178,11 +179,7 @@ def main(argv=None):
                 best[shape] = r
     for (kind, t, length), r in best.items():
         print(f"best {kind} T={t} L={length}: {r['us']:.1f} µs, {r['TFLOPs']} TFLOP/s ({r['note']})")
-    print(f"total bench time {time.time() - t_start:.0f}s")
-    if results["failed"]:
-        print(f"{len(results['failed'])} failed: " + "; ".join(results["failed"]))
-        return 1
-    return 0
+    return finish(results, t_start)
 
 
 if __name__ == "__main__":

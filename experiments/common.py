@@ -108,3 +108,12 @@ def median_time(fn, *args, n_rep: int = 30, n_warm: int = 3):
         out = jax.block_until_ready(fn(*args))
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts), out
+
+
+def finish(results: dict, t_start: float) -> int:
+    """The closing lines of a checked benchmark: its wall time, the failed checks; the exit code (1 on a failure)."""
+    print(f"total bench time {time.time() - t_start:.0f}s")
+    if results["failed"]:
+        print(f"{len(results['failed'])} failed: " + "; ".join(results["failed"]))
+        return 1
+    return 0

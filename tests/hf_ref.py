@@ -165,6 +165,15 @@ def build(small: SmallConfig, seed: int = 0, **scales):
     return m32, m64.double()
 
 
+def saved_checkpoint(small: SmallConfig, tmp_path_factory):
+    """`build(small)` seeded by its place in CONFIGS, its float32 model written as a sharded transformers
+    checkpoint -> (float32 model, float64 model, checkpoint directory)."""
+    m32, m64 = build(small, seed=CONFIGS.index(small))
+    hf_dir = tmp_path_factory.mktemp(small.name)
+    m32.save_pretrained(hf_dir, max_shard_size="200KB")
+    return m32, m64, hf_dir
+
+
 def logits64(model64, ids: np.ndarray) -> np.ndarray:
     with torch.no_grad():
         return model64(torch.as_tensor(ids, dtype=torch.long)).logits.double().numpy()

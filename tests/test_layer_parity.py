@@ -20,7 +20,7 @@ from conversion.load import load_hf
 from ling_jax import crosscheck, model
 from ling_jax.config import MOE
 
-from tests.hf_ref import CONFIGS, build
+from tests.hf_ref import CONFIGS, build, saved_checkpoint
 from tests.numerics import input_seed
 
 T_PROMPT = 80
@@ -30,9 +30,7 @@ TOL_F32 = 1e-5
 @pytest.fixture(scope="module", params=CONFIGS, ids=lambda c: c.name)
 def case(request, tmp_path_factory):
     small = request.param
-    m32, m64 = build(small, seed=CONFIGS.index(small))
-    hf_dir = tmp_path_factory.mktemp(small.name)
-    m32.save_pretrained(hf_dir, max_shard_size="200KB")
+    m32, m64, hf_dir = saved_checkpoint(small, tmp_path_factory)
     cfg, params = load_hf(hf_dir, dtype=jnp.float32, progress=False)
     ids = np.random.default_rng(input_seed(CONFIGS.index(small))).integers(2, small.vocab_size, size=(1, T_PROMPT))
     return dict(cfg=cfg, params=params, ids=ids, ours=crosscheck.capture_ling(params, cfg, ids),

@@ -21,7 +21,7 @@ from ling_jax import model
 from ling_jax.cli import main as cli_main
 from ling_jax.config import HF_FFN_NAMES, HF_MIXER_NAMES, from_hf
 
-from tests.hf_ref import CONFIGS, SCHEDULE_CONFIGS, assert_torch_paths, build, logits64, rel_err
+from tests.hf_ref import CONFIGS, SCHEDULE_CONFIGS, assert_torch_paths, logits64, rel_err, saved_checkpoint
 
 T_PROMPT = 100
 TOL_F32 = 1e-5
@@ -35,9 +35,7 @@ def test_reference_runs_torch_paths():
 @pytest.fixture(scope="module", params=CONFIGS, ids=lambda c: c.name)
 def case(request, tmp_path_factory):
     small = request.param
-    m32, m64 = build(small, seed=CONFIGS.index(small))
-    hf_dir = tmp_path_factory.mktemp(small.name)
-    m32.save_pretrained(hf_dir, max_shard_size="200KB")
+    m32, m64, hf_dir = saved_checkpoint(small, tmp_path_factory)
     n_shards = len(list(hf_dir.glob("*.safetensors")))
     assert n_shards > 2, "the checkpoint should span several shards"
     rng = np.random.default_rng(CONFIGS.index(small))

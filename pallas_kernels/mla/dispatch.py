@@ -42,28 +42,41 @@ def mla_prefill_attention(q, k, v, start=0, *, scale, backend="reference", tunin
     check_dtype("v", v, (q.dtype,))
     start = _check_start(start, t, length)
     if backend == "reference":
-        if tuning is not None:
-            raise ValueError("tuning= tunes the Pallas kernel: pass backend='pallas', or drop tuning= for the "
-                             "reference")
+        _no_tuning(tuning)
         return reference.mla_prefill_attention(q, k, v, start, scale=scale)
     from pallas_kernels.mla import prefill
 
-    if tuning is not None and not isinstance(tuning, prefill.MLAPrefillTuning):
-        raise TypeError(f"tuning must be a pallas_kernels.mla.prefill.MLAPrefillTuning, got {type(tuning).__name__}")
-    tuning = prefill.MLAPrefillTuning() if tuning is None else tuning
+    tuning = _pallas_tuning(tuning, prefill.MLAPrefillTuning, "prefill")
     return prefill.mla_prefill_attention(q, k, v, start, scale=scale, tuning=tuning)
+
+
+def _no_tuning(tuning):
+    if tuning is not None:
+        raise ValueError("tuning= tunes the Pallas kernel: pass backend='pallas', or drop tuning= for the reference")
+
+
+def _pallas_tuning(tuning, cls, module: str):
+    """`tuning`, or the kernel's defaults when None; anything but a `cls` is refused."""
+    if tuning is not None and not isinstance(tuning, cls):
+        raise TypeError(f"tuning must be a pallas_kernels.mla.{module}.{cls.__name__}, got {type(tuning).__name__}")
+    return cls() if tuning is None else tuning
+
+
+def _int_scalar(start):
+    start = jnp.asarray(start)
+    if start.ndim != 0 or not jnp.issubdtype(start.dtype, jnp.integer):
+        raise ValueError(f"start (shape {start.shape}, dtype {start.dtype}) must be an integer scalar")
+    return start.astype(jnp.int32)
 
 
 def _check_start(start, t, length):
     """start as an int32 scalar; a concrete one must put the T queries inside the L keys."""
     concrete = not isinstance(start, jax.core.Tracer)
-    start = jnp.asarray(start)
-    if start.ndim != 0 or not jnp.issubdtype(start.dtype, jnp.integer):
-        raise ValueError(f"start (shape {start.shape}, dtype {start.dtype}) must be an integer scalar")
+    start = _int_scalar(start)
     if concrete and not 0 <= int(start) <= length - t:
         raise ValueError(f"start={int(start)} must be in [0, L - T] = [0, {length - t}]: the queries' positions "
                          f"start .. start + T - 1 index the L = {length} keys")
-    return start.astype(jnp.int32)
+    return start
 
 
 def mla_decode_attention(q_latent, q_rope, kv_cache, start, *, scale, backend="reference", tuning=None):
@@ -94,19 +107,11 @@ def mla_decode_attention(q_latent, q_rope, kv_cache, start, *, scale, backend="r
     check_dtype("kv_cache", kv_cache, COMPUTE_DTYPES)
     if kv_cache.shape[1] < t:
         raise ValueError(f"kv_cache.shape={tuple(kv_cache.shape)} must have L >= T = {t}")
-    start = jnp.asarray(start)
-    if start.ndim != 0 or not jnp.issubdtype(start.dtype, jnp.integer):
-        raise ValueError(f"start (shape {start.shape}, dtype {start.dtype}) must be an integer scalar")
-    start = start.astype(jnp.int32)
+    start = _int_scalar(start)
     if backend == "reference":
-        if tuning is not None:
-            raise ValueError("tuning= tunes the Pallas kernel: pass backend='pallas', or drop tuning= for the "
-                             "reference")
+        _no_tuning(tuning)
         return reference.mla_decode_attention(q_latent, q_rope, kv_cache, start, scale=scale)
     from pallas_kernels.mla import decode
 
-    if tuning is not None and not isinstance(tuning, decode.MLADecodeTuning):
-        raise TypeError(f"tuning must be a pallas_kernels.mla.decode.MLADecodeTuning, got {type(tuning).__name__}")
-
-    tuning = decode.MLADecodeTuning() if tuning is None else tuning
+    tuning = _pallas_tuning(tuning, decode.MLADecodeTuning, "decode")
     return decode.mla_decode_attention(q_latent, q_rope, kv_cache, start, scale=scale, tuning=tuning)
