@@ -3,25 +3,32 @@
 One table, `TABLE`, maps every official name to a params path and a transform. Names are templates: `{e}` is
 the expert index, and layer-level names sit under `model.layers.{l}.`. Each rule has a scope saying which layers
 it applies to (KDA or MLA mixer, dense or MoE ffn, the MTP layer), and it applies only where its params path is
-declared by `ling_jax.params.param_specs` (so `q_proj` vs `q_a_proj`/`q_b_proj` follows `q_lora_rank`). A rule may
-accept aliases (canonical name first): `mlp.gate.e_score_correction_bias`, and KDA `attention.dense.weight`, which
-transformers' `save_pretrained` writes instead of the official `attention.o_proj.weight`. The templates also compile
-to regexes that explain an unexpected name (`explain_unexpected`).
+declared by `ling_jax.params.param_specs` (so `q_proj` + `g_proj` -> w_qg vs `q_a_proj`/`q_b_proj` and `g_proj` ->
+w_gate follows `q_lora_rank`). A rule names one official tensor, or several that one fused params leaf packs (KDA's
+w_in and conv_qkv, MLA's w_qg; ling_jax/params.py). Each tensor may have aliases (canonical name first):
+`mlp.gate.e_score_correction_bias`, and KDA `attention.dense.weight`, which transformers' `save_pretrained` writes
+instead of the official `attention.o_proj.weight`. The templates also compile to regexes that explain an unexpected
+name (`explain_unexpected`).
 
 `plan(cfg)` expands the table into one `Entry` per official tensor group, in params order, and checks that the
-entries cover every leaf of `param_specs(cfg)` exactly once with the shapes declared there. Loading
-(`conversion.load`) and synthetic writing (`conversion.synthetic`) both walk that plan, in opposite directions:
-`Transform.to_params` (official arrays -> params arrays) and `Transform.to_hf` (the inverse).
+entries cover every leaf of `param_specs(cfg)` exactly once with the shapes declared there, and that no official
+name feeds two leaves. Loading (`conversion.load`) and synthetic writing (`conversion.synthetic`) both walk that
+plan, one source tensor at a time, in opposite directions: `Entry.source_to_params` (official array -> params
+arrays, or the slice of the stacked or fused leaf it fills) and `Entry.source_to_hf` (the inverse).
 
 Transforms (official torch layout is [out, in]; ling-jax stores [in, out] with heads split out, except the MoE
 router and every expert matrix, kept [out, in]):
     IDENTITY  norms, A_log, embed [V, D], router [E, D], expert_bias, routed and shared expert gate/up/down (already
               [out, in])
     LINEAR    [prod(out), prod(in)] -> [*in, *out]: the first `n_in` param axes are inputs
-              (w_q [D, H, K] <- [H*K, D]; w_o [H, Dv, D] <- [D, H*Dv]; lm_head [D, V] <- [V, D])
+              (w_q_b [Rq, H, Dqk] <- [H*Dqk, Rq]; w_o [H, Dv, D] <- [D, H*Dv]; lm_head [D, V] <- [V, D])
     CONV      [H*K, 1, W] -> [W, H, K]
     SPLIT_HEADS  dt_bias [H*K] -> [H, K]
     KV_B      kv_b_proj [H*(Dn+Dv), R] (rows head-major, [k_nope | v] per head) -> w_k_b [R, H, Dn], w_v_b [R, H, Dv]
+    Fused     several tensors -> one leaf, each through its part's transform, packed per head:
+              KDA_IN   q k v f g [H*K, D], b [H, D] (LINEAR each) -> w_in [D, H, 5K+1], concatenated on the last axis
+              MLA_QG   q [H*Dqk, D], gate g [H, D] (LINEAR each) -> w_qg [D, H, Dqk+1], concatenated on the last axis
+              CONV_QKV q k v [H*K, 1, W] (CONV each) -> conv_qkv [W, 3, H, K], stacked on axis 1
 Experts: `mlp.experts.{e}.*` for e = 0..E-1 are transformed one by one and stacked on a leading [E] axis.
 """
 
@@ -31,20 +38,21 @@ import dataclasses
 import functools
 import math
 import re
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
 
 from ling_jax.config import DENSE, KDA, MLA, MOE, LingConfig
-from ling_jax.params import ParamSpec, is_spec, param_specs
+from ling_jax.params import ParamSpec, is_spec, kda_in_parts, mla_qg_parts, param_specs
 
-Path = tuple[Any, ...]  # a params path, e.g. ("layers", 3, "mixer", "w_q")
+Path = tuple[Any, ...]  # a params path, e.g. ("layers", 3, "mixer", "w_in")
 Shape = tuple[int, ...]
 
 
 class Transform:
-    """Official arrays <-> params arrays for one rule. Shapes are the params shapes (one expert's for stacks)."""
+    """Official arrays <-> params arrays for one rule. Shapes are the params shapes (one expert's for stacks, one
+    piece's for a part of a `Fused` leaf)."""
 
     def hf_shape(self, shapes: Sequence[Shape]) -> Shape:
         raise NotImplementedError
@@ -136,21 +144,73 @@ class KvB(Transform):
 
 IDENTITY, LINEAR, LINEAR_2IN, CONV, SPLIT_HEADS, KV_B = Identity(), Linear(1), Linear(2), Conv(), SplitHeads(), KvB()
 
+
+@dataclasses.dataclass(frozen=True)
+class Fused:
+    """Several official tensors -> one params leaf: tensor i becomes piece i through `parts[i]`, and the pieces are
+    concatenated on the last axis, `widths(cfg)` wide each (the per-head column blocks of ling_jax.params), or, with
+    `widths` None, stacked on `stack_axis`. Shapes are the pieces' params shapes (`Entry.pieces`)."""
+    parts: tuple[Transform, ...]
+    widths: Callable[[LingConfig], dict[str, int]] | None = None
+    stack_axis: int = 1
+
+    def piece_specs(self, spec: ParamSpec, cfg: LingConfig) -> tuple[ParamSpec, ...]:
+        """The spec of each piece of the leaf `spec`: its dtype and init, the packed axis cut to the piece's."""
+        if self.widths is None:
+            a = self.stack_axis
+            assert spec.shape[a] == len(self.parts), (spec, self)
+            cut = lambda t: t[:a] + t[a + 1:]  # noqa: E731
+            return (dataclasses.replace(spec, shape=cut(spec.shape), axes=cut(spec.axes)),) * len(self.parts)
+        widths = tuple(self.widths(cfg).values())
+        assert len(widths) == len(self.parts) and sum(widths) == spec.shape[-1], (spec, widths)
+        return tuple(dataclasses.replace(spec, shape=spec.shape[:-1] + (w,)) for w in widths)
+
+    def slot(self, i: int, shapes: Sequence[Shape]) -> tuple:
+        """The index of piece i in the leaf."""
+        if self.widths is None:
+            return (slice(None),) * self.stack_axis + (i,)
+        start = sum(s[-1] for s in shapes[:i])
+        return (Ellipsis, slice(start, start + shapes[i][-1]))
+
+    def to_params(self, xs: Sequence[np.ndarray], shapes: Sequence[Shape]) -> np.ndarray:
+        pieces = [t.to_params(x, [s])[0] for t, x, s in zip(self.parts, xs, shapes)]
+        return np.stack(pieces, self.stack_axis) if self.widths is None else np.concatenate(pieces, -1)
+
+    def to_hf(self, x: np.ndarray, shapes: Sequence[Shape]) -> tuple[np.ndarray, ...]:
+        return tuple(t.to_hf([x[self.slot(i, shapes)]]) for i, t in enumerate(self.parts))
+
+
+KDA_IN = Fused((LINEAR,) * 6, kda_in_parts)  # w_in: q k v f g b
+MLA_QG = Fused((LINEAR,) * 2, mla_qg_parts)  # w_qg: q, the head-wise gate
+CONV_QKV = Fused((CONV,) * 3)  # conv_qkv: q k v taps
+
 # Scopes: which names a layer carries. GLOBAL names are whole; the others sit under `model.layers.{l}.`.
 GLOBAL, LAYER, MTP = "global", "layer", "mtp"  # LAYER: every decoder layer, the MTP layer included
 
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
-    hf: tuple[str, ...]  # accepted names, canonical first; `{e}` = expert index
+    hf: tuple[tuple[str, ...], ...]  # per source tensor its accepted names, canonical first; `{e}` = expert index
     params: tuple[str, ...]  # dotted paths relative to the scope's params root
-    transform: Transform
+    transform: Transform | Fused
     scope: str  # GLOBAL | LAYER | MTP | KDA | MLA | DENSE | MOE
+
+    def __post_init__(self):
+        fused = isinstance(self.transform, Fused)
+        assert len(self.hf) == (len(self.transform.parts) if fused else 1), self
+        assert not fused or len(self.params) == 1, self
 
 
 def _rule(hf: str | tuple[str, ...], params: str | tuple[str, ...], transform: Transform, scope: str) -> Rule:
-    return Rule((hf,) if isinstance(hf, str) else hf, (params,) if isinstance(params, str) else params,
-                transform, scope)
+    return Rule((_names(hf),), (params,) if isinstance(params, str) else params, transform, scope)
+
+
+def _fused(hf: tuple[str | tuple[str, ...], ...], params: str, transform: Fused, scope: str) -> Rule:
+    return Rule(tuple(_names(part) for part in hf), (params,), transform, scope)
+
+
+def _names(hf: str | tuple[str, ...]) -> tuple[str, ...]:
+    return (hf,) if isinstance(hf, str) else hf
 
 
 TABLE: tuple[Rule, ...] = (
@@ -161,29 +221,25 @@ TABLE: tuple[Rule, ...] = (
     _rule("input_layernorm.weight", "input_norm", IDENTITY, LAYER),
     _rule("post_attention_layernorm.weight", "post_norm", IDENTITY, LAYER),
 
-    _rule("attention.q_proj.weight", "mixer.w_q", LINEAR, KDA),
-    _rule("attention.k_proj.weight", "mixer.w_k", LINEAR, KDA),
-    _rule("attention.v_proj.weight", "mixer.w_v", LINEAR, KDA),
-    _rule("attention.f_proj.weight", "mixer.w_f", LINEAR, KDA),
-    _rule("attention.g_proj.weight", "mixer.w_g", LINEAR, KDA),  # output gate [D, H, K]
-    _rule("attention.b_proj.weight", "mixer.w_b", LINEAR, KDA),
-    _rule("attention.q_conv1d.weight", "mixer.conv_q", CONV, KDA),
-    _rule("attention.k_conv1d.weight", "mixer.conv_k", CONV, KDA),
-    _rule("attention.v_conv1d.weight", "mixer.conv_v", CONV, KDA),
+    _fused(("attention.q_proj.weight", "attention.k_proj.weight", "attention.v_proj.weight",
+            "attention.f_proj.weight", "attention.g_proj.weight", "attention.b_proj.weight"),  # g: the output gate
+           "mixer.w_in", KDA_IN, KDA),
+    _fused(("attention.q_conv1d.weight", "attention.k_conv1d.weight", "attention.v_conv1d.weight"), "mixer.conv_qkv",
+           CONV_QKV, KDA),
     _rule("attention.A_log", "mixer.A_log", IDENTITY, KDA),
     _rule("attention.dt_bias", "mixer.dt_bias", SPLIT_HEADS, KDA),
     _rule("attention.o_norm.weight", "mixer.o_norm", IDENTITY, KDA),
     # The official KDA name is o_proj; transformers' save_pretrained writes `dense` (its MLA name) for every layer.
     _rule(("attention.o_proj.weight", "attention.dense.weight"), "mixer.w_o", LINEAR_2IN, KDA),
 
-    _rule("attention.q_proj.weight", "mixer.w_q", LINEAR, MLA),  # q_lora_rank null (Flash)
+    _fused(("attention.q_proj.weight", "attention.g_proj.weight"), "mixer.w_qg", MLA_QG, MLA),  # q_lora_rank null
     _rule("attention.q_a_proj.weight", "mixer.w_q_a", LINEAR, MLA),  # q_lora_rank set (Tiny)
     _rule("attention.q_a_layernorm.weight", "mixer.q_a_norm", IDENTITY, MLA),
     _rule("attention.q_b_proj.weight", "mixer.w_q_b", LINEAR, MLA),
     _rule("attention.kv_a_proj_with_mqa.weight", "mixer.w_kv_a", LINEAR, MLA),
     _rule("attention.kv_a_layernorm.weight", "mixer.kv_a_norm", IDENTITY, MLA),
     _rule("attention.kv_b_proj.weight", ("mixer.w_k_b", "mixer.w_v_b"), KV_B, MLA),
-    _rule("attention.g_proj.weight", "mixer.w_gate", LINEAR, MLA),  # head-wise gate [D, H]
+    _rule("attention.g_proj.weight", "mixer.w_gate", LINEAR, MLA),  # q_lora_rank set: head-wise gate [D, H]
     _rule("attention.dense.weight", "mixer.w_o", LINEAR_2IN, MLA),
 
     _rule("mlp.gate_proj.weight", "ffn.w_gate", LINEAR, DENSE),
@@ -213,26 +269,64 @@ class Entry:
     """One group of official tensors and the params leaves they become.
 
     `sources[i]` holds the accepted names of source tensor i (canonical first). A stacked entry (experts) has E
-    sources, one per expert, and one params leaf whose leading axis is E.
+    sources, one per expert, and one params leaf whose leading axis is E. A fused entry has one source per part of
+    its `Fused` transform and one params leaf that packs them; `pieces[i]` is the spec of source i's piece. In both,
+    source i fills the leaf's slice `slot(i)`, so a loader reads and places one source tensor at a time.
     """
     sources: tuple[tuple[str, ...], ...]
     paths: tuple[Path, ...]
     specs: tuple[ParamSpec, ...]
-    transform: Transform
+    transform: Transform | Fused
     stacked: bool
+    pieces: tuple[ParamSpec, ...] = ()
+
+    @property
+    def fused(self) -> bool:
+        return isinstance(self.transform, Fused)
 
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(s[0] for s in self.sources)
 
-    @property
-    def item_shapes(self) -> tuple[Shape, ...]:
-        """Params shapes that one source tensor produces (one expert's slice when stacked)."""
-        return tuple(s.shape[1:] if self.stacked else s.shape for s in self.specs)
+    def source_specs(self, i: int) -> tuple[ParamSpec, ...]:
+        """Specs of the params arrays source tensor i becomes: the leaves, one expert's slice when stacked, or its
+        piece when fused."""
+        if self.fused:
+            return (self.pieces[i],)
+        if self.stacked:
+            return tuple(dataclasses.replace(s, shape=s.shape[1:], axes=s.axes[1:]) for s in self.specs)
+        return self.specs
 
-    @property
-    def hf_shape(self) -> Shape:
-        return self.transform.hf_shape(self.item_shapes)
+    def source_shape(self, i: int) -> Shape:
+        """The official shape of source tensor i."""
+        return self._source_transform(i).hf_shape(self._source_shapes(i))
+
+    def slot(self, i: int) -> tuple:
+        """The index of source i's slice in the one leaf of a stacked or fused entry."""
+        if self.fused:
+            return self.transform.slot(i, [p.shape for p in self.pieces])
+        assert self.stacked, f"{self.names[0]} fills whole leaves"
+        return (i,)
+
+    def source_to_params(self, i: int, x: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Official tensor i -> its params arrays (`source_specs(i)`)."""
+        return self._source_transform(i).to_params(x, self._source_shapes(i))
+
+    def source_to_hf(self, i: int, xs: Sequence[np.ndarray]) -> np.ndarray:
+        """The inverse of `source_to_params`."""
+        return self._source_transform(i).to_hf(xs)
+
+    def hf_tensor(self, leaves: Sequence[np.ndarray], i: int) -> np.ndarray:
+        """Official tensor i from the entry's whole params leaves."""
+        if self.stacked or self.fused:
+            return self.source_to_hf(i, [leaves[0][self.slot(i)]])
+        return self.source_to_hf(i, leaves)
+
+    def _source_transform(self, i: int) -> Transform:
+        return self.transform.parts[i] if self.fused else self.transform
+
+    def _source_shapes(self, i: int) -> list[Shape]:
+        return [s.shape for s in self.source_specs(i)]
 
 
 def layer_prefix(layer: int) -> str:
@@ -265,11 +359,14 @@ def plan(cfg: LingConfig, *, with_mtp: bool = True) -> list[Entry]:
         if any(s is None for s in leaf_specs):
             assert all(s is None for s in leaf_specs), rule  # a multi-output rule is all or nothing
             return
-        stacked = "{e}" in rule.hf[0]
-        count = leaf_specs[0].shape[0] if stacked else 1
-        sources = tuple(tuple(prefix + n.format(e=e) for n in rule.hf) for e in range(count))
+        stacked = "{e}" in rule.hf[0][0]
+        if stacked:
+            sources = tuple(tuple(prefix + n.format(e=e) for n in rule.hf[0]) for e in range(leaf_specs[0].shape[0]))
+        else:
+            sources = tuple(tuple(prefix + n for n in names) for names in rule.hf)
+        pieces = rule.transform.piece_specs(leaf_specs[0], cfg) if isinstance(rule.transform, Fused) else ()
         paths = tuple(root + tuple(p.split(".")) for p in rule.params)
-        entry = Entry(sources, paths, tuple(leaf_specs), rule.transform, stacked)
+        entry = Entry(sources, paths, tuple(leaf_specs), rule.transform, stacked, pieces)
         for p in paths:
             assert p not in by_path, f"two rules feed {path_str(p)}"
             by_path[p] = entry
@@ -299,8 +396,10 @@ def plan(cfg: LingConfig, *, with_mtp: bool = True) -> list[Entry]:
         entry = by_path[path]
         assert entry.specs[entry.paths.index(path)] == spec, path
     order = {p: i for i, p in enumerate(leaves)}
-    entries = {id(e): e for e in by_path.values()}.values()
-    return sorted(entries, key=lambda e: order[e.paths[0]])
+    entries = sorted({id(e): e for e in by_path.values()}.values(), key=lambda e: order[e.paths[0]])
+    names = [n for e in entries for source in e.sources for n in source]
+    assert len(names) == len(set(names)), "an official name feeds two params leaves"
+    return entries
 
 
 def spec_paths(specs: Any) -> dict[Path, ParamSpec]:
@@ -318,7 +417,7 @@ def _key(k: Any) -> Any:
 
 
 _TEMPLATE_RES = [(rule, re.compile(re.escape(name).replace(re.escape("{e}"), r"(\d+)") + "$"))
-                 for rule in TABLE for name in rule.hf]
+                 for rule in TABLE for names in rule.hf for name in names]
 
 
 def explain_unexpected(name: str, cfg: LingConfig) -> str:

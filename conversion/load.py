@@ -3,8 +3,9 @@
 Everything is validated from the safetensors headers before a single tensor is read: one `CheckpointError`
 lists every missing, unexpected, duplicate and mis-shaped tensor and a vocab mismatch, led by any layer whose
 tensors are of another kind than config.json's layer schedule. Then the tensors stream one `hf.Entry` at a time
-(one tensor, or the E experts of one layer stacked into one [E, ...] host array), are cast on the host, put on
-device with their target sharding, and freed.
+(one tensor; the E experts of one layer stacked into one [E, ...] host array; or the projections one fused leaf
+packs, each placed in its slice of that leaf), are cast on the host, put on device with their target sharding, and
+freed.
 """
 
 from __future__ import annotations
@@ -134,23 +135,26 @@ def validate(cfg: LingConfig, catalog: dict[str, TensorInfo], entries: list[hf.E
                             f"vocab_size={cfg.vocab_size}; the config and the weights come from different models")
 
     missing, shapes, dtypes, aliases = [], [], [], []
+    packed_into: dict[str, str] = {}  # a fused entry's source name -> what a missing-tensor line says of it
     for entry in entries:
-        for names in entry.sources:
+        for i, names in enumerate(entry.sources):
             present = [n for n in names if n in catalog]
             if not present:
                 missing.append(names[0])
+                if entry.fused:
+                    packed_into[names[0]] = f"one of the {len(entry.sources)} tensors packed into {_leaf_names(entry)}"
             elif len(present) > 1:
                 aliases.append(f"{' and '.join(present)} (both name {_leaf_names(entry)})")
             for name in present:
-                info, want = catalog[name], entry.hf_shape
+                info, want = catalog[name], entry.source_shape(i)
                 if info.shape != want and not (name in vocab_rows and info.shape[1:] == want[1:]):
                     shapes.append(f"{name}: expected {list(want)} (for {_leaf_names(entry)}), found {list(info.shape)}")
                 if info.dtype not in _FLOAT_DTYPES:
-                    dtypes.append(f"{name}: {info.dtype}")
+                    dtypes.append(f"{name}: {info.dtype} (for {_leaf_names(entry)})")
     unexpected = [n for n in catalog if n not in expected and not (ignore_prefix and n.startswith(ignore_prefix))]
 
     if missing:
-        problems.append(_listing("missing", missing))
+        problems.append(_listing("missing", missing, lambda n: packed_into.get(n, "")))
     if unexpected:
         problems.append(_listing("unexpected", unexpected, lambda n: hf.explain_unexpected(n, cfg)))
     if aliases:
@@ -285,15 +289,16 @@ def load_hf(hf_dir: str | Path, *, dtype=None, shardings: Any = None, with_mtp: 
 
 
 def _host_arrays(entry: hf.Entry, read: Callable[[tuple[str, ...]], np.ndarray], dtype) -> list[np.ndarray]:
-    """The params leaves of one entry as host arrays in their target dtypes; experts fill one [E, ...] array."""
+    """The params leaves of one entry as host arrays in their target dtypes. Experts, and the parts of a fused leaf,
+    fill one array slice by slice, so that no more than one source tensor is held beside it."""
     targets = [np.dtype(s.dtype(dtype)) for s in entry.specs]
-    if entry.stacked:
+    if entry.stacked or entry.fused:
         (spec,), (target,) = entry.specs, targets
         out = np.empty(spec.shape, target)
-        for e, names in enumerate(entry.sources):
-            out[e] = entry.transform.to_params(read(names), entry.item_shapes)[0].astype(target)
+        for i, names in enumerate(entry.sources):
+            out[entry.slot(i)] = entry.source_to_params(i, read(names))[0].astype(target)
         return [out]
-    xs = entry.transform.to_params(read(entry.sources[0]), entry.item_shapes)
+    xs = entry.source_to_params(0, read(entry.sources[0]))
     return [np.ascontiguousarray(x.astype(t)) for x, t in zip(xs, targets)]
 
 

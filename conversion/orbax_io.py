@@ -172,11 +172,29 @@ def _check_structure(cfg: LingConfig, tree: Any, what: str) -> dict[hf.Path, tup
     problems = [f"{kind} ({len(items)}): {', '.join(items[:20])}" for kind, items in
                 (("missing", missing), ("unexpected", extra), ("wrong shape", shapes)) if items]
     if problems:
-        hint = ("\n  (a checkpoint written by an older ling-jax has older layouts, e.g. the MoE router [D, E] before "
-                "it became [E, D], or the expert down projections [E, Ie, D] before they became [E, D, Ie]: run "
-                "`ling-jax convert` on the HF checkpoint again)") if shapes else ""
-        raise CheckpointError(f"{what} does not match param_specs of its config:\n  " + "\n  ".join(problems) + hint)
+        hints = []
+        if _has_separate_projections(got, specs):
+            hints.append("it holds the separate-projection layout of an older ling-jax (mixer.w_q, mixer.conv_q, ... "
+                         "where ling-jax now packs them into mixer.w_in, mixer.conv_qkv and mixer.w_qg): run "
+                         "`ling-jax convert` on the HF checkpoint again")
+        if shapes:
+            hints.append("a checkpoint written by an older ling-jax has older layouts, e.g. the MoE router [D, E] "
+                         "before it became [E, D], or the expert down projections [E, Ie, D] before they became "
+                         "[E, D, Ie]: run `ling-jax convert` on the HF checkpoint again")
+        raise CheckpointError(f"{what} does not match param_specs of its config:\n  " + "\n  ".join(problems)
+                              + "".join(f"\n  ({h})" for h in hints))
     return got
+
+
+# The mixer leaves that ling-jax held before it packed the projections of one input into one fused leaf.
+_SEPARATE_PROJECTIONS = frozenset(("w_q", "w_k", "w_v", "w_f", "w_g", "w_b", "conv_q", "conv_k", "conv_v"))
+_FUSED_PROJECTIONS = frozenset(("w_in", "conv_qkv", "w_qg"))
+
+
+def _has_separate_projections(got: dict[hf.Path, tuple], specs: dict[hf.Path, Any]) -> bool:
+    """Whether a mixer of `got` holds the separate projections where `specs` declares fused ones."""
+    return any(p[-1] in _FUSED_PROJECTIONS and p not in got
+               and any(p[:-1] + (old,) in got for old in _SEPARATE_PROJECTIONS) for p in specs)
 
 
 def _k(k: Any) -> Any:

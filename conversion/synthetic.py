@@ -3,8 +3,10 @@
 The names, shapes and order come from `conversion.hf.plan`; values are drawn in the params layout with the scales
 of `ling_jax.params.init_value` (so activations stay O(1)) and mapped to the official layout with the inverse
 transforms. Each tensor has its own generator seeded from (seed, name), so `synthetic_tensor` regenerates any one
-of them. Shards are planned from the shapes alone, then written tensor by tensor (header first, then the bytes),
-so the writer holds one tensor at a time: the full `ling-3.0-flash` preset (~255 GB) only needs disk.
+of them: an expert's matrix is drawn as its slice of the stacked leaf, and each projection a fused leaf packs as
+its piece of that leaf, with the leaf's fan-in (D for w_in and w_qg, W taps for conv_qkv). Shards are planned from
+the shapes alone, then written tensor by tensor (header first, then the bytes), so the writer holds one tensor at a
+time: the full `ling-3.0-flash` preset (~255 GB) only needs disk.
 
 COMPUTE params are written in `dtype`; FP32-class params (A_log, dt_bias, convs, expert_bias) in float32, as
 transformers writes them; the routers in `cfg.router_weight_dtype` (float32 by default, as transformers writes them;
@@ -31,16 +33,9 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 _ST_DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(jnp.bfloat16): "BF16"}
 
 
-def _item_spec(entry: hf.Entry, spec: ParamSpec) -> ParamSpec:
-    if not entry.stacked:
-        return spec
-    # One expert's slice keeps the stacked spec's fan-in (gate/up [E, Ie, D]: D; down [E, D, Ie]: Ie).
-    return ParamSpec(spec.shape[1:], spec.axes[1:], spec.dtype_class, spec.init)
-
-
 def _draw(rng: np.random.Generator, spec: ParamSpec, full: ParamSpec) -> np.ndarray:
-    """`ling_jax.params.init_value` in numpy (float32, scaled in place); `full` is the stacked spec of an expert
-    slice `spec`."""
+    """`ling_jax.params.init_value` in numpy (float32, scaled in place); `full` is the leaf whose slice `spec` is
+    (an expert's, or a fused part's), whose fan-in it keeps."""
     shape = spec.shape
     if spec.init == "A_log":
         return np.log(rng.uniform(1.0, 16.0, shape)).astype(np.float32)
@@ -65,12 +60,13 @@ def _stored_dtype(entry: hf.Entry, dtype) -> np.dtype:
 
 
 def synthetic_tensor(entry: hf.Entry, index: int, *, seed: int = 0, dtype="bfloat16") -> np.ndarray:
-    """Source tensor `index` of `entry` (expert `index` when stacked), in the official layout and stored dtype."""
+    """Source tensor `index` of `entry` (expert `index` when stacked, part `index` when fused), in the official
+    layout and stored dtype."""
     name = entry.names[index]
     rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
-    xs = [_draw(rng, _item_spec(entry, s), s) for s in entry.specs]
-    x = entry.transform.to_hf(xs)
-    assert x.shape == entry.hf_shape, (name, x.shape, entry.hf_shape)
+    xs = [_draw(rng, s, full) for s, full in zip(entry.source_specs(index), entry.specs)]
+    x = entry.source_to_hf(index, xs)
+    assert x.shape == entry.source_shape(index), (name, x.shape, entry.source_shape(index))
     return np.ascontiguousarray(x.astype(_stored_dtype(entry, dtype)))
 
 
@@ -80,8 +76,9 @@ def shard_plan(cfg: LingConfig, *, dtype="bfloat16", max_shard_bytes: int = DEFA
     shards: list[list[tuple[hf.Entry, int, int]]] = [[]]
     size = 0
     for entry in hf.plan(cfg, with_mtp=with_mtp):
-        nbytes = math.prod(entry.hf_shape) * _stored_dtype(entry, dtype).itemsize
+        itemsize = _stored_dtype(entry, dtype).itemsize
         for i in range(len(entry.sources)):
+            nbytes = math.prod(entry.source_shape(i)) * itemsize
             if shards[-1] and size + nbytes > max_shard_bytes:
                 shards.append([])
                 size = 0
@@ -113,7 +110,8 @@ def write_synthetic(out_dir: str | Path, cfg: LingConfig, *, seed: int = 0, dtyp
             offset = 0
             for entry, i, nbytes in shard:
                 header[entry.names[i]] = {"dtype": _ST_DTYPES[_stored_dtype(entry, dtype)],
-                                          "shape": list(entry.hf_shape), "data_offsets": [offset, offset + nbytes]}
+                                          "shape": list(entry.source_shape(i)),
+                                          "data_offsets": [offset, offset + nbytes]}
                 offset += nbytes
                 weight_map[entry.names[i]] = file
             raw = json.dumps(header, separators=(",", ":")).encode()

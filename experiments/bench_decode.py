@@ -22,6 +22,7 @@ writes nothing to the repo.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import functools
 import json
@@ -76,23 +77,78 @@ def step_bytes(cfg, context: int, dtype_bytes: int = 2) -> dict[str, float]:
     return out
 
 
-def kernels_per_step(params, cfg, backend: str) -> int:
+def kernels_per_step(params, cfg, backend: str) -> dict:
     """Kernel launches in one compiled decode step: fusions and custom calls (cuBLAS, Pallas) outside fused
-    computations, counted in the HLO of a one-step block (a few belong to the block's own bookkeeping)."""
+    computations, counted in the HLO of a one-step block -> {"step": total, "layers": {layer scope: count}}. A
+    launch belongs to the layer whose named scope (`layer{i}_{mixer}_{ffn}`, ling_jax.model.forward) its op_name
+    carries; the rest (embedding, lm_head, the block's own bookkeeping) to "outside"."""
     eos = jnp.zeros((0,), jnp.int32)
     # The loop state's shapes and shardings only: the step's program does not depend on the prefill's values.
     loop, _ = jax.eval_shape(functools.partial(G.start, cfg=cfg, sampler=Greedy(), max_len=16, backend=backend,
                                                pad_id=0), params, jnp.ones((1, 8), jnp.int32), jax.random.key(0), eos)
     hlo = G.decode_block.lower(params, loop, eos, cfg, Greedy(), steps=1, backend=backend,
                                pad_id=0).compile().as_text()
-    count, computation = 0, ""
+    return count_launches(hlo)
+
+
+def count_launches(hlo: str) -> dict:
+    """See kernels_per_step; `hlo` is a compiled module's text. Also "first_layers": {mixer_ffn kind: the launches
+    of the first layer of that kind, as `instruction <- op`}, to read where a layer's kernels come from."""
+    count, per_layer, computation = 0, collections.Counter(), ""
+    names = collections.defaultdict(list)
     for line in hlo.splitlines():
         header = re.match(r"^(?:ENTRY )?%?([\w.\-]+) ", line)
         if header and line.rstrip().endswith("{"):
             computation = header.group(1)
         elif not computation.startswith(("fused", "wrapped")) and re.search(r"\b(fusion|custom-call)\(", line):
             count += 1
-    return count
+            scope = re.search(r"(layer\d+_\w+?_\w+?)/", line)
+            layer = scope.group(1) if scope else "outside"
+            per_layer[layer] += 1
+            inst = re.match(r"\s*%?([\w\-]+?)(?:[.\d]*) = ", line)
+            op = re.search(r'op_name="([^"]*)"', line)
+            names[layer].append(f"{inst.group(1) if inst else '?'} <- {op.group(1).split('/')[-1] if op else '?'}")
+    first = {}
+    for layer in sorted(names, key=lambda n: (len(n), n)):
+        kind = re.sub(r"^layer\d+_", "", layer)
+        first.setdefault(kind, names[layer])
+    return {"step": count, "layers": dict(sorted(per_layer.items())), "first_layers": first}
+
+
+# Which part of the step a kernel belongs to, by name (first match wins): the per-op breakdown of `--profile`.
+OP_FAMILIES = (
+    ("lm_head", ("greedy_head",)),
+    ("projections", ("gemv_fwd", "input_reduce_fusion")),
+    ("moe", ("router_fwd", "experts_fwd")),
+    ("kda", ("kda_recurrent",)),
+    ("mla", ("mla_decode",)),
+)
+
+
+def op_family(kernel: str) -> str:
+    return next((op for op, marks in OP_FAMILIES if any(m in kernel for m in marks)), "other")
+
+
+def op_breakdown(families: list[dict], moved: dict, tpot_us: float) -> dict:
+    """Exclusive device time per op family, the bytes that family must move and its achieved bandwidth, and whether
+    the families add up to the measured TPOT within 10 %."""
+    nbytes = {"lm_head": moved["lm_head"], "projections": moved["mixers"], "moe": moved["ffn"],
+              "kda": moved["kda_state"], "mla": moved["mla_cache"]}
+    rows = {}
+    for f in families:
+        op = op_family(f["kernel"])
+        row = rows.setdefault(op, dict(us=0.0, launches=0.0))
+        row["us"] += f["exclusive_us_per_step"]
+        row["launches"] += f["per_step"]
+    for op, row in rows.items():
+        row["us"] = round(row["us"], 2)
+        if op in nbytes:
+            row["bytes"] = int(nbytes[op])
+            row["TBps"] = round(nbytes[op] / (row["us"] * 1e-6) / 1e12, 3) if row["us"] else None
+            row["floor_us"] = round(nbytes[op] / HBM_BYTES_PER_S * 1e6, 2)
+    total = sum(r["us"] for r in rows.values())
+    return dict(ops=rows, sum_us=round(total, 1), tpot_us=round(tpot_us, 1),
+                adds_up=abs(total - tpot_us) <= 0.1 * tpot_us)
 
 
 def profile_step(params, cfg, backend: str, prompt, block: int, top: int = 25, device=None) -> dict:
@@ -149,11 +205,26 @@ def run(args) -> list[dict]:
     rows = []
     with mesh_ctx:
         for backend in args.backends.split(","):
-            rows.append(run_backend(args, cfg, params, prompt, backend, total, floor_us, full_bytes))
+            rows.append(run_backend(args, cfg, params, prompt, backend, total, floor_us, full_bytes, moved))
     return rows, moved
 
 
-def run_backend(args, cfg, params, prompt, backend, total, floor_us, full_bytes) -> dict:
+def kernel_counts(params, cfg, backend: str) -> dict:
+    counts = kernels_per_step(params, cfg, backend)
+    return dict(kernels_per_step=counts["step"], kernels_per_layer=counts["layers"],
+                launches_of_first_layers=counts["first_layers"])
+
+
+def print_breakdown(b: dict) -> None:
+    print(f"  by op (exclusive µs per step; bytes that op must move):  sum {b['sum_us']} µs against TPOT "
+          f"{b['tpot_us']} µs ({'within' if b['adds_up'] else 'NOT within'} 10 %)")
+    for op, r in sorted(b["ops"].items(), key=lambda kv: -kv[1]["us"]):
+        bw = (f"{r['bytes'] / 1e6:8.1f} MB  {r['TBps']:.2f} TB/s  floor {r['floor_us']:.1f} µs" if "bytes" in r
+              else "")
+        print(f"  {op:12s} {r['us']:8.1f} µs  {r['launches']:6.1f} launches  {bw}")
+
+
+def run_backend(args, cfg, params, prompt, backend, total, floor_us, full_bytes, moved) -> dict:
     """TPOT / TTFT medians over args.repeats generations after args.warmup untimed ones (+ the profile if asked)."""
     kwargs = dict(max_new_tokens=args.new_tokens, sampler=Greedy(), backend=backend,
                   block_size=args.block_size, ignore_eos=True)
@@ -167,13 +238,16 @@ def run_backend(args, cfg, params, prompt, backend, total, floor_us, full_bytes)
     tpot_us = float(np.median(tpots)) * 1e6
     row = dict(backend=backend, layers=cfg.num_layers, tp=args.tp, tpot_us=tpot_us,
                ttft_ms=float(np.median(ttfts)) * 1e3, bytes_per_step=total, floor_us=floor_us,
-               frac_of_floor=floor_us / tpot_us, kernels_per_step=kernels_per_step(params, cfg, backend),
+               frac_of_floor=floor_us / tpot_us, **kernel_counts(params, cfg, backend),
                # Extrapolation, not a measurement: the full model at the slice's fraction of the floor.
                extrapolated_full_tpot_ms=tpot_us * full_bytes / total / 1e3)
     if args.profile:
         row["profile"] = profile_step(params, cfg, backend, prompt, args.block_size,
                                       device=0 if args.tp > 1 else None)
-    print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
+        row["breakdown"] = op_breakdown(row["profile"]["families"], moved, tpot_us)
+        print_breakdown(row["breakdown"])
+    print(json.dumps({k: v for k, v in row.items() if k not in ("profile", "launches_of_first_layers")}),
+          flush=True)
     return row
 
 
@@ -208,6 +282,9 @@ def main(argv=None):
     for r in rows:
         print(f"{r['backend']:10s} {r['tpot_us']:9.1f} {r['floor_us']:9.1f} {r['frac_of_floor']:9.1%} "
               f"{r['kernels_per_step']:8d} {r['ttft_ms']:9.1f} {r['extrapolated_full_tpot_ms']:22.2f} ms")
+        print(f"{'':10s} kernels per layer: " + ", ".join(f"{k} {v}" for k, v in r["kernels_per_layer"].items()))
+        for kind, launches in r["launches_of_first_layers"].items():
+            print(f"{'':10s} {kind}: " + "; ".join(launches))
     write_results(args.json, dict(args=vars(args), rows=rows, bytes=moved, **header), to_repo=not args.smoke)
 
 

@@ -4,9 +4,9 @@ model's `proj`)?
 
 Run on the GPU: `PYTHONPATH=. python3 experiments/bench_gemv.py` (`--sweep`: a few tunings per shape and T as well
 as the default; `--smoke`: toy sizes on CPU in interpret mode, nothing written under experiments/results).
-Shapes, w [K, N] bf16 ([in, out], ling_jax/params.py): 2560x4096 (each KDA input projection), 4096x2560 (KDA
-o_proj, with the block's residual added), 2560x576 (MLA kv_a), 2560x6144 (MLA q, 32 heads x 192), 2560x157184
-(lm_head); T in {1, 4}. Rows per shape and T: `xla` (reference.gemv jitted: XLA's fusion or library GEMV), `pallas`
+Shapes, w [K, N] bf16 ([in, out], ling_jax/params.py): 2560x20512 (KDA's fused input projection w_in, 32 heads x
+(5·128 + 1)), 4096x2560 (KDA o_proj, with the block's residual added), 2560x576 (MLA kv_a), 2560x6176 (MLA's fused
+q|gate w_qg, 32 heads x 193), 2560x157184 (lm_head); T in {1, 4}. Rows per shape and T: `xla` (reference.gemv jitted: XLA's fusion or library GEMV), `pallas`
 (kernel.gemv, the default tuning, then the --sweep variants). For the lm_head also the greedy pick: `xla_argmax`
 (XLA's logits rounded to bf16 as the model rounds them, then jnp.argmax) against `pallas_greedy` (kernel.greedy_head:
 no logits written).
@@ -40,8 +40,8 @@ from pallas_kernels.gemv import kernel, reference
 
 # (name, K, N, with residual): the decode projections of Flash (D 2560, KDA 32 heads x 128, MLA kv_lora 512 + rope
 # 64, MLA q 32 heads x 192, vocab 157184).
-SHAPES = [("kda_in", 2560, 4096, False), ("kda_o", 4096, 2560, True), ("mla_kv_a", 2560, 576, False),
-          ("mla_q", 2560, 32 * 192, False), ("lm_head", 2560, 157184, False)]
+SHAPES = [("kda_in", 2560, 32 * 641, False), ("kda_o", 4096, 2560, True), ("mla_kv_a", 2560, 576, False),
+          ("mla_qg", 2560, 32 * 193, False), ("lm_head", 2560, 157184, False)]
 LM_HEAD = "lm_head"
 COLD_BYTES = 200e6  # a shape's weight copies together: 4x the H200's 50 MB L2
 MIN_COPIES = 8
@@ -57,7 +57,7 @@ GREEDY_SWEEP = "block_n=64;block_n=256;block_k=128;num_warps=8;num_warps=2;num_s
 def label(tuning, default):
     """Every field of a tuning, short (`bn64 bk64 ks8 w4 s3`), marked when it is the shape's default."""
     text = (f"bn{tuning.block_n} bk{tuning.block_k} ks{tuning.k_splits} w{tuning.num_warps} "
-            f"s{tuning.num_stages}")
+            f"s{tuning.num_stages}{'' if tuning.one_token_dot else ' fma'}")
     return f"default {text}" if tuning == default else text
 
 

@@ -12,7 +12,8 @@ import functools
 
 from ling_jax.config import ConfigError, LingConfig
 
-OPS = ("kda", "moe_decode", "moe_prefill", "mla_decode", "mla_prefill")
+# gemv: the projections (and the greedy lm_head) of steps of at most 16 tokens (ling_jax.layers.linear.dense).
+OPS = ("kda", "moe_decode", "moe_prefill", "mla_decode", "mla_prefill", "gemv")
 NO_KERNEL: tuple[str, ...] = ()  # ops without a Pallas kernel (none today); they run the reference everywhere
 CHOICES = ("reference", "pallas")
 PROFILES = {
@@ -26,7 +27,7 @@ PROFILES = {
     # equals "pallas"; it stays a separate profile because a kernel that loses a later measurement leaves "fast" and
     # stays in "pallas" (what the tests run).
     "fast": {"kda": "pallas", "moe_decode": "pallas", "moe_prefill": "pallas", "mla_decode": "pallas",
-             "mla_prefill": "pallas"},
+             "mla_prefill": "pallas", "gemv": "pallas"},
 }
 
 
@@ -85,7 +86,11 @@ def kernel_limits(cfg: LingConfig) -> dict[str, list[str]]:
         (not cfg.num_shared_experts or shared == cfg.moe_intermediate_size,
          f"the shared expert's width {shared} (equal to moe_intermediate_size={cfg.moe_intermediate_size})"),
     ]
+    widths = {"hidden_size": cfg.hidden_size, "num_heads x head_dim": cfg.num_heads * cfg.head_dim,
+              "num_heads x v_head_dim": cfg.num_heads * cfg.v_head_dim, "intermediate_size": cfg.intermediate_size}
     checks = {
+        "gemv": [(v % 16 == 0, f"{name} = {v} (a multiple of 16: the input width of a projection)")
+                 for name, v in widths.items()],
         "kda": [(_pow2(cfg.head_dim, 16), f"head_dim={cfg.head_dim} (a power of two >= 16)")],
         "moe_decode": moe,
         "moe_prefill": moe,  # prompts up to 64 tokens run the decode kernels

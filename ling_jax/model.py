@@ -29,11 +29,12 @@ from ling_jax.backends import check_config, check_partitioning, op_backend
 from ling_jax.cache import MLACache, ModelState, StagedState, cache_capacity, init_state, layers_capacity
 from ling_jax.config import KDA, MLA, MOE, DeviceMemoryError, LingConfig
 from ling_jax.layers.kda import kda_block
-from ling_jax.layers.linear import proj
+from ling_jax.layers.linear import dense_argmax, proj, uses_gemv
 from ling_jax.layers.mla import mla_block
 from ling_jax.layers.mlp import dense_mlp
 from ling_jax.layers.moe import moe_block
 from ling_jax.layers.norms import rms_norm
+from ling_jax.params import LM_HEAD_AXES
 
 
 PREFILL_MODES = ("prefill", "extend")
@@ -79,36 +80,43 @@ def embed_lookup(embed: jax.Array, tokens: jax.Array) -> jax.Array:
     return jnp.take(embed, tokens, axis=0, mode="fill", fill_value=jnp.nan)
 
 
-def _poison_overflow(logits: jax.Array, layers: tuple, start: jax.Array, t: int) -> jax.Array:
-    """NaN logits for a step whose positions pass the latent caches' end (the cache write clamps, so the step and
-    every later one would read wrong keys): visible on the device, with no host read."""
+def _poison_overflow(h: jax.Array, layers: tuple, start: jax.Array, t: int) -> jax.Array:
+    """NaN head inputs, hence NaN logits, for a step whose positions pass the latent caches' end (the cache write
+    clamps, so the step and every later one would read wrong keys): visible on the device, with no host read."""
     capacity = layers_capacity(layers)
     if capacity is None:
-        return logits
-    return jnp.where(start + t > capacity, jnp.nan, logits)
+        return h
+    return jnp.where(start + t > capacity, jnp.nan, h)
 
 
 def block(p: dict, h: jnp.ndarray, entry, start: jax.Array, cfg: LingConfig, layer: int, *, mixer: str, ffn: str,
           mode: str, backend: str):
-    """One pre-norm residual block; `layer` indexes the clamp lists (the MTP layer passes num_layers)."""
+    """One pre-norm residual block; `layer` indexes the clamp lists (the MTP layer passes num_layers). The mixer
+    takes h and its norm (the projection kernels normalise in their prologue) and adds its output to h."""
     eps = cfg.rms_norm_eps
-    x = rms_norm(h, p["input_norm"], eps)
+    gemv = op_backend(backend, "gemv")
+    norm = (p["input_norm"], eps)
     if mixer == KDA:
-        a, entry = kda_block(p["mixer"], x, entry, cfg, mode=mode, backend=op_backend(backend, "kda"))
+        h, entry = kda_block(p["mixer"], h, norm, entry, cfg, mode=mode, backend=op_backend(backend, "kda"),
+                             gemv=gemv, residual=h)
     else:
         mla_op = "mla_prefill" if mode in PREFILL_MODES else "mla_decode"
-        a, entry = mla_block(p["mixer"], x, entry, start, cfg, mode=mode, backend=op_backend(backend, mla_op))
-    h = h + a
-    x = rms_norm(h, p["post_norm"], eps)
+        h, entry = mla_block(p["mixer"], h, norm, entry, start, cfg, mode=mode, backend=op_backend(backend, mla_op),
+                             gemv=gemv, residual=h)
     if ffn == MOE:
+        x = rms_norm(h, p["post_norm"], eps)
         moe_op = "moe_prefill" if mode in PREFILL_MODES else "moe_decode"
         return moe_block(p["ffn"], x, cfg, layer, backend=op_backend(backend, moe_op), residual=h), entry
-    return h + dense_mlp(p["ffn"], x), entry
+    return dense_mlp(p["ffn"], h, (p["post_norm"], eps), cfg, gemv=gemv, residual=h), entry
 
 
 def forward(params: dict, tokens: jax.Array, layers: tuple, start: jax.Array, cfg: LingConfig, *, mode: str,
-            backend: str, all_logits: bool = True):
-    """tokens [B, T] at positions start.. -> (logits [B, T or 1, V] f32, final-normed hidden [B, T, D], layers)."""
+            backend: str, all_logits: bool = True, head: str = "logits"):
+    """tokens [B, T] at positions start.. -> (logits [B, T or 1, V] f32, final-normed hidden [B, T, D], layers).
+
+    head="greedy": the first output is the greedy tokens [B, T or 1] int32 instead, argmax of the same logits
+    (`greedy_tokens`); with the `gemv` op on Pallas the logits are never written.
+    """
     h = embed_lookup(params["embed"], tokens)
     new_layers = []
     for i, (p, entry) in enumerate(zip(params["layers"], layers)):
@@ -117,9 +125,28 @@ def forward(params: dict, tokens: jax.Array, layers: tuple, start: jax.Array, cf
             h, entry = block(p, h, entry, start, cfg, i, mixer=mixer, ffn=ffn, mode=mode, backend=backend)
         new_layers.append(entry)
     hidden = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
-    head_in = hidden if all_logits else hidden[:, -1:]
+    head_h = h if all_logits else h[:, -1:]
+    # A step past the caches' end gives NaN logits: greedy then picks id 0, as jnp.argmax over NaN logits does.
+    head_h = _poison_overflow(head_h, layers, start, tokens.shape[1])
+    if head == "greedy":
+        return greedy_tokens(params, head_h, cfg, backend=backend), hidden, tuple(new_layers)
+    if head != "logits":
+        raise ValueError(f"head={head!r} must be 'logits' or 'greedy'")
+    head_in = rms_norm(head_h, params["final_norm"], cfg.rms_norm_eps)
     logits = proj("btd,dv->btv", head_in, params["lm_head"]).astype(jnp.float32)
-    return _poison_overflow(logits, layers, start, tokens.shape[1]), hidden, tuple(new_layers)
+    return logits, hidden, tuple(new_layers)
+
+
+def greedy_tokens(params: dict, h: jax.Array, cfg: LingConfig, *, backend: str) -> jax.Array:
+    """The greedy next tokens from the last block's output h [B, T, D] -> int32 [B, T]: argmax over the
+    vocabulary of the logits `forward` returns, the lowest id among equal maxima (as jnp.argmax). With the `gemv`
+    op on Pallas (and at most 16 tokens) the final norm, lm_head and argmax are one kernel per vocabulary block
+    and a reduce over the blocks' maxima."""
+    norm = (params["final_norm"], cfg.rms_norm_eps)
+    if uses_gemv(op_backend(backend, "gemv"), h.shape[0] * h.shape[1]):
+        return dense_argmax(h, params["lm_head"], LM_HEAD_AXES, norm=norm)
+    logits = proj("btd,dv->btv", rms_norm(h, *norm), params["lm_head"]).astype(jnp.float32)
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
 def prefill(params: dict, tokens: jax.Array, cfg: LingConfig, *, max_len: int, backend: str = "reference",
@@ -243,12 +270,13 @@ def check_prefill_memory(params, cfg: LingConfig, batch: int, prompt_len: int, c
             + ", or ".join(fixes))
 
 
-def decode_forward(params: dict, state: ModelState, token: jax.Array, cfg: LingConfig, *, backend: str):
+def decode_forward(params: dict, state: ModelState, token: jax.Array, cfg: LingConfig, *, backend: str,
+                   head: str = "logits"):
     """`decode` without its checks, jit or donation: the one-token forward the engine's loops call inside their own
-    jitted blocks."""
-    logits, hidden, layers = forward(params, token[:, None], state.layers, state.length, cfg, mode="decode",
-                                     backend=backend)
-    return logits[:, 0], ModelState(state.length + 1, layers), hidden[:, 0]
+    jitted blocks. head="greedy": the first output is the greedy next token [B] instead of the logits."""
+    out, hidden, layers = forward(params, token[:, None], state.layers, state.length, cfg, mode="decode",
+                                  backend=backend, head=head)
+    return out[:, 0], ModelState(state.length + 1, layers), hidden[:, 0]
 
 
 def decode(params: dict, state: ModelState, token: jax.Array, cfg: LingConfig, *, backend: str = "reference",

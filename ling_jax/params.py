@@ -10,11 +10,11 @@ experts.py)):
 
     embed [V, D] · final_norm [D] · lm_head [D, V]
     layers[i] = {input_norm, post_norm, mixer, ffn}
-      mixer, KDA: w_q w_k w_v w_f w_g [D, H, K] · w_b [D, H] · conv_q conv_k conv_v [W, H, K] (fp32)
+      mixer, KDA: w_in [D, H, 5K + 1] (per head q | k | v | f | g | b) · conv_qkv [W, 3, H, K] (fp32)
                   A_log [H] (fp32) · dt_bias [H, K] (fp32) · o_norm [K] · w_o [H, K, D]
-      mixer, MLA: w_q [D, H, Dqk]  or  w_q_a [D, Rq] · q_a_norm [Rq] · w_q_b [Rq, H, Dqk]
-                  w_kv_a [D, R + P] · kv_a_norm [R] · w_k_b [R, H, Dn] · w_v_b [R, H, Dv] · w_gate [D, H]
-                  w_o [H, Dv, D]
+      mixer, MLA: w_qg [D, H, Dqk + 1] (per head q | gate)  or  w_q_a [D, Rq] · q_a_norm [Rq] · w_q_b [Rq, H, Dqk]
+                  · w_gate [D, H]
+                  w_kv_a [D, R + P] · kv_a_norm [R] · w_k_b [R, H, Dn] · w_v_b [R, H, Dv] · w_o [H, Dv, D]
       ffn, dense: w_gate w_up [D, I] · w_down [I, D]
       ffn, MoE:   router [E, D] (fp32, or bf16 as stored) · expert_bias [E] (fp32)
                   we_gate we_up [E, Ie, D] · we_down [E, D, Ie]
@@ -24,6 +24,11 @@ experts.py)):
 
 Letters: D hidden, H heads, K KDA head dim, W conv taps, R kv_lora_rank, P rope dims, Dn/Dv/Dqk MLA head dims,
 I/Ie/Is dense/expert/shared intermediate, E experts, V vocab.
+
+Fused projections (docs/model.md §4): the checkpoint's separate projections that read the same input are packed
+at load time into one weight, so a decode step reads them in one GEMV launch. Packing is per head (the parts of
+head h sit side by side) so that a shard of heads holds its heads' columns of every part. The MLA latent
+projection w_kv_a stays apart: it is replicated under tensor parallelism while q and the gate split by head.
 """
 
 from __future__ import annotations
@@ -66,14 +71,22 @@ def _norm(n: int) -> ParamSpec:
     return ParamSpec((n,), (None,), init="norm")
 
 
+def kda_in_parts(c: LingConfig) -> dict[str, int]:
+    """Per-head widths of the parts of KDA's w_in, in their column order (q, k, v, f, the output gate g, beta b)."""
+    K = c.head_dim
+    return {"q": K, "k": K, "v": K, "f": K, "g": K, "b": 1}
+
+
+def mla_qg_parts(c: LingConfig) -> dict[str, int]:
+    """Per-head widths of MLA's w_qg (q_lora_rank null): the query [q_nope | q_rope], then the head-wise gate."""
+    return {"q": c.qk_head_dim, "gate": 1}
+
+
 def kda_specs(c: LingConfig) -> dict[str, ParamSpec]:
     D, H, K, W = c.hidden_size, c.num_heads, c.head_dim, c.conv_kernel_size
-    proj = ParamSpec((D, H, K), ("embed", "heads", None))
-    conv = ParamSpec((W, H, K), (None, "heads", None), FP32, init="conv")
     return {
-        "w_q": proj, "w_k": proj, "w_v": proj, "w_f": proj, "w_g": proj,
-        "w_b": ParamSpec((D, H), ("embed", "heads")),
-        "conv_q": conv, "conv_k": conv, "conv_v": conv,
+        "w_in": ParamSpec((D, H, sum(kda_in_parts(c).values())), ("embed", "heads", None)),
+        "conv_qkv": ParamSpec((W, 3, H, K), (None, None, "heads", None), FP32, init="conv"),
         "A_log": ParamSpec((H,), ("heads",), FP32, init="A_log"),
         "dt_bias": ParamSpec((H, K), ("heads", None), FP32, init="dt_bias"),
         "o_norm": _norm(K),
@@ -85,17 +98,17 @@ def mla_specs(c: LingConfig) -> dict[str, ParamSpec]:
     D, H, R, P = c.hidden_size, c.num_heads, c.kv_lora_rank, c.qk_rope_head_dim
     specs: dict[str, ParamSpec] = {}
     if c.q_lora_rank is None:
-        specs["w_q"] = ParamSpec((D, H, c.qk_head_dim), ("embed", "heads", None))
+        specs["w_qg"] = ParamSpec((D, H, sum(mla_qg_parts(c).values())), ("embed", "heads", None))
     else:
         specs["w_q_a"] = ParamSpec((D, c.q_lora_rank), ("embed", None))
         specs["q_a_norm"] = _norm(c.q_lora_rank)
         specs["w_q_b"] = ParamSpec((c.q_lora_rank, H, c.qk_head_dim), (None, "heads", None))
+        specs["w_gate"] = ParamSpec((D, H), ("embed", "heads"))
     specs.update({
         "w_kv_a": ParamSpec((D, R + P), ("embed", None)),
         "kv_a_norm": _norm(R),
         "w_k_b": ParamSpec((R, H, c.qk_nope_head_dim), (None, "heads", None)),
         "w_v_b": ParamSpec((R, H, c.v_head_dim), (None, "heads", None)),
-        "w_gate": ParamSpec((D, H), ("embed", "heads")),
         "w_o": ParamSpec((H, c.v_head_dim, D), ("heads", None, "embed")),
     })
     return specs
@@ -143,13 +156,16 @@ def mtp_specs(c: LingConfig) -> dict[str, Any]:
             "final_norm": _norm(D), "layer": layer_specs(c, c.num_layers)}
 
 
+LM_HEAD_AXES = ("embed", "vocab")
+
+
 def param_specs(c: LingConfig, *, with_mtp: bool = True) -> dict[str, Any]:
     D, V = c.hidden_size, c.vocab_size
     specs: dict[str, Any] = {
         "embed": ParamSpec((V, D), (None, "embed"), init="embed"),
         "layers": [layer_specs(c, i) for i in range(c.num_layers)],
         "final_norm": _norm(D),
-        "lm_head": ParamSpec((D, V), ("embed", "vocab")),
+        "lm_head": ParamSpec((D, V), LM_HEAD_AXES),
     }
     if with_mtp and c.num_mtp_layers:
         specs["mtp"] = mtp_specs(c)

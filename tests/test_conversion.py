@@ -75,30 +75,30 @@ def expected_params(hcfg, sd) -> dict[str, np.ndarray]:
         out[dst + "input_norm"] = sd[src + "input_layernorm.weight"]
         out[dst + "post_norm"] = sd[src + "post_attention_layernorm.weight"]
         if hcfg.layer_types[l] == "linear_attention":
-            for ours, theirs in [("w_q", "q_proj"), ("w_k", "k_proj"), ("w_v", "v_proj"), ("w_g", "g_proj"),
-                                 ("w_f", "forget_gate.f_proj")]:
-                out[dst + "mixer." + ours] = sd[a + theirs + ".weight"].T.reshape(D, H, K)
-            out[dst + "mixer.w_b"] = sd[a + "b_proj.weight"].T
+            # w_in: per head h the columns [q | k | v | f | g] (K each) then b (1).
+            proj = [sd[a + theirs + ".weight"].T.reshape(D, H, K)
+                    for theirs in ("q_proj", "k_proj", "v_proj", "forget_gate.f_proj", "g_proj")]
+            out[dst + "mixer.w_in"] = np.concatenate(proj + [sd[a + "b_proj.weight"].T[:, :, None]], axis=-1)
             conv = sd[a + "conv1d.weight"][:, 0, :]  # [3*H*K, W]: q | k | v channels
-            for i, ours in enumerate(["conv_q", "conv_k", "conv_v"]):
-                out[dst + "mixer." + ours] = conv[i * H * K:(i + 1) * H * K].T.reshape(W, H, K)
+            out[dst + "mixer.conv_qkv"] = conv.reshape(3, H, K, W).transpose(3, 0, 1, 2)  # [W, 3 (q k v), H, K]
             out[dst + "mixer.A_log"] = sd[a + "forget_gate.A_log"]
             out[dst + "mixer.dt_bias"] = sd[a + "forget_gate.dt_bias"].reshape(H, K)
             out[dst + "mixer.o_norm"] = sd[a + "o_norm.weight"]
             out[dst + "mixer.w_o"] = sd[a + "o_proj.weight"].T.reshape(H, K, D)
         else:
-            if hcfg.q_lora_rank is None:
-                out[dst + "mixer.w_q"] = sd[a + "q_proj.weight"].T.reshape(D, H, Dn + hcfg.qk_rope_head_dim)
+            if hcfg.q_lora_rank is None:  # w_qg: per head h the query columns, then the gate's
+                q = sd[a + "q_proj.weight"].T.reshape(D, H, Dn + hcfg.qk_rope_head_dim)
+                out[dst + "mixer.w_qg"] = np.concatenate([q, sd[a + "g_proj.weight"].T[:, :, None]], axis=-1)
             else:
                 out[dst + "mixer.w_q_a"] = sd[a + "q_a_proj.weight"].T
                 out[dst + "mixer.q_a_norm"] = sd[a + "q_a_layernorm.weight"]
                 out[dst + "mixer.w_q_b"] = sd[a + "q_b_proj.weight"].T.reshape(hcfg.q_lora_rank, H, -1)
+                out[dst + "mixer.w_gate"] = sd[a + "g_proj.weight"].T
             out[dst + "mixer.w_kv_a"] = sd[a + "kv_a_proj_with_mqa.weight"].T
             out[dst + "mixer.kv_a_norm"] = sd[a + "kv_a_layernorm.weight"]
             kv_b = sd[a + "kv_b_proj.weight"].reshape(H, Dn + Dv, R)
             out[dst + "mixer.w_k_b"] = kv_b[:, :Dn].transpose(2, 0, 1)
             out[dst + "mixer.w_v_b"] = kv_b[:, Dn:].transpose(2, 0, 1)
-            out[dst + "mixer.w_gate"] = sd[a + "g_proj.weight"].T
             out[dst + "mixer.w_o"] = sd[a + "o_proj.weight"].T.reshape(H, Dv, D)
         if hcfg.mlp_layer_types[l] == "dense":
             for p in ("gate", "up", "down"):
@@ -143,6 +143,46 @@ def test_transformers_checkpoint_bf16(hf_checkpoint):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(jnp.asarray(want[name]).astype(x.dtype)), name)
 
 
+def test_fused_transforms_invert_and_pack_per_head():
+    """Each fused leaf's parts come back exactly (to_params(to_hf(x)) == x, also slice by slice as the loader fills
+    it), and each official part sits in its own columns of every head. Exact equality: the transforms only move
+    values. Every size is distinct (D 56, H 3, K 20, W 5, Dqk 26) so that a swapped axis cannot keep its shape."""
+    cfg = preset("toy").replace(hidden_size=56, num_heads=3, head_dim=20, conv_kernel_size=5, qk_nope_head_dim=18,
+                                qk_rope_head_dim=8)
+    D, H, K, W, Dqk = 56, 3, 20, 5, 26
+    fused = {hf.path_str(e.paths[0]): e for e in hf.plan(cfg) if e.fused and e.paths[0][:2] in (("layers", 0),
+                                                                                                 ("layers", 2))}
+    assert sorted(fused) == ["layers.0.mixer.conv_qkv", "layers.0.mixer.w_in", "layers.2.mixer.w_qg"]
+    rng = np.random.default_rng(0)
+    parts = {}  # leaf name -> (random leaf, its official parts)
+    for name, entry in fused.items():
+        x = rng.standard_normal(entry.specs[0].shape).astype(np.float32)
+        shapes = [p.shape for p in entry.pieces]
+        official = entry.transform.to_hf(x, shapes)
+        assert [p.shape for p in official] == [entry.source_shape(i) for i in range(len(entry.sources))], name
+        np.testing.assert_array_equal(entry.transform.to_params(official, shapes), x, err_msg=name)
+        filled = np.full_like(x, np.nan)
+        for i, part in enumerate(official):
+            filled[entry.slot(i)] = entry.source_to_params(i, part)[0]
+        np.testing.assert_array_equal(filled, x, err_msg=name)
+        parts[name] = (x, official)
+
+    h = 1  # rows h*K..(h+1)*K of a [H*K, D] projection are head h's columns
+    w_in, (q, k, v, f, g, b) = parts["layers.0.mixer.w_in"]
+    assert w_in.shape == (D, H, 5 * K + 1) and b.shape == (H, D)
+    for i, part in enumerate((q, k, v, f, g)):
+        np.testing.assert_array_equal(part[h * K:(h + 1) * K].T, w_in[:, h, i * K:(i + 1) * K])
+    np.testing.assert_array_equal(b[h], w_in[:, h, 5 * K])
+    conv, (q_taps, k_taps, v_taps) = parts["layers.0.mixer.conv_qkv"]
+    assert conv.shape == (W, 3, H, K) and k_taps.shape == (H * K, 1, W)
+    for i, taps in enumerate((q_taps, k_taps, v_taps)):
+        np.testing.assert_array_equal(taps[h * K + 7, 0], conv[:, i, h, 7])
+    w_qg, (q, gate) = parts["layers.2.mixer.w_qg"]
+    assert w_qg.shape == (D, H, Dqk + 1) and gate.shape == (H, D)
+    np.testing.assert_array_equal(q[h * Dqk:(h + 1) * Dqk].T, w_qg[:, h, :Dqk])
+    np.testing.assert_array_equal(gate[h], w_qg[:, h, Dqk])
+
+
 # ---- synthetic checkpoints -------------------------------------------------------------------------------
 
 def mid_config():
@@ -175,14 +215,16 @@ def test_synthetic_round_trip_toy(toy_synthetic):
     for entry in hf.plan(cfg):
         xs = [np.asarray(got[hf.path_str(p)]) for p in entry.paths]
         for i in range(len(entry.sources)):
-            item = [x[i] for x in xs] if entry.stacked else xs
-            np.testing.assert_array_equal(entry.transform.to_hf(item),
-                                          synthetic.synthetic_tensor(entry, i, seed=3), entry.names[i])
+            np.testing.assert_array_equal(entry.hf_tensor(xs, i), synthetic.synthetic_tensor(entry, i, seed=3),
+                                          entry.names[i])
     # Scales follow init_value: norms near 1, O(1) embeddings, fan-in-scaled projections.
     assert abs(float(jnp.mean(got["layers.0.input_norm"].astype(jnp.float32))) - 1.0) < 0.05
     assert 0.9 < float(jnp.std(got["embed"].astype(jnp.float32))) < 1.1
-    w = got["layers.0.mixer.w_q"].astype(jnp.float32)
-    assert abs(float(jnp.std(w)) * math.sqrt(cfg.hidden_size) - 1.0) < 0.1
+    for fused in ("layers.0.mixer.w_in", "layers.2.mixer.w_qg"):  # every part drawn with the fan-in D
+        w = got[fused].astype(jnp.float32)
+        assert abs(float(jnp.std(w)) * math.sqrt(cfg.hidden_size) - 1.0) < 0.1, fused
+    taps = got["layers.0.mixer.conv_qkv"]
+    assert abs(float(jnp.std(taps)) * math.sqrt(cfg.conv_kernel_size) - 1.0) < 0.1
 
 
 def test_bf16_router_kept_as_stored(tmp_path):
@@ -256,7 +298,7 @@ def test_synthetic_without_mtp_is_skipped_quietly(toy_synthetic):
 def test_synthetic_mid_size_streams(tmp_path):
     cfg = mid_config()
     entries = hf.plan(cfg)
-    largest = max(math.prod(e.item_shapes[0]) * 4 for e in entries)  # one float32 tensor
+    largest = max(math.prod(e.source_shape(i)) * 4 for e in entries for i in range(len(e.sources)))  # float32
     tracemalloc.start()
     write_synthetic(tmp_path, cfg, max_shard_bytes=100 * 2**20, progress=False)
     _, peak = tracemalloc.get_traced_memory()
@@ -273,14 +315,14 @@ def test_synthetic_mid_size_streams(tmp_path):
         k: (v.shape, v.dtype) for k, v in leaves_by_path(abstract_params(cfg)).items()}
     assert got["mtp.layer.mixer.w_q_b"].shape == (256, 16, 192)
     entry = next(e for e in entries if e.paths[0] == ("mtp", "layer", "mixer", "w_k_b"))
-    kv_b = entry.transform.to_hf([np.asarray(got["mtp.layer.mixer.w_k_b"]), np.asarray(got["mtp.layer.mixer.w_v_b"])])
+    kv_b = entry.hf_tensor([np.asarray(got["mtp.layer.mixer.w_k_b"]), np.asarray(got["mtp.layer.mixer.w_v_b"])], 0)
     np.testing.assert_array_equal(kv_b, synthetic.synthetic_tensor(entry, 0))
 
 
 def test_flash_layout_matches_spec():
     """docs/model.md §4/§5 names and shapes of the full preset, and its size, without writing ~255 GB."""
     cfg = preset("ling-3.0-flash")
-    shapes = {n: e.hf_shape for e in hf.plan(cfg) for n in e.names}
+    shapes = {n: e.source_shape(i) for e in hf.plan(cfg) for i, n in enumerate(e.names)}
     assert len(shapes) == 3 + 42 * 2 + 35 * 13 + 7 * 6 + 2 * 3 + 40 * (2 + 3 * 512 + 3) + (4 + 2 + 6 + 2 + 3 * 512 + 3)
     spec3 = {
         "model.word_embeddings.weight": (157184, 2560), "lm_head.weight": (157184, 2560),
@@ -391,6 +433,43 @@ def test_orbax_old_down_layout(toy_synthetic, tmp_path, monkeypatch):
         load_params(tmp_path / "ck")
 
 
+def test_orbax_old_separate_projections(toy_synthetic, tmp_path, monkeypatch):
+    """A checkpoint from before the fused projections (KDA mixer.w_q .. w_b and conv_q .. conv_v, MLA w_q and
+    w_gate) is named as that older layout, with the fix."""
+    from conversion import orbax_io
+
+    path, cfg = toy_synthetic
+    _, params = load_hf(path, progress=False)
+    K, Dqk = cfg.head_dim, cfg.qk_head_dim
+
+    def separate(mixer):
+        if "w_in" in mixer:
+            w_in, conv = mixer.pop("w_in"), mixer.pop("conv_qkv")
+            for i, name in enumerate(("w_q", "w_k", "w_v", "w_f", "w_g")):
+                mixer[name] = w_in[..., i * K:(i + 1) * K]
+            mixer["w_b"] = w_in[..., 5 * K]
+            for i, name in enumerate(("conv_q", "conv_k", "conv_v")):
+                mixer[name] = conv[:, i]
+        else:
+            w_qg = mixer.pop("w_qg")
+            mixer["w_q"], mixer["w_gate"] = w_qg[..., :Dqk], w_qg[..., Dqk]
+
+    old = jax.tree.map(lambda x: x, params)  # new containers: `params` keeps its leaves
+    for layer in old["layers"] + [old["mtp"]["layer"]]:
+        separate(layer["mixer"])
+    with monkeypatch.context() as m:  # today's save_params refuses the old layout: write it as an old one did
+        m.setattr(orbax_io, "_check_structure", lambda *a: None)
+        save_params(tmp_path / "ck", cfg, old)
+    with pytest.raises(CheckpointError) as info:
+        load_params(tmp_path / "ck")
+    msg = str(info.value)
+    for part in ("missing (", "layers.0.mixer.w_in", "layers.2.mixer.w_qg", "unexpected (", "layers.0.mixer.conv_q",
+                 "it holds the separate-projection layout of an older ling-jax",
+                 "run `ling-jax convert` on the HF checkpoint again"):
+        assert part in msg, f"{part!r} not in:\n{msg}"
+    assert "MoE router [D, E]" not in msg  # no leaf changed shape: that hint would mislead
+
+
 # ---- bad inputs ------------------------------------------------------------------------------------------
 
 def mutate(src, dst, fn, config=None):
@@ -455,8 +534,26 @@ def test_wrong_shape(toy_synthetic, tmp_path):
     bad = mutate(path, tmp_path / "ck", lambda f, t: t.update(
         {n: np.ascontiguousarray(x.T) for n, x in t.items() if n in names}))
     expect_error(bad, "wrong shape (2):",
-                 f"{names[0]}: expected [4, 128] (for layers.0.mixer.w_b), found [128, 4]",
+                 f"{names[0]}: expected [4, 128] (for layers.0.mixer.w_in), found [128, 4]",
                  f"{names[1]}: expected [256, 64] (for layers.2.mixer.w_k_b + layers.2.mixer.w_v_b), found [64, 256]")
+
+
+def test_fused_part_missing_or_mis_shaped(toy_synthetic, tmp_path):
+    """A missing or mis-shaped part of a fused leaf is named by its official name and the leaf it feeds."""
+    path, _ = toy_synthetic
+    k_proj, g_proj = "model.layers.0.attention.k_proj.weight", "model.layers.2.attention.g_proj.weight"
+    k_conv = "model.layers.1.attention.k_conv1d.weight"
+
+    def damage(file, t):
+        t.pop(k_proj, None)
+        t.pop(g_proj, None)
+        if k_conv in t:
+            t[k_conv] = np.ascontiguousarray(t[k_conv][:, :, 1:])
+    bad = mutate(path, tmp_path / "ck", damage)
+    expect_error(bad, f"missing (2):\n      {k_proj}  [one of the 6 tensors packed into layers.0.mixer.w_in]\n"
+                      f"      {g_proj}  [one of the 2 tensors packed into layers.2.mixer.w_qg]",
+                 f"wrong shape (1):\n      {k_conv}: expected [128, 1, 4] (for layers.1.mixer.conv_qkv), "
+                 "found [128, 1, 3]")
 
 
 def test_unknown_model_type(toy_synthetic, tmp_path):
@@ -505,7 +602,9 @@ def test_all_problems_in_one_error(toy_synthetic, tmp_path):
             t["model.norm.weight"] = np.ones(7, np.float32)
             t["extra.weight"] = np.ones(1, np.float32)
     bad = mutate(path, tmp_path / "ck", many, config={"vocab_size": 500})
-    expect_error(bad, "vocab mismatch", f"missing (2):\n      {Q}\n      model.layers.6.eh_proj.weight",
+    expect_error(bad, "vocab mismatch",
+                 f"missing (2):\n      {Q}  [one of the 6 tensors packed into layers.0.mixer.w_in]\n"
+                 "      model.layers.6.eh_proj.weight",
                  "unexpected (1):\n      extra.weight", "model.norm.weight: expected [128]")
 
 
@@ -581,14 +680,14 @@ def test_custom_schedule_round_trip(tmp_path):
     loaded_cfg, params = load_hf(path, dtype=jnp.float32, progress=False)
     assert loaded_cfg == cfg
     assert "router" in params["layers"][0]["ffn"] and "w_gate" in params["layers"][1]["ffn"]
-    assert "w_kv_a" in params["layers"][2]["mixer"] and "w_f" in params["layers"][5]["mixer"]
+    assert "w_kv_a" in params["layers"][2]["mixer"] and "w_in" in params["layers"][5]["mixer"]
     got = leaves_by_path(params)
     for entry in hf.plan(cfg):
         xs = [np.asarray(got[hf.path_str(p)]) for p in entry.paths]
-        item = [x[0] for x in xs] if entry.stacked else xs
-        np.testing.assert_array_equal(entry.transform.to_hf(item).astype(np.float32),
-                                      synthetic.synthetic_tensor(entry, 0, seed=4).astype(np.float32),
-                                      entry.names[0])
+        for i in range(len(entry.sources) if entry.fused else 1):
+            np.testing.assert_array_equal(entry.hf_tensor(xs, i).astype(np.float32),
+                                          synthetic.synthetic_tensor(entry, i, seed=4).astype(np.float32),
+                                          entry.names[i])
 
 
 # ---- unreadable files ------------------------------------------------------------------------------------

@@ -281,3 +281,72 @@ def test_generate_with_kernels_at_an_odd_prompt_length(toy):
     kw = dict(max_new_tokens=5, sampler=Greedy(), block_size=2, ignore_eos=True)
     ref = G.generate(params, cfg, prompt, backend="reference", **kw)
     assert G.generate(params, cfg, prompt, backend="pallas", **kw).tokens == ref.tokens
+
+
+def _separately(dense_fn, parts_of):
+    """A `dense` that computes a fused weight's parts as separate projections (the checkpoint's unfused layout),
+    then lays their outputs side by side per head as the fused product would."""
+    def unfused(h, w, axes, **kw):
+        widths = parts_of(w)
+        if widths is None:
+            return dense_fn(h, w, axes, **kw)
+        outs, start = [], 0
+        for width in widths:
+            outs.append(dense_fn(h, w[..., start:start + width], axes, **kw))
+            start += width
+        assert start == w.shape[-1]
+        return jnp.concatenate(outs, axis=-1)
+    return unfused
+
+
+def test_fused_projections_equal_separate_ones(tokens, monkeypatch):
+    """w_in (q|k|v|f|g|b per head) and w_qg (q|gate per head) give the logits of their parts projected one by one,
+    in prefill, decode and verify, on the toy's first group (KDA, KDA, MLA). Tolerance 1e-6: the same products,
+    only XLA's summation order differs with the GEMM's width (measured ~7e-7 here, ~1.3e-6 through all six toy
+    layers, as any two fp32 orderings of this model differ)."""
+    from ling_jax.layers import kda as kda_layer
+    from ling_jax.layers import linear, mla as mla_layer
+
+    toy = preset("toy")
+    cfg = toy.replace(num_layers=3, num_mtp_layers=0, expert_swiglu_limits=toy.expert_swiglu_limits[:3],
+                      shared_swiglu_limits=toy.shared_swiglu_limits[:3])
+    params = init_params(cfg, jax.random.key(0), jnp.float32, with_mtp=False)
+    K, Dqk = cfg.head_dim, cfg.qk_head_dim
+    kda_widths = {5 * K + 1: [K] * 5 + [1]}
+    mla_widths = {Dqk + 1: [Dqk, 1]}
+
+    def run():
+        logits, state, _ = model.prefill(params, tokens[:1, :30], cfg, max_len=64, all_logits=True)
+        step, state, _ = model.decode(params, state, tokens[:1, 30], cfg)
+        ver, _, _ = model.verify(params, state, tokens[:1, 31:36], cfg)
+        return jnp.concatenate([logits, step[:, None], ver], axis=1)
+
+    fused = run()
+    jax.clear_caches()
+    monkeypatch.setattr(kda_layer, "dense", _separately(linear.dense, lambda w: kda_widths.get(w.shape[-1])
+                                                        if w.ndim == 3 and w.shape[0] == cfg.hidden_size else None))
+    monkeypatch.setattr(mla_layer, "dense", _separately(linear.dense, lambda w: mla_widths.get(w.shape[-1])
+                                                        if w.ndim == 3 and w.shape[0] == cfg.hidden_size else None))
+    separate = run()
+    jax.clear_caches()
+    assert rel(fused, separate) < 1e-6
+
+
+@pytest.mark.parametrize("backend", ["reference", "pallas"])
+def test_greedy_head_is_argmax_of_the_logits_ties_to_lowest(toy, tokens, backend):
+    """forward(head="greedy") returns jnp.argmax of the logits forward(head="logits") returns, for every position
+    of a verify step; an lm_head column copied to a lower index makes a tie, and the lower index wins."""
+    cfg, params = toy
+    _, state, _ = model.prefill(params, tokens[:1, :30], cfg, max_len=64)
+    fed = tokens[:1, 30:34]
+    logits, _, _ = model.forward(params, fed, state.layers, state.length, cfg, mode="verify", backend=backend)
+    want = jnp.argmax(logits, axis=-1)
+    best = int(want[0, 0])
+    twin = best // 2  # a lower index, in another vocabulary block of the kernel
+    tied = dict(params, lm_head=params["lm_head"].at[:, twin].set(params["lm_head"][:, best]))
+    tied_logits, _, _ = model.forward(tied, fed, state.layers, state.length, cfg, mode="verify", backend=backend)
+    assert int(jnp.argmax(tied_logits[0, 0])) == twin != best  # the tie exists, and argmax takes the lower index
+    for p, lg in ((params, logits), (tied, tied_logits)):
+        ids, _, _ = model.forward(p, fed, state.layers, state.length, cfg, mode="verify", backend=backend,
+                                  head="greedy")
+        assert ids.dtype == jnp.int32 and ids.tolist() == jnp.argmax(lg, axis=-1).tolist()

@@ -27,7 +27,9 @@ def test_tp4_matches_single_device(toy):
     cfg, params, tokens, ref_logits = toy
     mesh = make_mesh(4)
     sharded = jax.device_put(params, param_shardings(cfg, mesh, with_mtp=False))
-    assert sharded["layers"][0]["mixer"]["w_q"].sharding.spec == jax.sharding.PartitionSpec(None, "tp", None)
+    mixer = sharded["layers"][0]["mixer"]  # the fused leaves split by head, every part of a head on one device
+    assert mixer["w_in"].sharding.spec == jax.sharding.PartitionSpec(None, "tp", None)
+    assert mixer["conv_qkv"].sharding.spec == jax.sharding.PartitionSpec(None, None, "tp", None)
     logits, state, _ = model.prefill(sharded, tokens[:, :40], cfg, max_len=64, all_logits=True)
     assert rel(logits, ref_logits[:, :40]) < 1e-5
     state = jax.device_put(state, state_shardings(state, mesh))

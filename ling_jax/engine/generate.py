@@ -27,6 +27,7 @@ import numpy as np
 from ling_jax.backends import check_config, check_partitioning, prepare
 from ling_jax.cache import ModelState, cache_len
 from ling_jax.config import LingConfig
+from ling_jax.engine.sampling import Greedy
 from ling_jax.model import check_chunk, check_prefill_memory, decode_forward, prefill
 
 
@@ -77,10 +78,14 @@ def start(params, prompt, key, eos, cfg: LingConfig, sampler, *, max_len: int, b
 
 
 def sample_step(params, loop: LoopState, eos, cfg: LingConfig, sampler, *, backend: str, pad_id: int):
-    """Feed `loop.last`, sample the next token -> (LoopState, token [B])."""
-    logits, model, _ = decode_forward(params, loop.model, loop.last, cfg, backend=backend)
+    """Feed `loop.last`, sample the next token -> (LoopState, token [B]). Greedy takes the argmax inside the
+    lm_head (`ling_jax.model.greedy_tokens`): the step never writes the logits."""
     key, sub = jax.random.split(loop.key)
-    token = sampler.sample(logits, sub)
+    if isinstance(sampler, Greedy):
+        token, model, _ = decode_forward(params, loop.model, loop.last, cfg, backend=backend, head="greedy")
+    else:
+        logits, model, _ = decode_forward(params, loop.model, loop.last, cfg, backend=backend)
+        token = sampler.sample(logits, sub)
     token, done = _mask_eos(token, loop.done, eos, pad_id)
     return LoopState(model, token, done, key), token
 

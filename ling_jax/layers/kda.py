@@ -11,8 +11,8 @@ import jax.numpy as jnp
 
 from ling_jax.cache import KDACache, KDAStaged
 from ling_jax.config import LingConfig
-from ling_jax.layers.linear import proj
-from ling_jax.params import kda_specs
+from ling_jax.layers.linear import dense
+from ling_jax.params import kda_in_parts, kda_specs
 from ling_jax.sharding import logical_to_spec, per_shard
 from pallas_kernels import kda as kda_ops
 
@@ -32,24 +32,33 @@ _STATES = logical_to_spec((None, None, "heads", None, None))  # verify's per-pos
 def _in_specs(cfg: LingConfig) -> tuple:
     """Specs of the op's arguments, in the order of the dispatch signature."""
     axes = {name: spec.axes for name, spec in kda_specs(cfg).items()}
-    taps = axes["conv_q"]  # [W, H, K]; the op takes q|k|v stacked at axis 1
-    params = [logical_to_spec(taps[:1] + (None,) + taps[1:])] + [logical_to_spec(axes[n])
-                                                                 for n in ("A_log", "dt_bias", "o_norm")]
+    params = [logical_to_spec(axes[n]) for n in ("conv_qkv", "A_log", "dt_bias", "o_norm")]
     return (_ROWS, _PER_HEAD, _BETA, _PER_HEAD, _ROWS, _STATE, *params)
 
 
-def kda_block(p: dict, x: jnp.ndarray, cache: KDACache, cfg: LingConfig, *, mode: str, backend: str):
-    """x [B, T, D] -> (out [B, T, D], KDACache | KDAStaged)."""
-    qkv = jnp.stack([proj("btd,dhk->bthk", x, p[w]) for w in ("w_q", "w_k", "w_v")], axis=2)  # [B, T, 3, H, K]
-    f = proj("btd,dhk->bthk", x, p["w_f"])
-    b = proj("btd,dh->bth", x, p["w_b"])
-    z = proj("btd,dhk->bthk", x, p["w_g"])
-    conv_w = jnp.stack([p["conv_q"], p["conv_k"], p["conv_v"]], axis=1)  # [W, 3, H, K]
-    args = (qkv, f, b, z, cache.conv_window, cache.state, conv_w, p["A_log"], p["dt_bias"], p["o_norm"])
+def split_inputs(y: jnp.ndarray, cfg: LingConfig) -> dict[str, jnp.ndarray]:
+    """The fused projection's output [B, T, H, 5K + 1] -> its parts by name (q, k, v, f, g: [B, T, H, K]; b:
+    [B, T, H, 1]), in w_in's per-head column order."""
+    parts, start = {}, 0
+    for name, width in kda_in_parts(cfg).items():
+        parts[name] = y[..., start:start + width]
+        start += width
+    return parts
+
+
+def kda_block(p: dict, h: jnp.ndarray, norm: tuple, cache: KDACache, cfg: LingConfig, *, mode: str, backend: str,
+              gemv: str, residual: jnp.ndarray | None = None):
+    """The block's input h [B, T, D], normalised by `norm` (weight, eps) -> (residual + out [B, T, D],
+    KDACache | KDAStaged); `gemv` is the backend of the projections (ling_jax.layers.linear.dense)."""
+    axes = {name: spec.axes for name, spec in kda_specs(cfg).items()}
+    parts = split_inputs(dense(h, p["w_in"], axes["w_in"], backend=gemv, norm=norm), cfg)
+    qkv = jnp.stack([parts["q"], parts["k"], parts["v"]], axis=2)  # [B, T, 3, H, K]
+    args = (qkv, parts["f"], parts["b"][..., 0], parts["g"], cache.conv_window, cache.state, p["conv_qkv"],
+            p["A_log"], p["dt_bias"], p["o_norm"])
     op = functools.partial(_MODES[mode], lower_bound=cfg.kda_lower_bound, eps=cfg.rms_norm_eps, backend=backend)
     if backend == "pallas":
         out_specs = (_PER_HEAD, _ROWS, _STATES if mode == "verify" else _STATE)
         op = per_shard(op, _in_specs(cfg), out_specs)
     y, rows, state = op(*args)
     new_cache = KDAStaged(rows, state) if mode == "verify" else KDACache(rows, state)
-    return proj("bthk,hkd->btd", y, p["w_o"]), new_cache
+    return dense(y, p["w_o"], axes["w_o"], n_in=2, backend=gemv, residual=residual), new_cache

@@ -8,6 +8,7 @@ anything else is an error naming the limit.
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels.common import COMPUTE_DTYPES, check_backend, check_dtype, check_rank, check_shape
 from pallas_kernels.gemv import reference
@@ -30,6 +31,23 @@ def _check_inputs(x, w, out_letter):
     return t, k, w.shape[1]
 
 
+def _check_norm(norm, k):
+    """None, or the (weight [K] any float dtype, eps a positive float) of the RMSNorm before the projection."""
+    if norm is None:
+        return
+    if not isinstance(norm, (tuple, list)) or len(norm) != 2:
+        raise ValueError(f"norm (a {type(norm).__name__}) must be None or a (weight [K], eps) pair")
+    weight, eps = norm
+    shape, dtype = tuple(getattr(weight, "shape", ())), getattr(weight, "dtype", None)
+    if shape != (k,):
+        raise ValueError(f"norm weight.shape={shape} must be [K] = ({k},): one scale per column of x")
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"norm weight.dtype={dtype} must be a float dtype")
+    if isinstance(eps, bool) or not isinstance(eps, (float, np.floating)) or not 0 < eps < float("inf"):
+        raise ValueError(f"norm eps={eps!r} must be a positive finite Python float (the kernel compiles it in), "
+                         "e.g. the config's rms_norm_eps")
+
+
 def _as_compute_dtype(dtype):
     try:
         dt = jnp.dtype(dtype)
@@ -48,7 +66,7 @@ def _check_pallas(t, k, n):
     return kernel
 
 
-def gemv(x, w, residual=None, *, backend="reference"):
+def gemv(x, w, residual=None, *, norm=None, backend="reference"):
     """y = x·w (fp32 accumulation, rounded once to the compute dtype), plus `residual` after the rounding.
 
     Args:
@@ -56,6 +74,9 @@ def gemv(x, w, residual=None, *, backend="reference"):
       w: [K, N] in x's dtype: the [in, out] layout ling-jax stores projections in (ling_jax/params.py).
       residual: optional [T, N] in x's dtype, added last (a pre-norm block's h + proj(x)); the Pallas kernel adds it
         in its epilogue.
+      norm: None, or (weight [K] any float dtype, eps a positive Python float): the input is first
+        `ling_jax.layers.norms.rms_norm(x, weight, eps)`, its roundings exactly; the Pallas kernel does the norm in
+        a prologue, saving the norm's own launch.
       backend: "reference" | "pallas" (1 <= T <= kernel.MAX_TOKENS, K % 16 == 0).
     Returns:
       [T, N] in x's dtype; `ling_jax.layers.linear.proj("td,dn->tn", x, w)` (+ residual) for the reference.
@@ -65,17 +86,19 @@ def gemv(x, w, residual=None, *, backend="reference"):
     if residual is not None:
         check_shape("residual", residual, (t, n), "[T, N]")
         check_dtype("residual", residual, (x.dtype,))
+    _check_norm(norm, k)
     if backend == "reference":
-        return reference.gemv(x, w, residual)
-    return _check_pallas(t, k, n).gemv(x, w, residual)
+        return reference.gemv(x, w, residual, norm=norm)
+    return _check_pallas(t, k, n).gemv(x, w, residual, norm=norm)
 
 
-def greedy_head(x, w, *, logits_dtype=None, backend="reference"):
+def greedy_head(x, w, *, norm=None, logits_dtype=None, backend="reference"):
     """Greedy next tokens from the lm_head: argmax over the vocabulary of x·w, without materialising the logits.
 
     Args:
-      x: [T, K] compute dtype (the final-normed hidden states).
+      x: [T, K] compute dtype: the final-normed hidden states, or the hidden states before that norm with `norm`.
       w: [K, V] in x's dtype (the lm_head as ling-jax stores it, [D, V]).
+      norm: None, or (weight [K], eps) of the model's final norm, applied first as in `gemv`.
       logits_dtype: the dtype the fp32 sums are rounded to before the argmax; None: x's dtype, which is what the
         model's logits hold (`proj` rounds them to the compute dtype before widening to fp32), so the ids are the
         model's greedy tokens; float32: the unrounded sums.
@@ -88,6 +111,8 @@ def greedy_head(x, w, *, logits_dtype=None, backend="reference"):
     t, k, v = _check_inputs(x, w, "V")
     if logits_dtype is not None:
         logits_dtype = _as_compute_dtype(logits_dtype)
+    _check_norm(norm, k)
     if backend == "reference":
-        return reference.greedy_head(x, w, logits_dtype)
-    return _check_pallas(t, k, v).greedy_head(x, w, logits_dtype)
+        return reference.greedy_head(x, w, logits_dtype, norm=norm)
+    return _check_pallas(t, k, v).greedy_head(x, w, logits_dtype, norm=norm)
+

@@ -6,6 +6,10 @@ its [D, H·K] reshape, free on the contiguous array). `gemv` is `ling_jax.layers
 the weight cast to x's dtype, fp32 accumulation at full precision, rounded once to the compute dtype; the optional
 residual is added after that rounding, in the compute dtype, as a pre-norm block's `h + proj(x)`.
 
+`norm=(weight, eps)` makes the input `rms_norm(x, weight, eps)` first, with `ling_jax.layers.norms.rms_norm`'s
+roundings: normalised in fp32, rounded to x's dtype, then times the weight cast to x's dtype (a compute-dtype
+multiply, rounded again): the RMSNorm that precedes every projection reading a block's input.
+
 `greedy_head` is the model's head followed by greedy sampling: logits = x·w (fp32 accumulation) rounded to
 `logits_dtype` (default x's dtype: the model's `proj(...).astype(float32)` rounds them so), widened to fp32, and
 `jnp.argmax` over the vocabulary: the first maximum wins a tie, and a NaN counts as larger than any number.
@@ -19,26 +23,40 @@ from jax import lax
 _HI = lax.Precision.HIGHEST
 
 
+def rms_norm(x, weight, eps):
+    """`ling_jax.layers.norms.rms_norm`, restated so that pallas_kernels does not import the model: x [T, K],
+    weight [K] any float dtype -> [T, K] in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight.astype(x.dtype) * normed.astype(x.dtype)
+
+
+def _normed(x, norm):
+    return x if norm is None else rms_norm(x, *norm)
+
+
 def _logits_f32(x, w):
     """x [T, K] · w [K, N] -> [T, N] fp32 accumulation (w cast to x's dtype first, as `proj` does)."""
     return lax.dot_general(x, w.astype(x.dtype), (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
                            precision=_HI)
 
 
-def gemv(x, w, residual=None):
-    """x [T, K], w [K, N] ([in, out]), residual None or [T, N] -> [T, N] in x's dtype."""
-    y = _logits_f32(x, w).astype(x.dtype)
+def gemv(x, w, residual=None, *, norm=None):
+    """x [T, K], w [K, N] ([in, out]), residual None or [T, N], norm None or (weight [K], eps) -> [T, N] in x's
+    dtype."""
+    y = _logits_f32(_normed(x, norm), w).astype(x.dtype)
     return y if residual is None else residual + y
 
 
-def greedy_logits(x, w, logits_dtype=None):
+def greedy_logits(x, w, logits_dtype=None, *, norm=None):
     """The logits greedy_head takes the argmax of: [T, V] fp32 holding values of `logits_dtype` (None: x's)."""
     dt = x.dtype if logits_dtype is None else jnp.dtype(logits_dtype)
-    return _logits_f32(x, w).astype(dt).astype(jnp.float32)
+    return _logits_f32(_normed(x, norm), w).astype(dt).astype(jnp.float32)
 
 
-def greedy_head(x, w, logits_dtype=None):
-    """x [T, K], w [K, V] -> (ids [T] int32: the argmax of greedy_logits, max_logit [T] fp32: its value)."""
-    logits = greedy_logits(x, w, logits_dtype)
+def greedy_head(x, w, logits_dtype=None, *, norm=None):
+    """x [T, K], w [K, V], norm None or (weight [K], eps) -> (ids [T] int32: the argmax of greedy_logits,
+    max_logit [T] fp32: its value)."""
+    logits = greedy_logits(x, w, logits_dtype, norm=norm)
     ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     return ids, jnp.take_along_axis(logits, ids[:, None], axis=-1)[:, 0]

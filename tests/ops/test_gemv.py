@@ -2,8 +2,8 @@
 kernels (interpreted on CPU, compiled on a GPU) against the reference, ties and NaN in the greedy pick, and the
 dispatcher's and the tuning's error messages.
 
-Sizes stay tiny (K <= 128, N <= 300) so the interpreted kernels run in seconds; N = 300 is not a multiple of any
-block width, so every kernel run has a masked last block.
+Sizes stay tiny (K <= 256, N <= 300) so the interpreted kernels run in seconds; N = 300 and 200 are not multiples of
+any block width, so every kernel run has a masked last block. The RMSNorm prologue (`norm=`) has its own cases.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from tests.numerics import input_seed, rel_err
 from ling_jax.layers.linear import proj
+from ling_jax.layers.norms import rms_norm
 from pallas_kernels import gemv
 from pallas_kernels.gemv import kernel, reference
 from pallas_kernels.gemv.kernel import GemvTuning
@@ -67,6 +68,10 @@ GEMV_CASES = {  # T, dtype, residual, K, N, tuning
     "t3-bf16-k80-res": (3, jnp.bfloat16, True, 80, 40, GemvTuning(block_n=32, block_k=64)),
     # The default tuning (16-column blocks at this size).
     "t1-bf16-default": (1, jnp.bfloat16, False, K, N, None),
+    # One token by FMAs instead of the padded dot.
+    "t1-f32-fma": (1, jnp.float32, False, K, N, GemvTuning(block_n=64, block_k=32, one_token_dot=False)),
+    "t1-bf16-res-ks2-fma": (1, jnp.bfloat16, True, K, N, GemvTuning(block_n=64, block_k=32, k_splits=2,
+                                                                    one_token_dot=False)),
 }
 
 
@@ -163,6 +168,127 @@ def test_greedy_head_nan():
     assert np.isnan(np.asarray(max_logit)).all() and np.isnan(np.asarray(max_ref)).all()
 
 
+# RMSNorm prologue: K = 256 in 32-row steps (8 per program, 4 per K-split at k_splits = 2), N = 200 (the last
+# 64-column block 8 wide). Tokens at different scales, so every token has its own rsqrt (a kernel that shared one, or
+# normed by a K-split's slice alone, would be far off), and a norm weight far from ones.
+NK, NN = 256, 200
+NORM_EPS = 1e-6
+# Worst of 8 seeds over the cases below. float32: summation order in the sum of squares and the products, measured
+# <= 3.4e-7. bfloat16: measured <= 1.3e-4, from single outputs one bf16 value apart where an fp32 sum (of squares,
+# or of products) rounds the other way; the bound is every output one bf16 ulp off (2^-7) with room for the normed
+# inputs' own such flips.
+NORM_TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+# A norm that skipped one of rms_norm's two bf16 roundings is only ~3e-3 off (inside NORM_TOL) but changes over half
+# of the bf16 outputs; the kernel's differ from the reference's in at most 0.17% (worst of 8 seeds).
+NORM_MAX_BF16_MISMATCH = 0.02
+
+
+def _mismatch_share(got, want):
+    return float((np.asarray(got, np.float32) != np.asarray(want, np.float32)).mean())
+
+
+def _norm_inputs(seed, t, dtype, weight_dtype, eps=NORM_EPS):
+    """x [T, NK] with token i at scale 0.5 + i, w [NK, NN], residual [T, NN], norm (weight [NK], eps)."""
+    rng = np.random.default_rng(input_seed(seed))
+    x = _normal(rng, (t, NK), jnp.float32) * jnp.asarray(0.5 + np.arange(t), jnp.float32)[:, None]
+    weight = _normal(rng, (NK,), jnp.float32, 0.5) + 1.0
+    return (x.astype(dtype), _normal(rng, (NK, NN), dtype, NK ** -0.5), _normal(rng, (t, NN), dtype),
+            (weight.astype(weight_dtype), eps))
+
+
+def test_reference_norm_is_rms_norm():
+    """The reference's norm is ling_jax's `rms_norm` bit for bit, then `proj` (a norm weight in another dtype too)."""
+    for dtype in (jnp.float32, jnp.bfloat16):
+        x, w, r, norm = _norm_inputs(1, 3, dtype, jnp.float32)
+        want = proj("td,dn->tn", rms_norm(x, *norm), w)
+        np.testing.assert_array_equal(np.asarray(reference.gemv(x, w, norm=norm), np.float32),
+                                      np.asarray(want, np.float32))
+        np.testing.assert_array_equal(np.asarray(reference.gemv(x, w, r, norm=norm), np.float32),
+                                      np.asarray(r + want, np.float32))
+
+
+@pytest.mark.parametrize("with_res", [False, True], ids=["", "res"])
+@pytest.mark.parametrize("k_splits", [1, 2], ids=["ks1", "ks2"])
+@pytest.mark.parametrize("t", [1, 3, 16])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_gemv_pallas_norm(dtype, t, k_splits, with_res):
+    # bf16 inputs take a float32 norm weight at T = 3 (rounded to bf16 in the kernel), their own dtype otherwise.
+    weight_dtype = jnp.float32 if t == 3 else dtype
+    x, w, r, norm = _norm_inputs(60, t, dtype, weight_dtype)
+    r = r if with_res else None
+    tuning = GemvTuning(block_n=64, block_k=32, k_splits=k_splits)
+    y = kernel.gemv(x, w, r, norm=norm, tuning=tuning)
+    want = reference.gemv(x, w, r, norm=norm)
+    assert y.dtype == dtype and y.shape == (t, NN)
+    assert rel_err(y, want) <= NORM_TOL[dtype]
+    if dtype == jnp.bfloat16:
+        assert _mismatch_share(y, want) <= NORM_MAX_BF16_MISMATCH
+    # The norm is there (a kernel that skipped it, or its weight, would be this far off).
+    assert rel_err(reference.gemv(x, w, r), want) > 0.1
+    assert rel_err(reference.gemv(x, w, r, norm=(jnp.ones(NK, dtype), NORM_EPS)), want) > 0.1
+
+
+def test_gemv_pallas_norm_eps():
+    """An eps as large as the tokens' mean square: a kernel that dropped it would be far off."""
+    x, w, r, norm = _norm_inputs(61, 3, jnp.float32, jnp.float32, eps=1.0)
+    y = kernel.gemv(x, w, r, norm=norm, tuning=GemvTuning(block_n=64, block_k=32, k_splits=2))
+    want = reference.gemv(x, w, r, norm=norm)
+    assert rel_err(y, want) <= NORM_TOL[jnp.float32]
+    assert rel_err(reference.gemv(x, w, r, norm=(norm[0], NORM_EPS)), want) > 0.1
+
+
+def test_gemv_dispatch_pallas_norm_matches_reference():
+    x, w, r, norm = _norm_inputs(62, 2, jnp.bfloat16, jnp.float32)
+    y = gemv.gemv(x, w, r, norm=norm, backend="pallas")
+    assert rel_err(y, gemv.gemv(x, w, r, norm=norm)) <= NORM_TOL[jnp.bfloat16]
+
+
+def _plant_maxima(x, w, norm, columns):
+    """w with column columns[i] set to 0.5·sign of token i's normed input: that token's logit there is
+    0.5·Σ|normed x| (~100 at NK = 256), against O(1) in the other columns, so the top logit stands far above the
+    rest; a column listed twice for a token is an exact tie (identical columns give identical sums)."""
+    xn = np.asarray(reference.rms_norm(x, *norm), np.float32)
+    w = np.asarray(w, np.float32).copy()
+    for token, cols in enumerate(columns):
+        for c in cols:
+            w[:, c] = 0.5 * np.where(xn[token] >= 0, 1.0, -1.0)
+    return jnp.asarray(w, x.dtype)
+
+
+@pytest.mark.parametrize("t,dtype", [(1, jnp.float32), (3, jnp.bfloat16), (16, jnp.bfloat16), (16, jnp.float32)])
+def test_greedy_head_norm(t, dtype):
+    """Planted maxima well above the other logits: the kernel's pick is the planted column, as the reference's, and
+    its maximum the reference's (fp32 logits: within summation order; bf16 logits: within one bf16 ulp, 2^-7, where
+    the fp32 sums round apart). The maximum depends on each token's rsqrt, which the pick alone would not test."""
+    x, w, _, norm = _norm_inputs(70, t, dtype, jnp.float32)
+    planted = [(17 * i + 3) % NN for i in range(t)]
+    w = _plant_maxima(x, w, norm, [[c] for c in planted])
+    ids_ref, max_ref = reference.greedy_head(x, w, norm=norm)
+    np.testing.assert_array_equal(np.asarray(ids_ref), planted)
+    ids, max_logit = kernel.greedy_head(x, w, norm=norm, tuning=SMALL)
+    np.testing.assert_array_equal(np.asarray(ids), planted)
+    rtol = 1e-5 if dtype == jnp.float32 else 2 ** -7
+    np.testing.assert_allclose(np.asarray(max_logit), np.asarray(max_ref), rtol=rtol)
+    _, max_unnormed = reference.greedy_head(x, w)
+    assert not np.allclose(np.asarray(max_unnormed), np.asarray(max_ref), rtol=0.1)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_greedy_head_norm_ties(dtype):
+    """Exact ties after the norm, each between identical columns: the lowest index wins (jnp.argmax). Token 0: blocks
+    0 and 3 (the partial last block) of SMALL's 64 columns; token 1: a unique maximum in the last column; token 2:
+    the two sides of the block 1 / block 2 boundary. The default tuning (128-column blocks) through the dispatcher
+    too."""
+    x, w, _, norm = _norm_inputs(80, 3, dtype, jnp.float32)
+    w = _plant_maxima(x, w, norm, [[5, 195], [NN - 1], [127, 128]])
+    logits = np.asarray(reference.greedy_logits(x, w, norm=norm))
+    assert logits[0, 5] == logits[0, 195] == logits[0].max() and logits[2, 127] == logits[2, 128] == logits[2].max()
+    want = [5, NN - 1, 127]
+    np.testing.assert_array_equal(np.asarray(reference.greedy_head(x, w, norm=norm)[0]), want)
+    np.testing.assert_array_equal(np.asarray(kernel.greedy_head(x, w, norm=norm, tuning=SMALL)[0]), want)
+    np.testing.assert_array_equal(np.asarray(gemv.greedy_head(x, w, norm=norm, backend="pallas")[0]), want)
+
+
 def test_default_tuning_splits_flash_shapes():
     """The default tuning of every Flash projection is a valid split of K with enough programs (or the most splits
     MIN_SPLIT_ROWS allows)."""
@@ -223,6 +349,17 @@ def test_dispatch_errors():
         gemv.greedy_head(x, w, logits_dtype="float8")
     with pytest.raises(ValueError, match=r"logits_dtype=<class 'jax.numpy.float16'> must be None"):
         gemv.greedy_head(x, w, logits_dtype=jnp.float16)
+    g = jnp.asarray(np.linspace(0.5, 1.5, K), jnp.float32)
+    for fn in (gemv.gemv, gemv.greedy_head):
+        with pytest.raises(ValueError, match=r"norm \(a \w+\) must be None or a \(weight \[K\], eps\) pair"):
+            fn(x, w, norm=g)
+        with pytest.raises(ValueError, match=r"norm weight.shape=\(127,\) must be \[K\] = \(128,\)"):
+            fn(x, w, norm=(g[1:], 1e-6))
+        with pytest.raises(ValueError, match=r"norm weight.dtype=int32 must be a float dtype"):
+            fn(x, w, norm=(g.astype(jnp.int32), 1e-6))
+        for eps in (0.0, -1e-6, float("nan"), 1, jnp.float32(1e-6)):
+            with pytest.raises(ValueError, match=r"norm eps=.* must be a positive finite Python float"):
+                fn(x, w, norm=(g, eps))
     # The Pallas limits are errors (the reference takes these sizes).
     x17, w17, _ = _gemv_inputs(0, 17, K, N, jnp.float32)
     assert gemv.gemv(x17, w17).shape == (17, N)
