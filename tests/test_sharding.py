@@ -124,6 +124,7 @@ def test_pallas_kernels_run_per_shard(toy):
         assert rel(logits, ref_logits[:, :40]) < 1e-5
         step, state, _ = model.decode(sharded, state, tokens[:, 40], cfg, backend="pallas")
         assert rel(step, ref_logits[:, 40]) < 1e-5
+        assert_greedy_head_across_shards(sharded, state, tokens[:, 41:45], cfg)
         v_logits, staged, _ = model.verify(sharded, state, tokens[:, 41:45], cfg, backend="pallas")
         assert rel(v_logits, ref_logits[:, 41:45]) < 1e-5
         assert int(commit(staged, jnp.int32(4)).length) == 45
@@ -137,6 +138,23 @@ def test_pallas_kernels_run_per_shard(toy):
             return len(re.findall(r"\ball-gather(?:-start)?\(", hlo))
 
         assert gathers("pallas") <= gathers("reference")
+
+
+def assert_greedy_head_across_shards(params, state, fed, cfg):
+    """The vocabulary-split greedy head picks jnp.argmax of the logits, and a tie between the two devices' halves
+    of the vocabulary goes to the lower index whichever device holds it (forward is not donating: `state` stays)."""
+    V = cfg.vocab_size
+    logits, _, _ = model.forward(params, fed, state.layers, state.length, cfg, mode="verify", backend="pallas")
+    best = int(jnp.argmax(logits[0, 0]))
+    twin = best - V // 2 if best >= V // 2 else best + V // 2  # the same column on the other device
+    head = params["lm_head"]
+    tied = dict(params, lm_head=jax.device_put(head.at[:, twin].set(head[:, best]), head.sharding))
+    for p, expect_first in ((params, best), (tied, min(best, twin))):
+        lg, _, _ = model.forward(p, fed, state.layers, state.length, cfg, mode="verify", backend="pallas")
+        ids, _, _ = model.forward(p, fed, state.layers, state.length, cfg, mode="verify", backend="pallas",
+                                  head="greedy")
+        assert ids.tolist() == jnp.argmax(lg, axis=-1).tolist()
+        assert int(ids[0, 0]) == expect_first
 
 
 def test_kernel_specs_are_the_params_shardings():

@@ -34,9 +34,10 @@ An XLA reduce over the NB block maxima then takes the first block holding the la
 block, whose own index is its lowest), so the global pick is the lowest index among equal maxima, exactly
 `jnp.argmax` over the logits.
 
-Tunings: `default_tuning` takes the swept tuning of Flash's shapes (`SWEPT`), else a heuristic: the widest BN of
-(64, 32, 16) and the fewest power-of-two K-splits that give at least MIN_PROGRAMS programs (within 2 % of the best
-of 12 swept tunings at KDA's o_proj; 0.3 µs off it at MLA's launch-bound kv_a).
+Tunings: `default_tuning` is a heuristic, the widest BN of (64, 32, 16) and the fewest power-of-two K-splits that
+give at least MIN_PROGRAMS programs. Against 12 swept tunings on the H200 (experiments/RESULTS.md, GEMV) it was the
+fastest at KDA's o_proj and within 3 % at KDA's w_in; one K-split at w_in, 2 % faster alone, lost 130 µs per step
+in the model, where the RMSNorm prologue of its 321 programs is not hidden (experiments/FINDINGS.md).
 """
 
 from __future__ import annotations
@@ -86,20 +87,10 @@ def _split_ok(k, ks):
     return k % ks == 0 and (k // ks) % 16 == 0
 
 
-# Ling-3.0-flash's one-device decode shapes [K, N], swept on the H200 at T = 1 and 4 (`bench_gemv.py --sweep`,
-# experiments/RESULTS.md, GEMV): the fastest of 12 tunings where it beat the heuristic's pick by more than 1 %.
-SWEPT = {
-    (2560, 32 * 641): GemvTuning(block_n=64, k_splits=1),  # KDA w_in: 89.7 % of 4.3 TB/s, no partials to sum
-    (2560, 32 * 193): GemvTuning(block_n=64, k_splits=4),  # MLA w_qg: 69.3 % (the heuristic's 8 splits: 65.9 %)
-}
-
-
 def default_tuning(n_tokens: int, k: int, n: int) -> GemvTuning:
-    """The swept tuning of a [T, K] x [K, N] projection (SWEPT), else the heuristic of the module docstring; T is
-    unused (T = 1 and 4 ranked the tunings alike)."""
+    """The heuristic tuning of a [T, K] x [K, N] projection (module docstring); T is unused (T = 1 and 4 ranked
+    the swept tunings alike)."""
     del n_tokens
-    if (k, n) in SWEPT:
-        return SWEPT[(k, n)]
     max_ks = 1
     while _split_ok(k, 2 * max_ks) and k // (2 * max_ks) >= MIN_SPLIT_ROWS:
         max_ks *= 2
