@@ -117,8 +117,12 @@ def plot_mla(data):
 
 
 def plot_slice(data):
-    """TPOT per backend of the engine's decode of a Flash slice against the floor of its step's bytes."""
-    rows = data["rows"]
+    """TPOT per backend of the engine's decode of a Flash slice against the floor of its step's bytes; the rows of
+    bench_decode_before.json (the same run on the previous tree, when recorded) first, labelled "before"."""
+    before = RESULTS / "bench_decode_before.json"
+    earlier = [dict(r, backend=f"{r['backend']}, before") for r in json.loads(before.read_text())["rows"]] \
+        if before.exists() else []
+    rows = earlier + data["rows"]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.bar([r["backend"] for r in rows], [r["tpot_us"] for r in rows], label="measured TPOT")
     ax.axhline(rows[0]["floor_us"], color="k", ls="--", label="byte floor at 4.3 TB/s")

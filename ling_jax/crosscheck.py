@@ -113,16 +113,18 @@ def _tapped_model(layers: dict):
         layers[layer] = dict(current, hidden=out)
         return out, entry
 
+    # The mixers and the dense MLP add the block's residual themselves (in the GEMV's epilogue on the kernel path);
+    # the taps run them without it and add it back as the reference path does (after the rounding): bit for bit.
     def tap_mixer(fn):
-        def tapped(*args, **kw):
-            out, entry = fn(*args, **kw)
+        def tapped(*args, residual=None, **kw):
+            out, entry = fn(*args, residual=None, **kw)
             current["mixer"] = out
-            return out, entry
+            return (out if residual is None else residual + out), entry
         return tapped
 
-    def dense_mlp(p, x):
-        current["ffn"] = y = run_dense(p, x)
-        return y
+    def dense_mlp(p, h, norm, cfg, *, residual=None, **kw):
+        current["ffn"] = y = run_dense(p, h, norm, cfg, **kw)
+        return y if residual is None else residual + y
 
     def moe_block(p, x, cfg, layer, *, residual=None, **kw):
         y = run_moe(p, x, cfg, layer, residual=residual, **kw)

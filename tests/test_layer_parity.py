@@ -68,10 +68,11 @@ def _scale_one_mixer(monkeypatch, layer: int, factor: float):
     calls = []
 
     def scaled(fn):
-        def mixer(*args, **kw):
-            out, entry = fn(*args, **kw)
+        def mixer(*args, residual=None, **kw):  # the mixer's own output, without the residual it adds
+            out, entry = fn(*args, residual=None, **kw)
             calls.append(layer)
-            return (out * factor if len(calls) == layer + 1 else out), entry
+            out = out * factor if len(calls) == layer + 1 else out
+            return (out if residual is None else residual + out), entry
         return mixer
 
     monkeypatch.setattr(model, "kda_block", scaled(model.kda_block))

@@ -1,11 +1,11 @@
 """Projections with the reference numerics: accumulate in float32, round the output to the compute dtype once.
 
-`proj` is the einsum every mode can run (XLA's GEMM or GEMV). `dense` is the decode and verify path: the same
-product through `pallas_kernels.gemv` when the `gemv` op runs Pallas and the step has at most `GEMV_MAX_TOKENS`
-tokens, with the block's RMSNorm as the kernel's prologue and the residual add as its epilogue, so a projection
-costs one launch. Under tensor parallelism the kernel runs per shard (`per_shard`), its specs derived from the
+`proj` is the einsum every mode can run (XLA's GEMM or GEMV). `dense` runs the same product through
+`pallas_kernels.gemv` when the `gemv` op runs Pallas and the step has at most `GEMV_MAX_TOKENS` tokens (decode,
+verify, a short prompt), with the block's RMSNorm as the kernel's prologue and the residual add as its epilogue: one
+Pallas launch, plus an XLA fusion summing fp32 partials where the tuning splits K. Under tensor parallelism the kernel runs per shard (`per_shard`), its specs derived from the
 weight's logical axes: column-parallel weights (heads or vocab on an output axis) give sharded outputs, row-parallel
-ones (heads on an input axis) partial sums added across devices before the residual.
+ones (heads or ffn on an input axis) partial sums added across devices before the residual.
 """
 
 from __future__ import annotations
