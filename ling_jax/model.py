@@ -117,6 +117,8 @@ def forward(params: dict, tokens: jax.Array, layers: tuple, start: jax.Array, cf
     head="greedy": the first output is the greedy tokens [B, T or 1] int32 instead, argmax of the same logits
     (`greedy_tokens`); with the `gemv` op on Pallas the logits are never written.
     """
+    if head not in ("logits", "greedy"):
+        raise ValueError(f"head={head!r} must be 'logits' or 'greedy'")
     h = embed_lookup(params["embed"], tokens)
     new_layers = []
     for i, (p, entry) in enumerate(zip(params["layers"], layers)):
@@ -125,14 +127,11 @@ def forward(params: dict, tokens: jax.Array, layers: tuple, start: jax.Array, cf
             h, entry = block(p, h, entry, start, cfg, i, mixer=mixer, ffn=ffn, mode=mode, backend=backend)
         new_layers.append(entry)
     hidden = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
-    head_h = h if all_logits else h[:, -1:]
     # A step past the caches' end gives NaN logits: greedy then picks id 0, as jnp.argmax over NaN logits does.
-    head_h = _poison_overflow(head_h, layers, start, tokens.shape[1])
     if head == "greedy":
+        head_h = _poison_overflow(h if all_logits else h[:, -1:], layers, start, tokens.shape[1])
         return greedy_tokens(params, head_h, cfg, backend=backend), hidden, tuple(new_layers)
-    if head != "logits":
-        raise ValueError(f"head={head!r} must be 'logits' or 'greedy'")
-    head_in = rms_norm(head_h, params["final_norm"], cfg.rms_norm_eps)
+    head_in = _poison_overflow(hidden if all_logits else hidden[:, -1:], layers, start, tokens.shape[1])
     logits = proj("btd,dv->btv", head_in, params["lm_head"]).astype(jnp.float32)
     return logits, hidden, tuple(new_layers)
 

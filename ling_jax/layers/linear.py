@@ -18,9 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from ling_jax.layers.norms import rms_norm
 from ling_jax.sharding import RULES, TP, logical_to_spec, per_shard, tp_size
-
-# The GEMV kernel's token limit (pallas_kernels/gemv/kernel.py MAX_TOKENS): one 16-row tensor-core dot.
-GEMV_MAX_TOKENS = 16
+from pallas_kernels.gemv.kernel import MAX_TOKENS as GEMV_MAX_TOKENS  # the kernel's token limit: one 16-row dot
 
 
 def proj(eq: str, x: jnp.ndarray, w: jnp.ndarray, out_dtype=None) -> jnp.ndarray:
