@@ -44,7 +44,8 @@ import jax
 import numpy as np
 
 from ling_jax.config import DENSE, KDA, MLA, MOE, LingConfig
-from ling_jax.params import ParamSpec, is_spec, kda_in_parts, mla_qg_parts, param_specs
+from ling_jax.params import ParamSpec, is_fp8, is_leaf_spec, kda_in_parts, mla_qg_parts, param_specs, weight_spec
+from pallas_kernels.common.fp8 import BLOCK, IN_OUT, scale_shape
 
 Path = tuple[Any, ...]  # a params path, e.g. ("layers", 3, "mixer", "w_in")
 Shape = tuple[int, ...]
@@ -279,10 +280,36 @@ class Entry:
     transform: Transform | Fused
     stacked: bool
     pieces: tuple[ParamSpec, ...] = ()
+    # Block-FP8 leaves (cfg.quantization "fp8"): the leaf's layout and input axes, `specs` then being the values'.
+    fp8: tuple[str, int] | None = None
 
     @property
     def fused(self) -> bool:
         return isinstance(self.transform, Fused)
+
+    def scale_specs(self, i: int) -> list[Shape]:
+        """The params-layout scale shapes of source i's arrays (`source_specs(i)`)."""
+        layout, n_in = self.fp8
+        return [scale_shape(s.shape, layout, n_in) for s in self.source_specs(i)]
+
+    def scale_to_params(self, i: int, scale_inv: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Source i's checkpoint scale [ceil(out/128), ceil(in/128)] -> its params-layout scales
+        (pallas_kernels/common/fp8.py): IN_OUT repeats each block row over its 128 output rows, then moves the
+        rows as the weight's transform moves them; OUT_IN keeps the blocks."""
+        if self.fp8[0] == IN_OUT:
+            scale_inv = np.repeat(scale_inv, BLOCK, axis=0)[:self.source_shape(i)[0]]
+        return self._source_transform(i).to_params(scale_inv, self.scale_specs(i))
+
+    def scale_to_hf(self, i: int, xs: Sequence[np.ndarray]) -> np.ndarray:
+        """The inverse of `scale_to_params`; ValueError when an IN_OUT scale differs within a checkpoint block."""
+        rows = self._source_transform(i).to_hf(xs)
+        if self.fp8[0] != IN_OUT:
+            return rows
+        blocks = rows[::BLOCK]
+        if not np.array_equal(np.repeat(blocks, BLOCK, axis=0)[:rows.shape[0]], rows):
+            raise ValueError(f"{self.names[i]}: its FP8 scales differ within a 128x128 block, which the checkpoint "
+                             "layout cannot hold (quantise the float weights instead: conversion.synthetic does)")
+        return blocks
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -355,10 +382,13 @@ def plan(cfg: LingConfig, *, with_mtp: bool = True) -> list[Entry]:
     by_path: dict[Path, Entry] = {}
 
     def add(rule: Rule, prefix: str, root: Path, scope_specs: Any):
-        leaf_specs = [_lookup(scope_specs, p) for p in rule.params]
-        if any(s is None for s in leaf_specs):
-            assert all(s is None for s in leaf_specs), rule  # a multi-output rule is all or nothing
+        declared = [_lookup(scope_specs, p) for p in rule.params]
+        if any(s is None for s in declared):
+            assert all(s is None for s in declared), rule  # a multi-output rule is all or nothing
             return
+        leaf_specs = [weight_spec(s) for s in declared]
+        assert len({is_fp8(s) for s in declared}) == 1, rule
+        fp8 = (declared[0].layout, declared[0].n_in) if is_fp8(declared[0]) else None
         stacked = "{e}" in rule.hf[0][0]
         if stacked:
             sources = tuple(tuple(prefix + n.format(e=e) for n in rule.hf[0]) for e in range(leaf_specs[0].shape[0]))
@@ -366,7 +396,7 @@ def plan(cfg: LingConfig, *, with_mtp: bool = True) -> list[Entry]:
             sources = tuple(tuple(prefix + n for n in names) for names in rule.hf)
         pieces = rule.transform.piece_specs(leaf_specs[0], cfg) if isinstance(rule.transform, Fused) else ()
         paths = tuple(root + tuple(p.split(".")) for p in rule.params)
-        entry = Entry(sources, paths, tuple(leaf_specs), rule.transform, stacked, pieces)
+        entry = Entry(sources, paths, tuple(leaf_specs), rule.transform, stacked, pieces, fp8)
         for p in paths:
             assert p not in by_path, f"two rules feed {path_str(p)}"
             by_path[p] = entry
@@ -394,7 +424,7 @@ def plan(cfg: LingConfig, *, with_mtp: bool = True) -> list[Entry]:
     assert not missing, f"no official name maps to params {missing}"
     for path, spec in leaves.items():
         entry = by_path[path]
-        assert entry.specs[entry.paths.index(path)] == spec, path
+        assert entry.specs[entry.paths.index(path)] == weight_spec(spec), path
     order = {p: i for i, p in enumerate(leaves)}
     entries = sorted({id(e): e for e in by_path.values()}.values(), key=lambda e: order[e.paths[0]])
     names = [n for e in entries for source in e.sources for n in source]
@@ -402,9 +432,15 @@ def plan(cfg: LingConfig, *, with_mtp: bool = True) -> list[Entry]:
     return entries
 
 
-def spec_paths(specs: Any) -> dict[Path, ParamSpec]:
-    """{params path: ParamSpec} in the canonical (jax.tree) leaf order."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)
+def spec_paths(specs: Any) -> dict[Path, Any]:
+    """{params path: ParamSpec, or the Fp8Weight of a block-FP8 weight} in the canonical (jax.tree) leaf order."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_leaf_spec)
+    return {tuple(_key(k) for k in kp): spec for kp, spec in flat}
+
+
+def array_paths(specs: Any) -> dict[Path, ParamSpec]:
+    """{path: ParamSpec} of every array leaf: an FP8 weight's values at path + ("q",), its scale at + ("scale",)."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, ParamSpec))
     return {tuple(_key(k) for k in kp): spec for kp, spec in flat}
 
 
@@ -413,6 +449,8 @@ def _key(k: Any) -> Any:
         return k.key
     if isinstance(k, jax.tree_util.SequenceKey):
         return k.idx
+    if isinstance(k, jax.tree_util.GetAttrKey):
+        return k.name
     raise TypeError(f"unexpected params tree key {k!r}")
 
 

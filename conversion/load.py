@@ -22,14 +22,16 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from conversion import hf
+from conversion import fp8_blocks, hf
 from ling_jax.config import (DENSE, HF_FFN_NAMES, HF_MIXER_NAMES, KDA, MLA, MOE, LingConfig, from_hf,
                              read_config_json, read_json)
-from ling_jax.params import is_spec, param_specs
+from ling_jax.params import is_leaf_spec, param_specs
+from pallas_kernels.common.fp8 import Fp8Weight, scale_shape
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
+FP8_STORED = "F8_E4M3"
 _MAX_LISTED = 40  # per problem kind; the count is always exact
 
 
@@ -113,12 +115,16 @@ def has_mtp_tensors(catalog: dict[str, TensorInfo], cfg: LingConfig) -> bool:
 
 def validate(cfg: LingConfig, catalog: dict[str, TensorInfo], entries: list[hf.Entry], *,
              ignore_prefix: str | None = None, problems: list[str] | None = None,
-             schedule_lists: Sequence[str] = ()) -> None:
+             schedule_lists: Sequence[str] = (), quantizing: bool = False) -> None:
     """Raise one CheckpointError naming every way `catalog` differs from what `entries` expect.
 
     A layer whose tensors describe another mixer or ffn than the schedule comes first, as its own problem: its
     missing and unexpected tensors follow from it. `schedule_lists` names the lists config.json holds
     (layer_types, mlp_layer_types), so that the message says where the schedule came from.
+
+    Block-FP8 (docs/model.md §4): every F8_E4M3 tensor needs its `<name>_scale_inv` F32 [ceil(out/128),
+    ceil(in/128)]; the leaves `param_specs` declares FP8 need F8 sources, or float ones when `quantizing`
+    (`load_hf(fp8=True)` quantises them); an F8 tensor feeding an unquantised leaf is dequantised.
     """
     conflicts = _schedule_conflicts(cfg, catalog, schedule_lists)
     problems = ([conflicts] if conflicts else []) + list(problems or [])
@@ -134,7 +140,7 @@ def validate(cfg: LingConfig, catalog: dict[str, TensorInfo], entries: list[hf.E
             problems.append(f"vocab mismatch: {name} has {catalog[name].shape[axis]} rows but config.json "
                             f"vocab_size={cfg.vocab_size}; the config and the weights come from different models")
 
-    missing, shapes, dtypes, aliases = [], [], [], []
+    missing, shapes, dtypes, aliases, scales, unquantised = [], [], [], [], [], []
     packed_into: dict[str, str] = {}  # a fused entry's source name -> what a missing-tensor line says of it
     for entry in entries:
         for i, names in enumerate(entry.sources):
@@ -149,8 +155,14 @@ def validate(cfg: LingConfig, catalog: dict[str, TensorInfo], entries: list[hf.E
                 info, want = catalog[name], entry.source_shape(i)
                 if info.shape != want and not (name in vocab_rows and info.shape[1:] == want[1:]):
                     shapes.append(f"{name}: expected {list(want)} (for {_leaf_names(entry)}), found {list(info.shape)}")
-                if info.dtype not in _FLOAT_DTYPES:
+                if info.dtype == FP8_STORED:
+                    scale = fp8_blocks.scale_name(name)
+                    expected[scale] = (entry, i)
+                    scales.extend(_scale_problems(name, scale, catalog, want))
+                elif info.dtype not in _FLOAT_DTYPES:
                     dtypes.append(f"{name}: {info.dtype} (for {_leaf_names(entry)})")
+                elif entry.fp8 and not quantizing:
+                    unquantised.append(f"{name}: {info.dtype} (for {_leaf_names(entry)})")
     unexpected = [n for n in catalog if n not in expected and not (ignore_prefix and n.startswith(ignore_prefix))]
 
     if missing:
@@ -162,11 +174,31 @@ def validate(cfg: LingConfig, catalog: dict[str, TensorInfo], entries: list[hf.E
     if shapes:
         problems.append(_listing("wrong shape", shapes))
     if dtypes:
-        problems.append(_listing("not a float dtype (a quantised checkpoint? ling-jax reads the BF16 release)",
+        problems.append(_listing("not a float or F8_E4M3 dtype (ling-jax reads the BF16 and the block-FP8 releases)",
                                  dtypes))
+    if scales:
+        problems.append(_listing("FP8 scale missing or malformed", scales))
+    if unquantised:
+        problems.append(_listing("not FP8, though config.json's quantization_config makes these leaves block-FP8 "
+                                 "(ling-jax packs a fused leaf's parts in one format): re-quantise the bf16 release "
+                                 "with `ling-jax convert --dtype fp8`, or load with fp8=False (--dtype bfloat16) to "
+                                 "dequantise", unquantised))
     if problems:
         raise CheckpointError(f"checkpoint does not match its config.json ({len(problems)} problem kinds):\n  "
                               + "\n  ".join(problems))
+
+
+def _scale_problems(name: str, scale: str, catalog: dict[str, TensorInfo], shape: tuple[int, ...]) -> list[str]:
+    want = list(fp8_blocks.scale_shape(shape))
+    if scale not in catalog:
+        return [f"{scale}: absent, but {name} is F8_E4M3 (its 128x128 block scales, F32 {want})"]
+    info = catalog[scale]
+    if info.dtype != "F32":
+        return [f"{scale}: stored {info.dtype}; block scales are F32 (the release's weight_scale_inv)"]
+    if list(info.shape) != want:
+        return [f"{scale}: expected {want} (ceil(out/128), ceil(in/128) of {name} {list(shape)}), found "
+                f"{list(info.shape)}"]
+    return []
 
 
 def _schedule_conflicts(cfg: LingConfig, catalog: dict[str, TensorInfo], schedule_lists: Sequence[str]) -> str:
@@ -207,7 +239,8 @@ def _schedule_source(cfg: LingConfig, field: str, schedule_lists: Sequence[str])
 
 
 def load_hf(hf_dir: str | Path, *, dtype=None, shardings: Any = None, with_mtp: bool = True,
-            progress: bool = True, router_weight_dtype: str | None = None) -> tuple[LingConfig, Any]:
+            progress: bool = True, router_weight_dtype: str | None = None,
+            fp8: bool | None = None) -> tuple[LingConfig, Any]:
     """Read an official checkpoint directory into (cfg, params).
 
     Args:
@@ -226,6 +259,9 @@ def load_hf(hf_dir: str | Path, *, dtype=None, shardings: Any = None, with_mtp: 
       router_weight_dtype: None keeps the routers (`mlp.gate.weight`) as stored: bfloat16 when every loaded one is
         stored BF16, else float32 (`stored_router_dtype`); "float32" widens them anyway. Either gives the same
         logits (fp32 products of the stored values); a bf16 router reads half the bytes.
+      fp8: None keeps the checkpoint's format (block-FP8 when config.json has the release's quantization_config);
+        True quantises float weights to block-FP8 as the release does (conversion/fp8_blocks.py); False
+        dequantises FP8 weights to `dtype`. `cfg.quantization` says which the params hold.
 
     Returns:
       (cfg, params). `cfg` always describes `params`: when the MTP layer is not loaded, `cfg.num_mtp_layers` is 0,
@@ -252,15 +288,20 @@ def load_hf(hf_dir: str | Path, *, dtype=None, shardings: Any = None, with_mtp: 
         warnings.warn(msg, stacklevel=2)
         load_mtp = False
     ignore = mtp_prefix if (cfg.num_mtp_layers and not load_mtp) else None
-    cfg = cfg.replace(router_weight_dtype=router_weight_dtype or stored_router_dtype(catalog, ignore_prefix=ignore))
+    stored_fp8 = cfg.quantization == "fp8"
+    target_fp8 = stored_fp8 if fp8 is None else bool(fp8)
+    cfg = cfg.replace(router_weight_dtype=router_weight_dtype or stored_router_dtype(catalog, ignore_prefix=ignore),
+                      quantization="fp8" if target_fp8 else None)
     entries = hf.plan(cfg, with_mtp=load_mtp)
     validate(cfg, catalog, entries, ignore_prefix=ignore, problems=problems,
-             schedule_lists=[n for n in ("layer_types", "mlp_layer_types") if raw.get(n) is not None])
+             schedule_lists=[n for n in ("layer_types", "mlp_layer_types") if raw.get(n) is not None],
+             quantizing=target_fp8 and not stored_fp8)
     dtype = stored_compute_dtype(catalog) if dtype is None else dtype
     out_cfg = cfg if load_mtp else without_mtp(cfg)
 
     sharding_of = _sharding_lookup(shardings)
-    placement = {path: sharding_of(path) for entry in entries for path in entry.paths}  # fail before reading
+    placement = {path + part: sharding_of(path + part) for entry in entries for path in entry.paths
+                 for part in ((("q",), ("scale",)) if entry.fp8 else ((),))}  # fail before reading
     total = sum(catalog[_present(names, catalog)].nbytes for e in entries for names in e.sources)
     arrays: dict[hf.Path, jax.Array] = {}
     with contextlib.ExitStack() as stack, _progress(total, f"load {hf_dir.name}", progress) as bar:
@@ -269,6 +310,8 @@ def load_hf(hf_dir: str | Path, *, dtype=None, shardings: Any = None, with_mtp: 
         def read(names: tuple[str, ...]) -> np.ndarray:
             info = catalog[_present(names, catalog)]
             try:
+                if info.dtype == FP8_STORED:
+                    return _read_fp8(hf_dir, catalog, _present(names, catalog), bar)
                 if info.file not in handles:
                     handles[info.file] = stack.enter_context(safe_open(hf_dir / info.file, framework="numpy"))
                 x = handles[info.file].get_tensor(_present(names, catalog))
@@ -280,18 +323,41 @@ def load_hf(hf_dir: str | Path, *, dtype=None, shardings: Any = None, with_mtp: 
 
         for entry in entries:
             for path, host in zip(entry.paths, _host_arrays(entry, read, dtype)):
-                arrays[path] = jax.device_put(host, placement[path]).block_until_ready()
+                if isinstance(host, Fp8Weight):
+                    arrays[path] = Fp8Weight(*(jax.device_put(a, placement[path + (k,)]).block_until_ready()
+                                               for k, a in (("q", host.q), ("scale", host.scale))),
+                                             host.layout, host.n_in)
+                else:
+                    arrays[path] = jax.device_put(host, placement[path]).block_until_ready()
 
     specs = param_specs(out_cfg)
     paths = hf.spec_paths(specs)
-    treedef = jax.tree.structure(specs, is_leaf=is_spec)
+    treedef = jax.tree.structure(specs, is_leaf=is_leaf_spec)
     return out_cfg, jax.tree.unflatten(treedef, [arrays[p] for p in paths])
+
+
+class _Fp8Source(tuple):
+    """An F8_E4M3 checkpoint tensor with its block scale: (q [out, in], scale_inv [ceil(out/128), ceil(in/128)])."""
+
+
+def _read_fp8(hf_dir: Path, catalog: dict[str, TensorInfo], name: str, bar) -> _Fp8Source:
+    info, scale = catalog[name], catalog[fp8_blocks.scale_name(name)]
+    try:
+        q = fp8_blocks.read_raw(hf_dir / info.file, name, info.shape, fp8_blocks.FP8_NP)
+        s = fp8_blocks.read_raw(hf_dir / scale.file, fp8_blocks.scale_name(name), scale.shape, np.dtype(np.float32))
+    except (OSError, ValueError, KeyError) as e:
+        raise CheckpointError(f"{name} in {hf_dir} cannot be read ({e}): re-download or re-copy its shard") from None
+    bar.update(info.nbytes + scale.nbytes)
+    return _Fp8Source((q, s))
 
 
 def _host_arrays(entry: hf.Entry, read: Callable[[tuple[str, ...]], np.ndarray], dtype) -> list[np.ndarray]:
     """The params leaves of one entry as host arrays in their target dtypes. Experts, and the parts of a fused leaf,
     fill one array slice by slice, so that no more than one source tensor is held beside it."""
+    if entry.fp8:
+        return _fp8_host_arrays(entry, read)
     targets = [np.dtype(s.dtype(dtype)) for s in entry.specs]
+    read = _dequantizing(read)
     if entry.stacked or entry.fused:
         (spec,), (target,) = entry.specs, targets
         out = np.empty(spec.shape, target)
@@ -300,6 +366,36 @@ def _host_arrays(entry: hf.Entry, read: Callable[[tuple[str, ...]], np.ndarray],
         return [out]
     xs = entry.source_to_params(0, read(entry.sources[0]))
     return [np.ascontiguousarray(x.astype(t)) for x, t in zip(xs, targets)]
+
+
+def _dequantizing(read: Callable) -> Callable[[tuple[str, ...]], np.ndarray]:
+    """`read`, with an FP8 source dequantised to float32 (an unquantised leaf, or `load_hf(fp8=False)`)."""
+    def read_float(names):
+        x = read(names)
+        return fp8_blocks.dequantize(*x) if isinstance(x, _Fp8Source) else x
+    return read_float
+
+
+def _fp8_host_arrays(entry: hf.Entry, read: Callable) -> list[Fp8Weight]:
+    """The block-FP8 leaves of one entry as host Fp8Weights; a float source is quantised as the release is."""
+    layout, n_in = entry.fp8
+
+    def source(i: int) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
+        x = read(entry.sources[i])
+        q, s = x if isinstance(x, _Fp8Source) else fp8_blocks.quantize(x)
+        return entry.source_to_params(i, q), entry.scale_to_params(i, s)
+
+    if entry.stacked or entry.fused:
+        (spec,) = entry.specs
+        q_out = np.empty(spec.shape, fp8_blocks.FP8_NP)
+        s_out = np.empty(scale_shape(spec.shape, layout, n_in), np.float32)
+        for i in range(len(entry.sources)):
+            (q,), (s,) = source(i)
+            q_out[entry.slot(i)], s_out[entry.slot(i)] = q, s
+        return [Fp8Weight(q_out, s_out, layout, n_in)]
+    qs, ss = source(0)
+    return [Fp8Weight(np.ascontiguousarray(q), np.ascontiguousarray(s, np.float32), layout, n_in)
+            for q, s in zip(qs, ss)]
 
 
 _STORED_COMPUTE_DTYPES = {"BF16": jnp.bfloat16, "F32": jnp.float32}

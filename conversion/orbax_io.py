@@ -69,7 +69,7 @@ def load_params(path: str | Path, *, shardings: Any = None, dtype=None) -> tuple
                                         stored_by_path[p][1] if dtype is None and spec.dtype_class == COMPUTE
                                         else spec.dtype(dtype),
                                         sharding=sharding_of(p) or default)
-                   for p, spec in hf.spec_paths(specs).items()]
+                   for p, spec in hf.array_paths(specs).items()]
         target = jax.tree.unflatten(jax.tree.structure(specs, is_leaf=is_spec), targets)
         try:
             params = ckptr.restore(path / PARAMS_DIR, target)
@@ -106,12 +106,12 @@ def is_hf_checkpoint(path: str | Path) -> bool:
 
 def convert(hf_dir: str | Path, out_dir: str | Path, *, dtype=None, shardings: Any = None,
             with_mtp: bool = True, progress: bool = True, force: bool = False,
-            router_weight_dtype: str | None = None) -> LingConfig:
-    """`load_hf` then `save_params`. The whole model passes through device memory: for the full-size preset pass
+            router_weight_dtype: str | None = None, fp8: bool | None = None) -> LingConfig:
+    """`load_hf` then `save_params` (`fp8`: as `load_hf`'s, True quantising to block-FP8). The whole model passes through device memory: for the full-size preset pass
     `shardings` that spread it over the devices (or a CPU sharding on a host with the RAM)."""
     _refuse_overwrite(Path(out_dir).absolute(), force)  # before minutes of loading, not after
     cfg, params = load_hf(hf_dir, dtype=dtype, shardings=shardings, with_mtp=with_mtp, progress=progress,
-                          router_weight_dtype=router_weight_dtype)
+                          router_weight_dtype=router_weight_dtype, fp8=fp8)
     if progress:
         print(f"saving orbax checkpoint to {out_dir}", file=sys.stderr)
     save_params(out_dir, cfg, params, force=force)
@@ -162,7 +162,7 @@ def _is_pair(x: Any) -> bool:
 
 def _check_structure(cfg: LingConfig, tree: Any, what: str) -> dict[hf.Path, tuple]:
     """`tree` of (shape, dtype) pairs must have param_specs(cfg)'s structure and shapes; name every difference."""
-    specs = hf.spec_paths(param_specs(cfg))
+    specs = hf.array_paths(param_specs(cfg))
     flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_pair)
     got = {tuple(_k(k) for k in kp): v for kp, v in flat}
     missing = [hf.path_str(p) for p in specs if p not in got]

@@ -8,7 +8,9 @@ its piece of that leaf, with the leaf's fan-in (D for w_in and w_qg, W taps for 
 the shapes alone, then written tensor by tensor (header first, then the bytes), so the writer holds one tensor at a
 time: the full `ling-3.0-flash` preset (~255 GB) only needs disk.
 
-COMPUTE params are written in `dtype`; FP32-class params (A_log, dt_bias, convs, expert_bias) in float32, as
+Block-FP8 configs (`cfg.quantization` "fp8") get the `-fp8` release's layout: each quantised weight is drawn in
+float as above, then quantised per 128x128 block (conversion/fp8_blocks.py) and written as F8_E4M3 plus its
+`weight_scale_inv` F32. COMPUTE params are written in `dtype`; FP32-class params (A_log, dt_bias, convs, expert_bias) in float32, as
 transformers writes them; the routers in `cfg.router_weight_dtype` (float32 by default, as transformers writes them;
 bfloat16 to mimic a checkpoint that stores them so).
 """
@@ -24,13 +26,14 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from conversion import hf
+from conversion import fp8_blocks, hf
 from conversion.load import INDEX_NAME, without_mtp
 from ling_jax.config import LingConfig, to_hf_dict
 from ling_jax.params import ParamSpec, _fan_in
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
-_ST_DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(jnp.bfloat16): "BF16"}
+_ST_DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(jnp.bfloat16): "BF16",
+              fp8_blocks.FP8_NP: "F8_E4M3"}
 
 
 def _draw(rng: np.random.Generator, spec: ParamSpec, full: ParamSpec) -> np.ndarray:
@@ -61,24 +64,44 @@ def _stored_dtype(entry: hf.Entry, dtype) -> np.dtype:
 
 def synthetic_tensor(entry: hf.Entry, index: int, *, seed: int = 0, dtype="bfloat16") -> np.ndarray:
     """Source tensor `index` of `entry` (expert `index` when stacked, part `index` when fused), in the official
-    layout and stored dtype."""
+    layout and stored dtype (an FP8 entry's float weight before quantisation: `synthetic_tensors` quantises)."""
     name = entry.names[index]
     rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
     xs = [_draw(rng, s, full) for s, full in zip(entry.source_specs(index), entry.specs)]
     x = entry.source_to_hf(index, xs)
     assert x.shape == entry.source_shape(index), (name, x.shape, entry.source_shape(index))
-    return np.ascontiguousarray(x.astype(_stored_dtype(entry, dtype)))
+    return np.ascontiguousarray(x.astype(np.float32 if entry.fp8 else _stored_dtype(entry, dtype)))
+
+
+def synthetic_tensors(entry: hf.Entry, index: int, *, seed: int = 0, dtype="bfloat16") -> dict[str, np.ndarray]:
+    """{name: array} of what the checkpoint stores for source `index`: the tensor, or an FP8 weight and its
+    block scale."""
+    x = synthetic_tensor(entry, index, seed=seed, dtype=dtype)
+    name = entry.names[index]
+    if not entry.fp8:
+        return {name: x}
+    q, s = fp8_blocks.quantize(x)
+    return {name: q, fp8_blocks.scale_name(name): s}
+
+
+def _stored(entry: hf.Entry, index: int, dtype) -> list[tuple[str, np.dtype, tuple[int, ...]]]:
+    """(name, dtype, shape) of each tensor `synthetic_tensors` gives, known before drawing."""
+    name, shape = entry.names[index], entry.source_shape(index)
+    if not entry.fp8:
+        return [(name, _stored_dtype(entry, dtype), shape)]
+    return [(name, fp8_blocks.FP8_NP, shape),
+            (fp8_blocks.scale_name(name), np.dtype(np.float32), fp8_blocks.scale_shape(shape))]
 
 
 def shard_plan(cfg: LingConfig, *, dtype="bfloat16", max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                with_mtp: bool = True) -> list[list[tuple[hf.Entry, int, int]]]:
-    """Shards as lists of (entry, source index, nbytes), filled in plan order up to `max_shard_bytes` each."""
+    """Shards as lists of (entry, source index, nbytes), filled in plan order up to `max_shard_bytes` each; an FP8
+    weight and its scale share a shard."""
     shards: list[list[tuple[hf.Entry, int, int]]] = [[]]
     size = 0
     for entry in hf.plan(cfg, with_mtp=with_mtp):
-        itemsize = _stored_dtype(entry, dtype).itemsize
         for i in range(len(entry.sources)):
-            nbytes = math.prod(entry.source_shape(i)) * itemsize
+            nbytes = sum(math.prod(shape) * dt.itemsize for _, dt, shape in _stored(entry, i, dtype))
             if shards[-1] and size + nbytes > max_shard_bytes:
                 shards.append([])
                 size = 0
@@ -108,23 +131,25 @@ def write_synthetic(out_dir: str | Path, cfg: LingConfig, *, seed: int = 0, dtyp
             file = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
             header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
             offset = 0
-            for entry, i, nbytes in shard:
-                header[entry.names[i]] = {"dtype": _ST_DTYPES[_stored_dtype(entry, dtype)],
-                                          "shape": list(entry.source_shape(i)),
-                                          "data_offsets": [offset, offset + nbytes]}
-                offset += nbytes
-                weight_map[entry.names[i]] = file
+            for entry, i, _ in shard:
+                for name, dt, shape in _stored(entry, i, dtype):
+                    size = math.prod(shape) * dt.itemsize
+                    header[name] = {"dtype": _ST_DTYPES[dt], "shape": list(shape),
+                                    "data_offsets": [offset, offset + size]}
+                    offset += size
+                    weight_map[name] = file
             raw = json.dumps(header, separators=(",", ":")).encode()
             raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
             with open(out_dir / file, "wb") as f:
                 f.write(struct.pack("<Q", len(raw)))
                 f.write(raw)
                 for entry, i, nbytes in shard:
-                    x = synthetic_tensor(entry, i, seed=seed, dtype=dtype)
-                    assert x.nbytes == nbytes
-                    f.write(x.view(np.uint8).reshape(-1).data)
+                    xs = synthetic_tensors(entry, i, seed=seed, dtype=dtype)
+                    assert sum(x.nbytes for x in xs.values()) == nbytes
+                    for x in xs.values():
+                        f.write(np.ascontiguousarray(x).view(np.uint8).reshape(-1).data)
                     bar.update(nbytes)
-                    del x
+                    del xs
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
     config = to_hf_dict(cfg if with_mtp else without_mtp(cfg))

@@ -3,13 +3,14 @@ once at 4.3 TB/s, at Ling-3.0-flash's decode projection shapes, against XLA (`jn
 model's `proj`)?
 
 Run on the GPU: `PYTHONPATH=. python3 experiments/bench_gemv.py` (`--sweep`: a few tunings per shape and T as well
-as the default; `--smoke`: toy sizes on CPU in interpret mode, nothing written under experiments/results).
+as the default; `--fp8`: the same shapes with block-FP8 weights, below; `--smoke`: toy sizes on CPU in interpret
+mode, nothing written under experiments/results).
 Shapes, w [K, N] bf16 ([in, out], ling_jax/params.py): 2560x20512 (KDA's fused input projection w_in, 32 heads x
 (5·128 + 1)), 4096x2560 (KDA o_proj, with the block's residual added), 2560x576 (MLA kv_a), 2560x6176 (MLA's fused
-q|gate w_qg, 32 heads x 193), 2560x157184 (lm_head); T in {1, 4}. Rows per shape and T: `xla` (reference.gemv jitted: XLA's fusion or library GEMV), `pallas`
-(kernel.gemv, the default tuning, then the --sweep variants). For the lm_head also the greedy pick: `xla_argmax`
-(XLA's logits rounded to bf16 as the model rounds them, then jnp.argmax) against `pallas_greedy` (kernel.greedy_head:
-no logits written).
+q|gate w_qg, 32 heads x 193), 2560x157184 (lm_head); T in {1, 4}. Rows per shape and T: `xla` (reference.gemv
+jitted: XLA's fusion or library GEMV), `pallas` (kernel.gemv, the default tuning, then the --sweep variants). For
+the lm_head also the greedy pick: `xla_argmax` (XLA's logits rounded to bf16 as the model rounds them, then
+jnp.argmax) against `pallas_greedy` (kernel.greedy_head: no logits written).
 Cold weights: each shape has NW = max(8, COLD_BYTES / weight bytes) distinct copies used in rotation, so a call's
 weight was last read NW - 1 calls (>= 200 MB, four times the H200's 50 MB L2) earlier; every call has its own
 input x.
@@ -20,11 +21,21 @@ medians over 5 traced runs after 2 warm-ups. Bytes: the weight + x + the output 
 Checks, compiled, before each timing: the GEMV against the XLA row's output (L2 relative error <= REL_ERR_MAX); the
 greedy ids equal to XLA's argmax, token for token. A tuning that fails to compile or run is a row with its error
 (not a crash); a wrong result is listed under `failed` and the run exits 1. Results are saved after each shape.
+`--fp8`: each weight is `fp8.quantize` of the bf16 one (IN_OUT: E4M3 [K, N] and fp32 scales [ceil(K/128), N]);
+`xla` is what the model runs on XLA (ling_jax/layers/linear.py: the weight dequantised to bf16, then the dot),
+`pallas` the kernel (one token by FMAs, more tokens by its hand-pipelined dot; each 128-row block's scale applied
+to fp32 partial sums), checked against `reference.gemv` (the weight dequantised in fp32) within FP8_REL_ERR_MAX;
+the bytes count the E4M3 values and the scales (+3 %), so the % of 4.3 TB/s is that of the bytes an FP8 step must
+read. The shapes default to the four projections (the -fp8 checkpoint keeps the lm_head bf16; `--shapes` can add
+it); no greedy rows. `--fp8 --sweep` runs FP8_SWEEP plus the K-split counts next to the default's
+(`kernel.fp8_splits`), 53 rows at T = 1, 4 (estimated ~100 s on the H200, not yet run). Results go to
+bench_gemv_fp8.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import statistics
 import sys
@@ -36,6 +47,7 @@ import numpy as np
 
 from common import (HBM_BYTES_PER_S, finish, parse_tunings, print_table, rel_err, run_header, slope_per_call,
                     write_results)
+from pallas_kernels.common import fp8
 from pallas_kernels.gemv import kernel, reference
 
 # (name, K, N, with residual): the decode projections of Flash (D 2560, KDA 32 heads x 128, MLA kv_lora 512 + rope
@@ -52,13 +64,35 @@ REL_ERR_MAX = 8e-3
 GEMV_SWEEP = ("block_k=128;block_k=256;num_warps=2;num_warps=1,block_k=256;num_warps=8;block_n=128;block_n=32;"
               "k_splits=1;k_splits=4;k_splits=16;num_stages=1")
 GREEDY_SWEEP = "block_n=64;block_n=256;block_k=128;num_warps=8;num_warps=2;num_stages=1"
+# FP8 (kernel._fp8_default_tuning): one token by the dot instead of FMAs, 8 warps, the other column width, two scale
+# blocks per step (FMAs only: the dot's carried [256, BN] f16 tiles spill registers on sm_90); the K-split counts
+# next to the default's are added per shape (fp8_sweep).
+FP8_SWEEP = "one_token_dot=true;num_warps=8;block_n=64;block_n=128;block_k=256"
+# The FP8 kernel equals the fp32-dequantising reference up to fp32 rounding order before its one rounding to bf16
+# (tests/ops/test_gemv.py's bound); a kernel rounding the dequantised weight to bf16 would be ~2e-3 off.
+FP8_REL_ERR_MAX = 1e-3
 
 
-def label(tuning, default):
-    """Every field of a tuning, short (`bn64 bk64 ks8 w4 s3`), marked when it is the shape's default."""
+def label(tuning, default, t):
+    """Every field of a tuning, short (`bn64 bk64 ks8 w4 s3`, ` fma` for one token by FMAs), marked when it is the
+    shape's default."""
     text = (f"bn{tuning.block_n} bk{tuning.block_k} ks{tuning.k_splits} w{tuning.num_warps} "
-            f"s{tuning.num_stages}{'' if tuning.one_token_dot else ' fma'}")
+            f"s{tuning.num_stages}{' fma' if t == 1 and not tuning.one_token_dot else ''}")
     return f"default {text}" if tuning == default else text
+
+
+def fp8_sweep(base, k, t, spec):
+    """The FP8 sweep of a shape: `spec`'s items and the K-split counts either side of the default's. At T > 1
+    one_token_dot changes nothing (such an item is the default and drops out), and steps over 128 rows are left
+    out (FP8_SWEEP)."""
+    splits = kernel.fp8_splits(k)
+    i = splits.index(base.k_splits) if base.k_splits in splits else 0
+    near = [f"k_splits={d}" for d in splits[max(i - 1, 0):i + 2] if d != base.k_splits]
+    tunings = parse_tunings(base, ";".join([spec] + near))
+    if t > 1:
+        tunings = [dataclasses.replace(tu, one_token_dot=base.one_token_dot) for tu in tunings
+                   if tu.block_k <= fp8.BLOCK]
+    return tunings
 
 
 def _distinct(tunings):
@@ -66,10 +100,17 @@ def _distinct(tunings):
     return list(dict.fromkeys(tunings))
 
 
-def make_weights(k, n, copies, key):
-    """`copies` distinct bf16 [K, N] buffers with the statistics of a fan-in init."""
+def make_weights(k, n, copies, key, fp8_weights=False):
+    """`copies` distinct bf16 [K, N] buffers with the statistics of a fan-in init (their block-FP8 quantisations with
+    fp8_weights)."""
     base = jax.random.normal(key, (k, n), jnp.bfloat16) * (k ** -0.5)
-    return [jax.block_until_ready((base * (1.0 + 0.01 * c)).astype(jnp.bfloat16)) for c in range(copies)]
+    ws = [(base * (1.0 + 0.01 * c)).astype(jnp.bfloat16) for c in range(copies)]
+    return [jax.block_until_ready(fp8.quantize(w) if fp8_weights else w) for w in ws]
+
+
+def weight_bytes(k, n, fp8_weights):
+    """HBM bytes of one [K, N] weight: bf16, or E4M3 values plus one fp32 scale per 128 rows and column."""
+    return k * n + -(-k // fp8.BLOCK) * n * 4 if fp8_weights else k * n * 2
 
 
 def device_times(run, n_calls):
@@ -107,24 +148,35 @@ def time_op(op, ws, xs, rs, reps, iters):
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="the --gemv-tunings / --greedy-tunings variants too")
-    ap.add_argument("--gemv-tunings", default=GEMV_SWEEP, help="';'-separated fields replacing the default's")
+    ap.add_argument("--gemv-tunings", default=None, help="';'-separated fields replacing the default's "
+                                                        "(default GEMV_SWEEP, FP8_SWEEP with --fp8)")
     ap.add_argument("--greedy-tunings", default=GREEDY_SWEEP)
-    ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
+    ap.add_argument("--shapes", default=None, help="default: all of SHAPES (no lm_head with --fp8)")
     ap.add_argument("--ts", default="1,4")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--fp8", action="store_true", help="block-FP8 weights (E4M3 + fp32 scale per 128 rows and "
+                                                       "column); no greedy rows")
     ap.add_argument("--smoke", action="store_true", help="toy sizes on CPU (interpret mode); writes nothing under "
                                                          "experiments/results")
     args = ap.parse_args(argv)
-    shapes = [s for s in SHAPES if s[0] in args.shapes.split(",")]
+    names = args.shapes.split(",") if args.shapes else [s[0] for s in SHAPES if not (args.fp8 and s[0] == LM_HEAD)]
+    shapes = [s for s in SHAPES if s[0] in names]
     ts = [int(v) for v in args.ts.split(",")]
     reps, iters, min_copies, cold_bytes = (1, 3), args.iters, MIN_COPIES, COLD_BYTES
-    gemv_sweep, greedy_sweep = args.gemv_tunings, args.greedy_tunings
+    gemv_sweep = args.gemv_tunings or (FP8_SWEEP if args.fp8 else GEMV_SWEEP)
+    greedy_sweep = args.greedy_tunings
+    max_err = FP8_REL_ERR_MAX if args.fp8 else REL_ERR_MAX
     if args.smoke:  # every call is an interpreted kernel inlined into the executable: few and tiny
         shapes = [("kda_o", 128, 256, True), ("mla_kv_a", 128, 80, False), (LM_HEAD, 128, 300, False)]
+        if args.fp8:  # K = 256: two scale blocks
+            shapes = [("kda_o", 256, 256, True), ("mla_kv_a", 256, 80, False)]
         reps, iters, min_copies, cold_bytes = (1, 2), 1, 2, 0
-        gemv_sweep, greedy_sweep, args.sweep = "block_n=16,k_splits=2", "block_n=64", True
+        gemv_sweep = "block_n=64,k_splits=2;one_token_dot=true" if args.fp8 else "block_n=16,k_splits=2"
+        greedy_sweep, args.sweep = "block_n=64", True
     header = run_header()
-    results = {**header, "hbm_bytes_per_s": HBM_BYTES_PER_S, "cold_bytes": cold_bytes, "rows": [], "errors": [],
+    results = {**header, "hbm_bytes_per_s": HBM_BYTES_PER_S, "cold_bytes": cold_bytes,
+               "weights": "fp8 e4m3 + fp32 scale per 128 rows and column" if args.fp8 else "bf16",
+               "rows": [], "errors": [],
                "failed": [], "method": f"R·NW independent calls per executable, wall slope R={reps[0]}..{reps[1]}; "
                                      "device: profiler span / NW of the R = 1 executable"}
     t_start = time.time()
@@ -158,36 +210,42 @@ def main(argv=None):
             return None, {}, f"{type(exc).__name__}: {str(exc)[:300]}"
 
     for si, (name, k, n, with_res) in enumerate(shapes):
-        w_bytes = k * n * 2
+        w_bytes = weight_bytes(k, n, args.fp8)
         nw = max(min_copies, -(-int(cold_bytes) // w_bytes))
-        ws = make_weights(k, n, nw, jax.random.key(si))
-        print(f"{name}: [{k}, {n}] bf16, {nw} copies ({nw * w_bytes / 1e6:.0f} MB)", flush=True)
+        ws = make_weights(k, n, nw, jax.random.key(si), args.fp8)
+        print(f"{name}: [{k}, {n}] {'fp8' if args.fp8 else 'bf16'}, {nw} copies ({nw * w_bytes / 1e6:.0f} MB)",
+              flush=True)
         for t in ts:
             m = max(reps) * nw
             xs = [jnp.asarray(rng.standard_normal((t, k)), jnp.bfloat16) for _ in range(m)]
             rs = [jnp.asarray(rng.standard_normal((t, n)), jnp.bfloat16) for _ in range(m)] if with_res else None
             nbytes = w_bytes + t * k * 2 + t * n * 2 * (2 if with_res else 1)
             want = jax.jit(reference.gemv)(xs[0], ws[0], None if rs is None else rs[0])
+            # The model's XLA projection: an FP8 weight dequantised to x's dtype first (ling_jax/layers/linear.py).
+            xla_w = (lambda w, x: fp8.dequantize(w, x.dtype)) if args.fp8 else (lambda w, x: w)
 
             def run_xla():
-                return time_op(lambda w, x, r: reference.gemv(x, w, r), ws, xs, rs, reps, iters), {}
+                return time_op(lambda w, x, r: reference.gemv(x, xla_w(w, x), r), ws, xs, rs, reps, iters), {}
 
             timing, extra, error = attempt(run_xla)
             record("gemv", name, k, n, t, "xla", "", nbytes, timing, error, **extra)
-            base = kernel.default_tuning(t, k, n)
-            for tu in _distinct([base] + (parse_tunings(base, gemv_sweep) if args.sweep else [])):
+            base = kernel.default_tuning(t, k, n, 1 if args.fp8 else 2)
+            variants = []
+            if args.sweep:
+                variants = fp8_sweep(base, k, t, gemv_sweep) if args.fp8 else parse_tunings(base, gemv_sweep)
+            for tu in _distinct([base] + variants):
                 def run_pallas(tu=tu):
                     op = functools.partial(kernel.gemv, tuning=tu)
                     err = rel_err(op(xs[0], ws[0], None if rs is None else rs[0]), want)
-                    if not err <= REL_ERR_MAX:
-                        results["failed"].append(f"gemv {name} T={t} {tu}: rel err {err:.2e} > {REL_ERR_MAX}")
+                    if not err <= max_err:
+                        results["failed"].append(f"gemv {name} T={t} {tu}: rel err {err:.2e} > {max_err}")
                         raise AssertionError(results["failed"][-1])
                     extra = dict(rel_err=float(f"{err:.2e}"), programs=-(-n // tu.block_n) * tu.k_splits)
                     return time_op(lambda w, x, r: op(x, w, r), ws, xs, rs, reps, iters), extra
 
                 timing, extra, error = attempt(run_pallas)
-                record("gemv", name, k, n, t, "pallas", label(tu, base), nbytes, timing, error, **extra)
-            if name == LM_HEAD:
+                record("gemv", name, k, n, t, "pallas", label(tu, base, t), nbytes, timing, error, **extra)
+            if name == LM_HEAD and not args.fp8:
                 g_bytes = w_bytes + t * k * 2
                 ids_want, max_want = jax.jit(reference.greedy_head)(xs[0], ws[0])
 
@@ -211,9 +269,10 @@ def main(argv=None):
                                 dict(ids_differ=differ, programs=-(-n // tu.block_n)))
 
                     timing, extra, error = attempt(run_greedy)
-                    record("greedy", name, k, n, t, "pallas_greedy", label(tu, g_base), g_bytes, timing, error, **extra)
+                    record("greedy", name, k, n, t, "pallas_greedy", label(tu, g_base, t), g_bytes, timing, error,
+                           **extra)
         del ws
-        write_results("bench_gemv.json", results, to_repo=not args.smoke)
+        write_results("bench_gemv_fp8.json" if args.fp8 else "bench_gemv.json", results, to_repo=not args.smoke)
 
     print_table(results["rows"], ["kind", "shape", "T", "backend", "us", "floor_us", "pct_of_4p3TBps", "GBps",
                                   "tuning", "error"])

@@ -17,7 +17,7 @@ tokens with every swept router tuning, layer vs reference at T in {1, 2, 3, 16},
 with these fields replaced instead of the default by T (e.g. `prefetch_chunk_bytes=0`: the shared-expert prefetch
 off; `verify_gate_up=fma_tokens,block_i=2,warps_gate_up=1,block_k=256,routed_eviction=evict_first`:
 experts.FMA_TOKENS_TUNING, the T = 2 default, at every T).
-Results are saved after each section (a timeout keeps what finished).
+Results are saved after each section (a timeout keeps what finished), to bench_moe.json (--fp8: bench_moe_fp8.json).
 Weights are cold: NL = 8 layers of experts (6.0 GB each, 48 GB) and routers, used in rotation, so a layer's
 weights were last touched >= 7 layers (>= 0.7 GB) earlier, far past the 60 MB L2.
 Timing has no per-call host cost: one jitted executable runs a *chain* of R·NL layers, each waiting for the
@@ -32,7 +32,14 @@ post-attention norm, so no layer's router GEMV is admitted early by the previous
 `--router-dtype bfloat16`: the routers held in bf16, as a BF16 checkpoint stores `mlp.gate.weight` and the model
 keeps it (LingConfig.router_weight_dtype; the kernels widen it exactly, same selection as its fp32 copy); default
 float32 (transformers' save_pretrained).
-Bytes: router D·E·(4 or 2) + (distinct experts + shared) · 3·D·I·2; % of 4.3 TB/s (measured H200 copy rate).
+`--fp8`: every expert matrix (routed and shared) block-FP8 (pallas_kernels/common/fp8.py, layout OUT_IN: E4M3 q
+and float32 128x128 block scales, as the `-fp8` checkpoint stores them), quantised from the same bf16 weights; the
+kernels' FP8 defaults by T (experts.default_tuning; T = 1: DECODE_TUNING_FP8, swept around it: EXPERTS_SWEEP_FP8,
+the experts only, router.default_tuning(1) throughout, ranked by device time alone: `--fp8 --no-ts` is a short
+sweep run), the router's prefetch hint given the shared expert's q arrays, and the reference with the float32
+weights (fp8.dequantize(w, float32)).
+Bytes: router D·E·(4 or 2) + (distinct experts + shared) · 3·D·I·(2, or 1 with --fp8 plus each matrix's
+ceil(D/128)·ceil(I/128) float32 scales); % of 4.3 TB/s (measured H200 copy rate): the fraction of the HBM floor.
 """
 
 from __future__ import annotations
@@ -51,8 +58,10 @@ import numpy as np
 from common import (HBM_BYTES_PER_S, parse_tuning, print_table, rel_err, run_header, short, slope_per_call,
                     write_results)
 from pallas_kernels import moe
+from pallas_kernels.common import fp8
 from pallas_kernels.moe import router as router_mod
-from pallas_kernels.moe.experts import DECODE_TUNING, VERIFY_TUNING, ExpertsTuning, moe_experts_fused
+from pallas_kernels.moe.experts import (DECODE_TUNING, DECODE_TUNING_FP8, VERIFY_TUNING, VERIFY_TUNING_FP8,
+                                        ExpertsTuning, moe_experts_fused)
 from pallas_kernels.moe.router import DECODE_TUNING as ROUTER_DECODE
 
 D, E, I, K = 2560, 512, 768, 8
@@ -77,6 +86,20 @@ EXPERTS_SWEEP = [
     dataclasses.replace(_D, block_d=2, warps_down=2),
     dataclasses.replace(_D, block_ki=128),
 ]
+# --fp8, T = 1: around DECODE_TUNING_FP8 (gate/up 4 rows and down 4 features per one-warp program, one row per lane,
+# per-lane FFMA chains): the gate/up chunks written out, 8-row two-warp gate/up programs (the same lane shape, half the
+# programs), 8- and 2-feature down programs (two rows per lane, or 8 weights per lane), 256-wide gate/up chunks. Six
+# tunings, each one compiled check and one profiled chain (device time, no wall slope): `--fp8 --no-ts` ends after
+# this sweep and the T = 1 profile.
+_F = DECODE_TUNING_FP8
+EXPERTS_SWEEP_FP8 = [
+    _F,
+    dataclasses.replace(_F, unroll_gate_up=True),
+    dataclasses.replace(_F, block_i=8, warps_gate_up=2),
+    dataclasses.replace(_F, block_d=8),
+    dataclasses.replace(_F, block_d=2),
+    dataclasses.replace(_F, block_k=256),
+]
 # The router is [E, D]: a GEMV program streams BE expert rows' D-split (KS splits, BK-wide tiles). T = 1 sweep
 # around router.DECODE_TUNING (BE 1, KS 5, BK 512, 1 warp): rows, splits, warps, stages, and the top-k program's
 # warps. BK is capped at D/KS's largest power-of-two divisor.
@@ -92,7 +115,13 @@ ROUTER_SWEEP = [
 ]
 
 
-def make_layers(nl, key, router_dtype=jnp.float32):
+def _fp8_layer(base, c):
+    """A layer of FP8 experts from the quantised base: its own copy of each q and the scales times c (cold buffers,
+    the same statistics)."""
+    return {n: fp8.Fp8Weight(jnp.array(w.q, copy=True), w.scale * c, fp8.OUT_IN) for n, w in base.items()}
+
+
+def make_layers(nl, key, router_dtype=jnp.float32, fp8_weights=False):
     k = jax.random.split(key, 8)
     bf = jnp.bfloat16
     base = dict(  # every expert matrix [out, in] (ling_jax/params.py): gate/up [.., I, D], down [.., D, I]
@@ -103,10 +132,15 @@ def make_layers(nl, key, router_dtype=jnp.float32):
         ws_up=(jax.random.normal(k[4], (I, D), bf) * (D ** -0.5)).astype(bf),
         ws_down=(jax.random.normal(k[5], (D, I), bf) * (I ** -0.5)).astype(bf),
     )
+    if fp8_weights:  # quantised once (a full-size float32 pass per matrix), then copied per layer
+        base = {n: jax.block_until_ready(fp8.quantize(w, fp8.OUT_IN)) for n, w in base.items()}
     layers = []
     for l in range(nl):
         c = jnp.asarray(1.0 + 0.01 * l, bf)
-        lay = {n: (w * c) for n, w in base.items()}  # distinct buffers per layer (cold), same statistics
+        if fp8_weights:
+            lay = _fp8_layer(base, 1.0 + 0.01 * l)
+        else:
+            lay = {n: (w * c) for n, w in base.items()}  # distinct buffers per layer (cold), same statistics
         lay["router"] = (jax.random.normal(jax.random.fold_in(k[6], l), (E, D), jnp.float32)
                          * (D ** -0.5)).astype(router_dtype)  # [E, D]
         lay["expert_bias"] = 0.01 * jax.random.normal(jax.random.fold_in(k[7], l), (E,), jnp.float32)
@@ -124,8 +158,9 @@ def moe_layer(x, lay, backend, et=None, rt=None, residual=None):
     if x.shape[0] > 1:  # the T = 1 sweeps' tunings; T > 1 runs experts/router.default_tuning(T)
         et, rt = VERIFY_EXPERTS, VERIFY_ROUTER  # (--verify-*: the VERIFY_TUNINGs with some fields replaced)
     # The model's MoE block (ling_jax/layers/moe.py): the top-k launch prefetches the shared expert into L2.
-    w, ids = router_mod.route(x, lay["router"], lay["expert_bias"], **ROUTE_KW, tuning=rt,
-                              prefetch=(lay["ws_gate"], lay["ws_up"], lay["ws_down"]))
+    # (FP8: the shared expert's q arrays; its scales are 4 bytes per 16 KB, read from HBM.)
+    shared = tuple(getattr(lay[n], "q", lay[n]) for n in ("ws_gate", "ws_up", "ws_down"))
+    w, ids = router_mod.route(x, lay["router"], lay["expert_bias"], **ROUTE_KW, tuning=rt, prefetch=shared)
     return moe_experts_fused(x, w, ids, lay["we_gate"], lay["we_up"], lay["we_down"], lay["ws_gate"],
                              lay["ws_up"], lay["ws_down"], limit=LIMIT, shared_limit=SHARED_LIMIT,
                              tuning=et, residual=residual)
@@ -212,7 +247,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="no sweep: the tunings of --experts / --router")
     ap.add_argument("--experts", default="",
-                    help="--quick: DECODE_TUNING with these fields, e.g. block_i=4,warps_gate_up=2")
+                    help="--quick: DECODE_TUNING (--fp8: DECODE_TUNING_FP8) with these fields, e.g. "
+                         "block_i=4,warps_gate_up=2")
     ap.add_argument("--router", default="",
                     help="--quick: router.default_tuning(1, --router-dtype) with these fields, e.g. block_e=2")
     ap.add_argument("--router-only", action="store_true", help="sweep the router only (experts DECODE_TUNING)")
@@ -233,26 +269,35 @@ def main(argv=None):
                          "warps_gate_up=1)")
     ap.add_argument("--router-dtype", choices=("float32", "bfloat16"), default="float32",
                     help="the routers' dtype: bfloat16 as a BF16 checkpoint stores them")
+    ap.add_argument("--fp8", action="store_true",
+                    help="block-FP8 expert matrices (E4M3 + 128x128 float32 scales) and the kernels' FP8 tunings")
     ap.add_argument("--smoke", action="store_true",
                     help="toy sizes, 1 layer, short sweeps and checks: the script's paths on CPU (interpret mode)")
     args = ap.parse_args(argv)
     global D, E, I, VERIFY_ROUTER, VERIFY_EXPERTS, CHAIN
     CHAIN = args.chain
     VERIFY_ROUTER = parse_tuning(router_mod.VERIFY_TUNING, args.verify_router) if args.verify_router else None
-    VERIFY_EXPERTS = parse_tuning(VERIFY_TUNING, args.verify_experts) if args.verify_experts else None
+    decode_base, verify_base = (DECODE_TUNING_FP8, VERIFY_TUNING_FP8) if args.fp8 else (DECODE_TUNING, VERIFY_TUNING)
+    VERIFY_EXPERTS = parse_tuning(verify_base, args.verify_experts) if args.verify_experts else None
     profile_ts = [int(t) for t in filter(None, args.profile_ts.split(","))]
     if any(t < 2 for t in profile_ts):
         ap.error(f"--profile-ts {args.profile_ts}: T values > 1 (T = 1 is profiled after the sweep)")
-    experts_sweep, router_sweep, reps, n_batch, n_single = EXPERTS_SWEEP, ROUTER_SWEEP, (1, 3), 512, 64
+    experts_sweep, router_sweep, reps, n_batch, n_single = (EXPERTS_SWEEP_FP8 if args.fp8 else EXPERTS_SWEEP,
+                                                            ROUTER_SWEEP, (1, 3), 512, 64)
     ts, nl, iters, check_ts = args.ts, args.layers, args.iters, (1, 2, 3, 16)
+    # --fp8 sweeps the experts only: the router GEMV is the same with FP8 experts (its sweep is the plain run's), so
+    # the FP8 sweep stays short (EXPERTS_SWEEP_FP8)
+    fp8_experts_only = args.fp8 and not args.router_only
+    if fp8_experts_only:
+        router_sweep = [router_mod.default_tuning(1, args.router_dtype)]
     if args.smoke:  # each distinct layer compiles for seconds in interpret mode: few of them, tiny ones
         D, E, I = 128, 32, 32
         ROUTE_KW["top_k"] = 2
-        experts_sweep, router_sweep, reps, n_batch, n_single = EXPERTS_SWEEP[:2], ROUTER_SWEEP[:1], (1, 2), 32, 4
+        experts_sweep, router_sweep, reps, n_batch, n_single = experts_sweep[:2], router_sweep[:1], (1, 2), 32, 4
         ts, nl, iters, check_ts = "1,3", 1, 1, (1, 2, 16)
     header = run_header()
     t_start = time.time()
-    layers = make_layers(nl, jax.random.key(0), jnp.dtype(args.router_dtype))
+    layers = make_layers(nl, jax.random.key(0), jnp.dtype(args.router_dtype), fp8_weights=args.fp8)
     print(f"made {nl} layers in {time.time() - t_start:.1f}s", flush=True)
     rng = np.random.default_rng(0)
     xs_cache = {}
@@ -265,7 +310,7 @@ def main(argv=None):
     results = {**header, "layers": nl,
                "method": f"chain of R·NL layers in one executable, slope R={reps[0]}..{reps[1]}",
                "limit": LIMIT, "shared_limit": SHARED_LIMIT, "hbm_bytes_per_s": HBM, "rows": [], "checks": {},
-               "profile": {}, "router_dtype": args.router_dtype, "chain": args.chain}
+               "profile": {}, "router_dtype": args.router_dtype, "chain": args.chain, "fp8": args.fp8}
 
     # Correctness, compiled.
     lay = layers[0]
@@ -298,12 +343,15 @@ def main(argv=None):
         print(f"check moe layer T={t}: rel err vs reference {err:.2e} (bound {REL_ERR_MAX})", flush=True)
         assert err <= REL_ERR_MAX
 
+    # One expert matrix's bytes: bf16, or E4M3 plus its float32 128x128 block scales.
+    matrix_bytes = D * I + -(-D // 128) * -(-I // 128) * 4 if args.fp8 else D * I * 2
+
     def floor_bytes(t):
         xs = xs_for(t)
         distinct = statistics.mean(
             len(set(np.asarray(moe.route(xs[l], layers[l]["router"], layers[l]["expert_bias"], **ROUTE_KW)[1])
                     .reshape(-1).tolist())) for l in range(nl))
-        return D * E * jnp.dtype(args.router_dtype).itemsize + (distinct + 1) * 3 * D * I * 2, distinct
+        return D * E * jnp.dtype(args.router_dtype).itemsize + (distinct + 1) * 3 * matrix_bytes, distinct
 
     def row(kind, backend, t, us, spread, nbytes, distinct, note=""):
         gbs = nbytes / (us * 1e-6) / 1e9
@@ -340,8 +388,9 @@ def main(argv=None):
             try:
                 err = rel_err(moe_layer(x1, lay, "pallas", et, rt), y1_ref)
                 assert err <= REL_ERR_MAX, f"rel err {err:.2e}"
-                us, sp = timed(1, et, rt)
                 dev, dev_gemv = device_us(et, rt)
+                # --fp8 on a GPU: device time only (the wall slope, the host's here, would cost two more compiles)
+                us, sp = (dev, 0.0) if fp8_experts_only and dev is not None else timed(1, et, rt)
             except Exception as exc:  # a tuning that fails to compile or check is skipped with its reason
                 if args.smoke:  # (the smoke run is the script's test: nothing skipped)
                     raise
@@ -355,16 +404,17 @@ def main(argv=None):
         return best[0]
 
     if args.quick:
-        et_best = parse_tuning(DECODE_TUNING, args.experts)
+        et_best = parse_tuning(decode_base, args.experts)
         rt_best = parse_tuning(router_mod.default_tuning(1, args.router_dtype), args.router)
     else:
-        et_best = DECODE_TUNING if args.router_only else sweep("sweep_exp", experts_sweep, lambda c: (c, None))
-        rt_best = sweep("sweep_rtr", router_sweep, lambda c: (et_best, c))
+        et_best = decode_base if args.router_only else sweep("sweep_exp", experts_sweep, lambda c: (c, None))
+        rt_best = router_sweep[0] if fp8_experts_only else sweep("sweep_rtr", router_sweep, lambda c: (et_best, c))
     results["best_experts_tuning"], results["best_router_tuning"] = str(et_best), str(rt_best)
     results["verify_router_tuning"] = str(VERIFY_ROUTER or "router.default_tuning(T)")
     results["verify_experts_tuning"] = str(VERIFY_EXPERTS or "experts.default_tuning(T)")
     print(f"best: {short(et_best)} {short(rt_best)}  [{time.time() - t_start:.0f}s]", flush=True)
-    save = lambda: write_results("bench_moe.json", results, to_repo=not args.smoke)  # noqa: E731
+    out_name = "bench_moe_fp8.json" if args.fp8 else "bench_moe.json"
+    save = lambda: write_results(out_name, results, to_repo=not args.smoke)  # noqa: E731
     save()
 
     def prof(t):  # per-kernel device times of the best config (profiler, inside the cold chain)

@@ -23,6 +23,14 @@ checks every tuning against the --tuning run's output.
 Timing: median of --iters (>= 5) calls of the jitted function after 2 warm-up calls, each blocked on (a call lasts
 milliseconds, so host dispatch is noise). TFLOP/s counts the products: routed 6·P·D·I (P = N·K pairs), shared
 6·N·D·Is; the router's 2·N·D·E are in the layer rows' time only.
+`--fp8`: every expert matrix block-FP8 (pallas_kernels/common/fp8.py, layout OUT_IN: E4M3 q and float32 128x128
+block scales, as the `-fp8` checkpoint stores them), quantised from the same bf16 weights; the layer rows' shared
+expert runs on the grouped kernels too (grouped.shared_expert); xla_reference dequantises the stacks to float32 and
+takes fp32 products (the reference's numerics, which the kernels follow); ragged_dot's [G, in, out] copy is of the
+stacks dequantised to bf16 (XLA's bf16 path, made before the timing; within REL_ERR_MAX of the fp32-weight output).
+Every row also gives the fraction of its HBM floor: the expert weights it reads once (routed, plus shared in the
+layer rows; bf16, or with --fp8 E4M3 plus the float32 scales) at 4.3 TB/s, a bound far below the products' at these
+N.
 On a GPU the profiler's per-kernel device times of the layer (router=pallas) at the largest N follow (`--no-profile`
 to skip). A row that fails (a tuning that does not compile, an OOM) is reported with its error, not a crash; the
 results are saved after each section.
@@ -42,8 +50,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from common import median_time, parse_tuning, print_table, rel_err, run_header, short, write_results
+from common import HBM_BYTES_PER_S, median_time, parse_tuning, print_table, rel_err, run_header, short, write_results
 from pallas_kernels import moe
+from pallas_kernels.common import fp8
 from pallas_kernels.moe import grouped, reference
 from pallas_kernels.moe.grouped import DEFAULT_TUNING
 
@@ -68,8 +77,9 @@ SWEEP = [
 ]
 
 
-def make_weights(key, n_tokens_max):
-    """One layer's weights (every matrix [out, in]), its router and bias, and x / residual for the largest N."""
+def make_weights(key, n_tokens_max, fp8_weights=False):
+    """One layer's weights (every matrix [out, in]; with fp8_weights each expert matrix an OUT_IN Fp8Weight), its
+    router and bias, and x / residual for the largest N."""
     k = jax.random.split(key, 10)
     bf = jnp.bfloat16
 
@@ -81,7 +91,17 @@ def make_weights(key, n_tokens_max):
              router=jax.random.normal(k[6], (E, D), jnp.float32) * (D ** -0.5),
              expert_bias=0.01 * jax.random.normal(k[7], (E,), jnp.float32),
              x=jax.random.normal(k[8], (n_tokens_max, D), bf), residual=jax.random.normal(k[9], (n_tokens_max, D), bf))
+    if fp8_weights:
+        for name in ("we_gate", "we_up", "we_down", "ws_gate", "ws_up", "ws_down"):
+            w[name] = jax.block_until_ready(fp8.quantize(w[name], fp8.OUT_IN))
     return jax.block_until_ready(w)
+
+
+def matrix_bytes(out, inp, fp8_weights):
+    """HBM bytes of one [out, in] expert matrix: bf16, or E4M3 plus its float32 128x128 block scales."""
+    if fp8_weights:
+        return out * inp + -(-out // 128) * -(-inp // 128) * 4
+    return out * inp * 2
 
 
 def route(x, w, backend):
@@ -108,6 +128,12 @@ def xla_ragged_dot_routed(x, weights, ids, wg_t, wu_t, wd_t):
     contrib = dot(h, wd_t).astype(jnp.float32) * weights.reshape(-1)[order][:, None]
     per_pair = jnp.zeros((n * k, x.shape[1]), jnp.float32).at[order].set(contrib).reshape(n, k, -1)
     return per_pair.sum(1).astype(dt)
+
+
+def dequantized(w):
+    """An FP8 matrix dequantised to bf16 (XLA's bf16 ragged_dot row; the reference keeps float32); a plain one as it
+    is."""
+    return fp8.dequantize(w, jnp.bfloat16) if isinstance(w, fp8.Fp8Weight) else w
 
 
 @jax.jit
@@ -168,6 +194,7 @@ def main(argv=None):
     ap.add_argument("--tuning", default="", help="GroupedTuning fields for the non-sweep rows, e.g. block_i=128")
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--no-xla", action="store_true", help="skip the XLA rows (the reference path, lax.ragged_dot)")
+    ap.add_argument("--fp8", action="store_true", help="block-FP8 expert matrices (E4M3 + 128x128 float32 scales)")
     ap.add_argument("--smoke", action="store_true", help="toy sizes on CPU (interpret mode): the script's paths")
     args = ap.parse_args(argv)
     global D, E, I, IS, K
@@ -186,12 +213,17 @@ def main(argv=None):
     tuning = parse_tuning(DEFAULT_TUNING, args.tuning)
     header = run_header()
     t_start = time.time()
-    w = make_weights(jax.random.key(0), max(ns))
-    print(f"weights made in {time.time() - t_start:.1f}s (routed {3 * E * D * I * 2 / 1e9:.2f} GB)", flush=True)
+    w = make_weights(jax.random.key(0), max(ns), fp8_weights=args.fp8)
+    routed_bytes = E * (2 * matrix_bytes(I, D, args.fp8) + matrix_bytes(D, I, args.fp8))
+    shared_bytes = 2 * matrix_bytes(IS, D, args.fp8) + matrix_bytes(D, IS, args.fp8)
+    print(f"weights made in {time.time() - t_start:.1f}s (routed {routed_bytes / 1e9:.2f} GB"
+          f"{', FP8' if args.fp8 else ''})", flush=True)
     results = {**header, "D": D, "E": E, "I": I, "Is": IS, "K": K, "limit": LIMIT, "shared_limit": SHARED_LIMIT,
                "tuning": str(tuning), "method": f"median of {iters} calls after 2 warm-ups, each blocked on",
-               "rows": [], "routing": {}, "checks": {}, "sweep": [], "profile": {}}
-    save = lambda: write_results("bench_moe_prefill.json", results, to_repo=not args.smoke)  # noqa: E731
+               "rows": [], "routing": {}, "checks": {}, "sweep": [], "profile": {}, "fp8": args.fp8,
+               "hbm_bytes_per_s": HBM_BYTES_PER_S}
+    out_name = "bench_moe_prefill_fp8.json" if args.fp8 else "bench_moe_prefill.json"
+    save = lambda: write_results(out_name, results, to_repo=not args.smoke)  # noqa: E731
 
     def flops(n, shared):
         return 6 * n * K * D * I + (6 * n * D * IS if shared else 0)
@@ -208,9 +240,12 @@ def main(argv=None):
             print(f"{kind:26s} N={n:5d} FAILED {r['error']}", flush=True)
             results["rows"].append(r)
             return None
-        r.update(ms=round(t * 1e3, 3), tflops=round(flops(n, shared) / t / 1e12, 1))
+        floor_s = (routed_bytes + (shared_bytes if shared else 0)) / HBM_BYTES_PER_S
+        r.update(ms=round(t * 1e3, 3), tflops=round(flops(n, shared) / t / 1e12, 1),
+                 weight_floor_ms=round(floor_s * 1e3, 3), pct_of_floor=round(100 * floor_s / t, 1))
         results["rows"].append(r)
-        print(f"{kind:26s} N={n:5d} {r['ms']:9.3f} ms {r['tflops']:7.1f} TFLOP/s {note}", flush=True)
+        print(f"{kind:26s} N={n:5d} {r['ms']:9.3f} ms {r['tflops']:7.1f} TFLOP/s {r['pct_of_floor']:5.1f}% of the "
+              f"weights' HBM floor {note}", flush=True)
         return out
 
     def check(name, got, want):
@@ -263,15 +298,15 @@ def main(argv=None):
 
     # 4) XLA's routed experts: the reference's path, then lax.ragged_dot on a [G, in, out] copy (not timed).
     if args.no_xla:
-        print_table(results["rows"], ["kind", "N", "ms", "tflops", "note", "error"])
+        print_table(results["rows"], ["kind", "N", "ms", "tflops", "pct_of_floor", "note", "error"])
         save()
         return
     for n in sorted(ref_ns & set(ns)):
-        want = row("xla_reference", n, xla_reference_routed, w["x"][:n], *routings[n], *routed_w)
+        want = row("xla_reference", n, xla_reference_routed, w["x"][:n], *routings[n], *routed_w)  # fp32 weights
         check(f"grouped_vs_reference_N{n}", outs[n], want)
     save()
     try:
-        transposed = jax.block_until_ready(tuple(jnp.swapaxes(a, 1, 2) for a in routed_w))
+        transposed = jax.block_until_ready(tuple(jnp.swapaxes(dequantized(a), 1, 2) for a in routed_w))
     except Exception as exc:
         if args.smoke:
             raise
@@ -287,7 +322,7 @@ def main(argv=None):
         gc.collect()
     save()
 
-    print_table(results["rows"], ["kind", "N", "ms", "tflops", "note", "error"])
+    print_table(results["rows"], ["kind", "N", "ms", "tflops", "pct_of_floor", "note", "error"])
     print(f"total bench time {time.time() - t_start:.0f}s")
     save()
 

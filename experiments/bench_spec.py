@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 
 # The oracle replays plain greedy's output, so the spec path must compute the same argmaxes: XLA's excess precision
@@ -40,7 +39,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench_decode import slice_config  # noqa: E402
+from ling_jax.bench import accept_plan, corruptions, oracle_aux, slice_config  # noqa: E402
 from common import run_header, write_results  # noqa: E402
 from ling_jax.engine import generate as G  # noqa: E402
 from ling_jax.engine import speculative as S  # noqa: E402
@@ -51,33 +50,6 @@ from ling_jax.params import init_params  # noqa: E402
 
 SMOKE = dict(preset="toy", layers=3, prompt_len=16, new_tokens=24, ks="1,3", accepts="3:2.5", block_size=4,
              repeats=1, profile_k=0, backend="reference")
-
-
-def accept_plan(k: int, accept: float, steps: int) -> list[int]:
-    """Accepted drafts per step whose mean is accept - 1 (evenly spread, Bresenham), each in 0..k."""
-    mean = accept - 1
-    if not 0 <= mean <= k:
-        raise ValueError(f"accept length {accept} needs 1 <= accept <= k + 1 = {k + 1}")
-    return [min(k, math.floor((j + 1) * mean + 1e-9) - math.floor(j * mean + 1e-9)) for j in range(steps)]
-
-
-def corruptions(k: int, plan: list[int], n_new: int) -> list[int]:
-    """Output positions to corrupt so that step j accepts plan[j] drafts (the oracle drafts positions m..m+k-1)."""
-    bad, m = [], 1
-    for n in plan:
-        if m >= n_new:
-            break
-        if n < k:
-            bad.append(m + n)
-        m += n + 1
-    return bad
-
-
-def oracle_aux(tokens, bad):
-    cont = jnp.asarray([tokens], jnp.int32)
-    corrupt = jnp.zeros(cont.shape, bool).at[0, jnp.asarray(bad, jnp.int32)].set(True) if bad else \
-        jnp.zeros(cont.shape, bool)
-    return cont, corrupt
 
 
 def timed(fn, repeats: int):

@@ -7,6 +7,8 @@ Reads the benchmarks' canonical results files (no GPU) and draws:
   decode_slice.png  bench_decode.json: the slice's TPOT per backend against its floor
   spec.png          bench_spec.json: spec step time vs k, and TPOT vs accept length against plain decode
   prefill.png       bench_prefill.json: the slice's TTFT and useful TFLOP/s per prompt and chunk, its op split
+  bench_sglang.png  every `ling-jax bench` row (bench_<model>_<dtype>.json): TPOT per configuration beside SGLang's
+                    published rows, and each configuration's fraction of the byte floor per op family
 
     python experiments/plot_results.py [--results DIR] [--out DIR]
 
@@ -182,6 +184,57 @@ def plot_prefill(data):
     return fig
 
 
+# SGLang's published rows, as ling_jax.bench.SGLANG_ROWS (4 Blackwell GPUs, TP4, bf16; every row speculates).
+SGLANG = (("SGLang baseline (NEXTN)", 3.33), ("SGLang, NEXTN tuned", 1.53), ("SGLang, DSpark draft", 0.78))
+OP_ORDER = ("projections", "moe", "lm_head", "kda", "mla")
+
+
+def bench_rows(results: Path) -> list[dict]:
+    """The `ling-jax bench` rows among the results files (they carry SGLang's TPOT fields)."""
+    rows = []
+    for path in sorted(results.glob("bench_*.json")):
+        data = json.loads(path.read_text())
+        if isinstance(data, dict) and "tpot_ms_median" in data:
+            rows.append(data)
+    return rows
+
+
+def _label(r: dict) -> str:
+    return f"{r['model']} {r['quantization'] or r['dtype']}\n{r['device']} x {r.get('devices', 1)}"
+
+
+def plot_bench(rows: list[dict]):
+    """Left: TPOT per configuration (median; the byte floor as a tick) beside SGLang's rows. Right: each configuration's
+    fraction of the floor per op family (floor µs / measured µs, from --profile)."""
+    fig, (a, b) = plt.subplots(1, 2, figsize=(14, 4.5))
+    labels = [_label(r) for r in rows] + [name for name, _ in SGLANG]
+    tpots = [r["tpot_ms_median"] for r in rows] + [ms for _, ms in SGLANG]
+    colors = ["C0"] * len(rows) + ["C7"] * len(SGLANG)
+    a.barh(labels, tpots, color=colors)
+    for i, r in enumerate(rows):
+        a.plot([r["floor_ms"]] * 2, [i - 0.4, i + 0.4], "k-", lw=2)
+        a.text(r["tpot_ms_median"], i, f" {r['tpot_ms_median']:.2f} ms ({r['frac_of_floor']:.0%} of floor)",
+               va="center", fontsize=8)
+    for j, (_, ms) in enumerate(SGLANG):
+        a.text(ms, len(rows) + j, f" {ms:.2f} ms", va="center", fontsize=8)
+    a.set(xlabel="TPOT ms (8192 in, 1024 out, batch 1; black tick: byte floor at 4.3 TB/s)",
+          title="ling-jax bench beside SGLang (4 Blackwell GPUs, TP4, bf16, speculative)")
+    a.tick_params(axis="y", labelsize=7)
+    a.invert_yaxis()
+    profiled = [r for r in rows if "breakdown" in r]
+    width = 0.8 / max(len(profiled), 1)
+    for k, r in enumerate(profiled):
+        ops = r["breakdown"]["ops"]
+        fracs = [ops[o]["floor_us"] / ops[o]["us"] if o in ops and ops[o]["us"] else 0 for o in OP_ORDER]
+        b.bar([i + k * width for i in range(len(OP_ORDER))], fracs, width, label=_label(r).replace("\n", ", "))
+    b.set_xticks([i + width * (len(profiled) - 1) / 2 for i in range(len(OP_ORDER))], OP_ORDER)
+    b.axhline(1.0, color="k", ls="--", lw=1)
+    b.set(ylabel="fraction of the byte floor", ylim=(0, 1.1), title="decode step by op family (exclusive device time)")
+    if profiled:
+        b.legend(fontsize=7)
+    return fig
+
+
 FIGURES = (("bench_moe.json", plot_moe, "moe.png"), ("kda_bench.json", plot_kda, "kda.png"),
            ("mla_profile.json", plot_mla, "mla_decode.png"), ("bench_decode.json", plot_slice, "decode_slice.png"),
            ("bench_spec.json", plot_spec, "spec.png"), ("bench_prefill.json", plot_prefill, "prefill.png"))
@@ -200,10 +253,19 @@ def main(argv=None):
             print(f"{name}: missing, {png} skipped")
             continue
         fig = plot(json.loads(path.read_text()))
-        fig.tight_layout()
-        fig.savefig(out / png, dpi=110)
-        plt.close(fig)
-        print(f"{name} -> {out / png}")
+        _save(fig, out / png, name)
+    rows = bench_rows(args.results)
+    if rows:
+        _save(plot_bench(rows), out / "bench_sglang.png", f"{len(rows)} ling-jax bench rows")
+    else:
+        print("no ling-jax bench rows: bench_sglang.png skipped")
+
+
+def _save(fig, path: Path, source: str) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"{source} -> {path}")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
-"""`ling-jax` command line: convert | generate.
+"""`ling-jax` command line: convert | generate | bench.
 
-    ling-jax convert --hf-dir DIR --out DIR [--dtype bfloat16|float32] [--router-fp32] [--no-mtp] [--force]
+    ling-jax convert --hf-dir DIR --out DIR [--dtype bfloat16|float32|fp8] [--router-fp32] [--no-mtp] [--force]
     ling-jax generate (--checkpoint DIR | --hf-dir DIR | --preset NAME)
                       (--prompt-ids 1,2,3 | --prompt TEXT --tokenizer tokenizer.json) --max-new-tokens N
                       [--temperature T --top-p P --seed S] [--dtype float32|bfloat16] [--backend reference|pallas]
                       [--block-size N] [--prefill-chunk C] [--ignore-eos] [--json]
+    ling-jax bench (--preset NAME --random-weights | --checkpoint DIR | --hf-dir DIR) [--layers N]
+                   [--dtype bfloat16|float32|fp8] [--prompt-len 8192] [--output-len 1024] [--profile] [--json]
 
 With no arguments, `generate` runs the embedded default: the `toy` preset with random weights, a fixed prompt and
 64 new tokens.
@@ -23,6 +25,7 @@ from pathlib import Path
 
 DEFAULT_PROMPT_IDS = "7,41,3,99,12,250,18,5,77,301,64,9"
 DTYPES = ("float32", "bfloat16")
+FP8 = "fp8"  # block-FP8 weights (E4M3, 128x128 scales), bf16 activations
 # Warm-ups added when the timed run after --warmup still compiled (a cache key that changed after the first call).
 EXTRA_WARMUPS = 3
 HF_DIR_HELP = "the HF checkpoint directory (config.json + *.safetensors)"
@@ -61,6 +64,8 @@ def _parser() -> argparse.ArgumentParser:
     _add_convert(sub.add_parser("convert", help="HF safetensors checkpoint -> ling-jax (orbax) checkpoint",
                                 formatter_class=_DefaultsFormatter))
     _add_generate(sub.add_parser("generate", help="generate tokens", formatter_class=_DefaultsFormatter))
+    _add_bench(sub.add_parser("bench", help="batch-1 TTFT / TPOT on SGLang's workload (8192 in, 1024 out)",
+                              formatter_class=_DefaultsFormatter))
     return parser
 
 
@@ -68,9 +73,11 @@ def _add_convert(conv: argparse.ArgumentParser) -> None:
     conv.add_argument("--hf-dir", required=True, metavar="DIR", help=f"{HF_DIR_HELP} (required)")
     conv.add_argument("--out", required=True, metavar="DIR",
                       help="output directory for the ling-jax (orbax) checkpoint (required)")
-    conv.add_argument("--dtype", choices=DTYPES, default=None,
-                      help="dtype of the compute params (default: the dtype stored in the safetensors; the "
-                           "float32-class ones, e.g. A_log and dt_bias, stay float32)")
+    conv.add_argument("--dtype", choices=DTYPES + (FP8,), default=None,
+                      help="dtype of the compute params (default: as stored in the safetensors, block-FP8 kept; "
+                           "the float32-class ones, e.g. A_log and dt_bias, stay float32). fp8: the decoder layers' "
+                           "linear weights quantised to block-FP8 as the -fp8 release is, the rest bfloat16; "
+                           "bfloat16 or float32 on an FP8 checkpoint dequantise it")
     conv.add_argument("--no-mtp", action="store_true", help="leave the MTP layer out")
     conv.add_argument("--force", action="store_true", help="overwrite an existing --out checkpoint")
     conv.add_argument("--router-fp32", action="store_true",
@@ -99,9 +106,10 @@ def _add_generate(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--top-p", type=float, default=1.0, metavar="P",
                      help="nucleus sampling mass in (0, 1]; needs --temperature > 0")
     gen.add_argument("--seed", type=int, default=0, metavar="S", help="sampling seed (and weight seed for --preset)")
-    gen.add_argument("--dtype", choices=DTYPES, default=None,
+    gen.add_argument("--dtype", choices=DTYPES + (FP8,), default=None,
                      help="compute dtype (default: float32 for --preset; the dtype stored in the safetensors for "
-                          "--hf-dir; the dtype stored in the checkpoint for --checkpoint)")
+                          "--hf-dir; the dtype stored in the checkpoint for --checkpoint); fp8: block-FP8 weights "
+                          "(quantised from --hf-dir, random for --preset) with bfloat16 activations")
     gen.add_argument("--backend", default="reference", metavar="SPEC",
                      help="reference | pallas | fast (per op, the faster on the H200) | per op, e.g. "
                           "kda=pallas,moe_decode=pallas (ling_jax/backends.py)")
@@ -127,6 +135,46 @@ def _add_generate(gen: argparse.ArgumentParser) -> None:
     spec.add_argument("--oracle-ids", metavar="IDS",
                       help="the continuation --spec oracle replays, comma-separated ids from the first new token "
                            "on (default: none)")
+
+
+def _add_bench(b: argparse.ArgumentParser) -> None:
+    src = b.add_mutually_exclusive_group()
+    src.add_argument("--preset", metavar="NAME", default=None,
+                     help="a preset's exact widths with random weights (needs --random-weights): ling-3.0-flash, "
+                          "ling-3.0-tiny, toy (default: ling-3.0-flash, when no checkpoint is given)")
+    src.add_argument("--checkpoint", metavar="DIR", help="ling-jax (orbax) checkpoint (default: none)")
+    src.add_argument("--hf-dir", metavar="DIR", help=f"{HF_DIR_HELP} (default: none)")
+    b.add_argument("--random-weights", action="store_true",
+                   help="with --preset: weights drawn leaf by leaf on the device (nothing on the host)")
+    b.add_argument("--layers", type=int, default=None, metavar="N",
+                   help="the preset's last N layers only, at its exact widths, no MTP layer (default: all, MTP "
+                        "layer included)")
+    b.add_argument("--dtype", choices=DTYPES + (FP8,), default="bfloat16",
+                   help="weights and compute: bfloat16, float32, or fp8 (block-FP8 weights, bf16 activations)")
+    b.add_argument("--prompt-len", type=int, default=8192, metavar="N", help="random prompt tokens (SGLang's 8192)")
+    b.add_argument("--output-len", type=int, default=1024, metavar="N", help="output tokens, EOS ignored")
+    b.add_argument("--backend", default="fast", metavar="SPEC", help="as `generate --backend`")
+    b.add_argument("--block-size", type=int, default=16, metavar="N", help="decode steps per jitted block")
+    b.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="C", help="as `generate`'s")
+    b.add_argument("--warmup", type=int, default=1, metavar="N", help="untimed generations first (excluded)")
+    b.add_argument("--repeats", type=int, default=3, metavar="N", help="timed generations")
+    b.add_argument("--profile", action="store_true", help="device time per op family (JAX profiler)")
+    b.add_argument("--no-kernel-count", action="store_true",
+                   help="skip counting the kernels of a step (one more compilation, served by a cache)")
+    b.add_argument("--device-memory-gb", type=float, default=None, metavar="G",
+                   help="the usable device memory the plan checks against (default: what the runtime reports "
+                        "JAX may allocate; the CPU reports none, so no check)")
+    b.add_argument("--seed", type=int, default=0, metavar="S", help="prompt and weight seed")
+    b.add_argument("--spec", choices=("none", "oracle", "mtp", "suffix"), default="none",
+                   help="speculative decoding: oracle (the model's own greedy output as drafts, at --accept-length), "
+                        "mtp (the NextN layer), suffix (model-free)")
+    b.add_argument("--num-draft", type=int, default=DEFAULT_DRAFTS, metavar="K", help="drafts per verify step")
+    b.add_argument("--accept-length", type=float, default=None, metavar="A",
+                   help="--spec oracle: the mean accept length to plan, 1..K+1 (default: every draft accepted)")
+    b.add_argument("--json", action="store_true", help="print the result row as one JSON object")
+    b.add_argument("--results", metavar="FILE", default=None,
+                   help="also write the row as JSON here (default: experiments/results/bench_<model>.json when "
+                        "that directory exists)")
 
 
 def _check_numbers(args, parser) -> None:
@@ -267,17 +315,23 @@ def _load_weights(args, cfg):
     import jax
     import jax.numpy as jnp
 
-    dtype = None if args.dtype is None else jnp.dtype(args.dtype)
+    dtype = None if args.dtype is None else jnp.dtype(jnp.bfloat16 if args.dtype == FP8 else args.dtype)
     if args.checkpoint:
         from conversion.orbax_io import load_params
-        return load_params(args.checkpoint, dtype=dtype)
+        loaded_cfg, params = load_params(args.checkpoint, dtype=dtype)
+        if args.dtype == FP8 and loaded_cfg.quantization != "fp8":
+            raise _usage_error(f"--checkpoint {args.checkpoint} holds unquantised weights: convert it with "
+                               "`ling-jax convert --dtype fp8` to run it in FP8")
+        return loaded_cfg, params
     if args.hf_dir:
         from conversion.load import load_hf
-        return load_hf(args.hf_dir, dtype=dtype, with_mtp=args.spec == "mtp")
+        return load_hf(args.hf_dir, dtype=dtype, with_mtp=args.spec == "mtp", fp8=True if args.dtype == FP8 else None)
     from ling_jax.params import init_params
 
     print(f"ling-jax generate: random weights (preset {args.preset or 'toy'}), so the tokens mean nothing; for a "
           "real model pass --checkpoint DIR (from `ling-jax convert`) or --hf-dir DIR", file=sys.stderr)
+    if args.dtype == FP8:
+        cfg = cfg.replace(quantization="fp8")
     return cfg, init_params(cfg, jax.random.key(args.seed), dtype or jnp.float32, with_mtp=args.spec == "mtp")
 
 
@@ -293,6 +347,9 @@ def _generate(args, parser) -> int:
     _check_backend_fits(args.backend, cfg, parser)
     _check_prompt_fits(ids, args, cfg, parser)
     draft_cfg = _check_spec_model(args, cfg, parser)
+    _check_memory(cfg.replace(quantization="fp8") if args.dtype == FP8 else cfg,
+                  args.dtype or ("float32" if not (args.checkpoint or args.hf_dir) else "bfloat16"),
+                  len(ids), args.max_new_tokens, args.prefill_chunk, with_mtp=args.spec == "mtp")
 
     from ling_jax.engine.generate import generate
     from ling_jax.engine.sampling import make_sampler
@@ -454,11 +511,149 @@ def _convert(args, parser) -> int:
                      "choose another --out")
     import jax.numpy as jnp
 
-    dtype = None if args.dtype is None else jnp.dtype(args.dtype)
-    convert(args.hf_dir, args.out, dtype=dtype, with_mtp=not args.no_mtp, force=args.force,
-            router_weight_dtype="float32" if args.router_fp32 else None)
+    dtype = {None: None, FP8: jnp.bfloat16}.get(args.dtype, args.dtype)
+    fp8 = None if args.dtype is None else args.dtype == FP8
+    convert(args.hf_dir, args.out, dtype=None if dtype is None else jnp.dtype(dtype), with_mtp=not args.no_mtp,
+            force=args.force, router_weight_dtype="float32" if args.router_fp32 else None, fp8=fp8)
     print(f"wrote {args.out}")
     return 0
+
+
+def _bench(args, parser) -> int:
+    for option, value, least in (("--prompt-len", args.prompt_len, 1), ("--output-len", args.output_len, 2),
+                                 ("--block-size", args.block_size, 1), ("--prefill-chunk", args.prefill_chunk, 1),
+                                 ("--warmup", args.warmup, 0), ("--repeats", args.repeats, 1),
+                                 ("--layers", args.layers if args.layers is not None else 1, 1)):
+        if value < least:
+            parser.error(f"{option} {value} must be >= {least}")
+    if not 1 <= args.num_draft <= MAX_DRAFTS:
+        parser.error(f"--num-draft {args.num_draft} must lie in 1..{MAX_DRAFTS}")
+    if args.accept_length is not None and (args.spec != "oracle" or not 1 <= args.accept_length <= args.num_draft + 1):
+        parser.error(f"--accept-length {args.accept_length} goes with --spec oracle and lies in 1..--num-draft + 1 = "
+                     f"{args.num_draft + 1}")
+    from_checkpoint = args.checkpoint or args.hf_dir
+    if from_checkpoint and (args.random_weights or args.layers is not None):
+        parser.error("--random-weights and --layers go with --preset; a checkpoint benches its own weights")
+    if not from_checkpoint and not args.random_weights:
+        parser.error("--preset benches random weights: pass --random-weights to say so (or --checkpoint DIR / "
+                     "--hf-dir DIR for real ones)")
+    _check_backend(args.backend, parser)
+    import os
+
+    # Before JAX starts: the full FP8 model does not fit in JAX's default 75 % of an H200.
+    from ling_jax.memory import BENCH_MEM_FRACTION
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(BENCH_MEM_FRACTION))
+    from ling_jax import bench
+
+    cfg = _bench_config(args, parser)
+    if args.spec == "mtp" and not cfg.num_mtp_layers:
+        parser.error("--spec mtp drafts with the MTP layer, which this model has not (a --layers slice drops it): "
+                     "bench all layers, or use --spec oracle or suffix")
+    _check_backend_fits(args.backend, cfg, parser)
+    _check_bench_memory(args, cfg)
+    cfg, params = _bench_weights(args, cfg)
+    row = bench.bench(params, cfg, prompt_len=args.prompt_len, output_len=args.output_len, backend=args.backend,
+                      block_size=args.block_size, warmup=args.warmup, repeats=args.repeats,
+                      prefill_chunk=args.prefill_chunk, count_kernels=not args.no_kernel_count,
+                      profile=args.profile, seed=args.seed, progress=not args.json, spec=args.spec,
+                      num_draft=args.num_draft, accept_length=args.accept_length)
+    row = dict(model=_bench_name(args, cfg), dtype=args.dtype, **row, **bench.run_header())
+    _write_bench(args, row)
+    if args.json:
+        print(json.dumps({k: v for k, v in row.items() if k != "profile"}, default=str))
+    else:
+        bench.print_row(row)
+    return 0
+
+
+def _bench_config(args, parser):
+    from ling_jax import bench
+    from ling_jax.config import ConfigError
+
+    if args.checkpoint or args.hf_dir:
+        cfg = _model_config(args, parser)
+        return cfg.replace(quantization="fp8") if args.dtype == FP8 else cfg
+    try:
+        return bench.bench_config(args.preset or "ling-3.0-flash", args.layers, args.dtype)
+    except ConfigError as e:
+        parser.error(f"--preset: {e}")
+
+
+def _check_bench_memory(args, cfg) -> None:
+    _check_memory(cfg, args.dtype, args.prompt_len, args.output_len, args.prefill_chunk,
+                  with_mtp=bool(cfg.num_mtp_layers), device_gb=args.device_memory_gb)
+
+
+def _check_memory(cfg, dtype: str, prompt_len: int, new_tokens: int, chunk: int, *, with_mtp: bool,
+                  device_gb: float | None = None) -> None:
+    """The memory plan (ling_jax/memory.py) against the first device, before any weight exists; skipped where the
+    runtime reports no limit (the CPU) unless `device_gb` gives one."""
+    import jax
+
+    from ling_jax import memory
+
+    capacity = memory.usable_bytes(jax.devices()[0], None if device_gb is None else int(device_gb * 1e9))
+    if capacity is None:
+        return
+    compute = "bfloat16" if dtype == FP8 else dtype
+    plan = memory.plan(cfg, dtype=compute, prompt_len=prompt_len, max_new_tokens=new_tokens, chunk=chunk,
+                       capacity=capacity, with_mtp=with_mtp)
+    memory.check(plan, cfg, compute)
+
+
+def _bench_weights(args, cfg):
+    import jax
+
+    from ling_jax import bench
+
+    dtype = bench.compute_dtype(args.dtype)
+    if args.checkpoint:
+        from conversion.orbax_io import load_params
+        loaded_cfg, params = load_params(args.checkpoint, dtype=dtype)
+        if args.dtype == FP8 and loaded_cfg.quantization != "fp8":
+            raise _usage_error(f"--checkpoint {args.checkpoint} holds unquantised weights: convert it with "
+                               "`ling-jax convert --dtype fp8`, or bench it with --dtype bfloat16")
+        return loaded_cfg, params
+    if args.hf_dir:
+        from conversion.load import load_hf
+        return load_hf(args.hf_dir, dtype=dtype, fp8=True if args.dtype == FP8 else None)
+    from ling_jax.params import init_params
+
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    params = init_params(cfg, jax.random.key(args.seed), dtype, with_mtp=bool(cfg.num_mtp_layers),
+                         shardings=jax.tree.map(lambda _: device, _abstract(cfg, dtype)))
+    return cfg, jax.block_until_ready(params)
+
+
+def _abstract(cfg, dtype):
+    from ling_jax.params import abstract_params
+    return abstract_params(cfg, dtype, with_mtp=bool(cfg.num_mtp_layers))
+
+
+def _usage_error(message: str):
+    from ling_jax.config import ConfigError
+    return ConfigError(message)
+
+
+def _bench_name(args, cfg) -> str:
+    if args.checkpoint or args.hf_dir:
+        return Path(args.checkpoint or args.hf_dir).name
+    return (args.preset or "ling-3.0-flash") + (f"-{cfg.num_layers}layers" if args.layers else "")
+
+
+def _write_bench(args, row: dict) -> None:
+    target = args.results
+    if target is None:
+        results = Path(__file__).resolve().parent.parent / "experiments" / "results"
+        if not results.is_dir():
+            return
+        spec = "" if args.spec == "none" else f"_{args.spec}{args.num_draft}"
+        target = results / f"bench_{row['model']}_{args.dtype}{spec}.json"
+    Path(target).parent.mkdir(parents=True, exist_ok=True)
+    Path(target).write_text(json.dumps(row, indent=1, default=str) + "\n")
+    import os
+    if os.environ.get("OUT"):  # the device runner's collection folder
+        (Path(os.environ["OUT"]) / Path(target).name).write_text(json.dumps(row, indent=1, default=str) + "\n")
 
 
 def _bad_input_errors() -> tuple[type[Exception], ...]:
@@ -467,7 +662,9 @@ def _bad_input_errors() -> tuple[type[Exception], ...]:
     from ling_jax.config import ConfigError, DeviceMemoryError
 
     loaded = sys.modules.get("conversion.load")
+    plan = sys.modules.get("ling_jax.memory")
     return (ConfigError, DeviceMemoryError, FileNotFoundError, FileExistsError) + (
+        (plan.MemoryPlanError,) if plan else ()) + (
         (loaded.CheckpointError,) if loaded else ())
 
 
@@ -477,7 +674,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv or ["generate"])
     sub = parser._subparsers._group_actions[0].choices[args.command]  # errors name the subcommand
     try:
-        return _generate(args, sub) if args.command == "generate" else _convert(args, sub)
+        return {"generate": _generate, "convert": _convert, "bench": _bench}[args.command](args, sub)
     except _bad_input_errors() as e:
         sub.error(str(e))
 

@@ -85,6 +85,10 @@ class LingConfig:
     # (), so a config read back from disk equals its preset.
     mixer_schedule: tuple[str, ...] = ()
     ffn_schedule: tuple[str, ...] = ()
+    # "fp8": the decoder layers' linear weights are block-FP8 (E4M3, one float32 scale per 128x128 block:
+    # docs/model.md §4), from config.json's quantization_config; None: every weight in the compute dtype. It is a
+    # config field, as the router's dtype is, because `param_specs(cfg)` declares each leaf's dtype and shape.
+    quantization: str | None = None
 
     def __post_init__(self):
         _validate(self)
@@ -199,6 +203,8 @@ def _validate(c: LingConfig) -> None:
     need(c.router_weight_dtype in ROUTER_WEIGHT_DTYPES,
          f"router_weight_dtype={c.router_weight_dtype!r} must be one of {ROUTER_WEIGHT_DTYPES} (the dtype the "
          "checkpoint stores mlp.gate.weight in)")
+    need(c.quantization in QUANTIZATIONS, f"config field quantization={c.quantization!r} must be one of "
+         f"{QUANTIZATIONS} (None: unquantised weights; 'fp8': block-FP8 E4M3 with 128x128 scales)")
     for t in c.eos_token_ids + ((c.pad_token_id,) if c.pad_token_id is not None else ()):
         need(0 <= t < c.vocab_size, f"config eos/pad token id {t} lies outside vocab_size={c.vocab_size}")
 
@@ -312,6 +318,7 @@ def from_hf(source: str | Path | dict, **overrides: Any) -> LingConfig:
     values["ffn_schedule"] = _schedule(raw, "mlp_layer_types", HF_FFN_NAMES, _FFN_VALUES, values["num_layers"],
                                        "first_k_dense_replace")
     _check_derived(raw, values)
+    values["quantization"] = _quantization(raw)
     values.update(overrides)
     try:
         return LingConfig(**values)
@@ -449,6 +456,30 @@ _FIXED_VALUES: dict[str, tuple[tuple[Any, ...], str]] = {
 }
 
 
+QUANTIZATIONS = (None, "fp8")
+# What the `-fp8` release's config.json says (docs/model.md §4); anything else is refused by name.
+FP8_QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                           "weight_block_size": [128, 128]}
+
+
+def _quantization(raw: dict) -> str | None:
+    q = raw.get("quantization_config")
+    if q is None:
+        return None
+    if not isinstance(q, dict):
+        raise ConfigError(f"config.json quantization_config holds {_json_kind(q)}, not a JSON object")
+    method = q.get("quant_method")
+    if method != "fp8":
+        raise ConfigError(f"config.json quantization_config.quant_method={_json(method)} is not supported: ling-jax "
+                          "loads unquantised checkpoints and the block-FP8 release (quant_method 'fp8'); convert "
+                          "from the bf16 release instead")
+    for key in ("fmt", "weight_block_size"):
+        if key in q and q[key] != FP8_QUANTIZATION_CONFIG[key]:
+            raise ConfigError(f"config.json quantization_config.{key}={_json(q[key])} is not supported: ling-jax's "
+                              f"FP8 path is {key}={_json(FP8_QUANTIZATION_CONFIG[key])} (the -fp8 release's)")
+    return "fp8"
+
+
 def _check_unsupported(raw: dict) -> None:
     for name, (accepted, why) in _FIXED_VALUES.items():
         value = raw.get(name)
@@ -511,7 +542,7 @@ def to_hf_dict(cfg: LingConfig) -> dict:
         "tie_word_embeddings": False, "num_nextn_predict_layers": cfg.num_mtp_layers,
         "eos_token_id": cfg.eos_token_ids[0] if len(cfg.eos_token_ids) == 1 else list(cfg.eos_token_ids),
         "pad_token_id": cfg.pad_token_id, "torch_dtype": "bfloat16",
-    }
+    } | ({"quantization_config": dict(FP8_QUANTIZATION_CONFIG)} if cfg.quantization == "fp8" else {})
 
 
 # ---- presets -----------------------------------------------------------------------------------------------

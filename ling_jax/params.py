@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ling_jax.config import KDA, MLA, MOE, LingConfig
+from pallas_kernels.common.fp8 import FP8_DTYPE, IN_OUT, OUT_IN, Fp8Weight, scale_shape
 
 # Parameters kept in float32 whatever the compute dtype: every implementation keeps them so (docs/model.md §4), and
 # transformers pins them with `_keep_in_fp32_modules_strict`.
@@ -50,6 +51,8 @@ FP32 = "fp32"
 COMPUTE = "compute"
 # bfloat16 whatever the compute dtype: the MoE router when the checkpoint stores it so (`router_weight_dtype`).
 BF16 = "bf16"
+# float8_e4m3fn: the values of a block-FP8 weight (cfg.quantization "fp8"), beside its float32 scale.
+FP8 = "fp8"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,14 +60,59 @@ class ParamSpec:
     shape: tuple[int, ...]
     axes: tuple[str | None, ...]  # logical axes, mapped to mesh axes by ling_jax.sharding.RULES
     dtype_class: str = COMPUTE
-    init: str = "fan_in"  # fan_in | fan_in_last ([out, in] weights) | norm | A_log | dt_bias | small | conv | embed
+    # fan_in | fan_in_last ([out, in] weights) | norm | A_log | dt_bias | small | conv | embed | fp8_scale
+    init: str = "fan_in"
+    fan_in: int = 0  # fp8_scale: the weight's input width, so that the dequantised weight keeps fan-in scaling
 
     def __post_init__(self):
         assert len(self.shape) == len(self.axes), (self.shape, self.axes)
 
     def dtype(self, compute_dtype) -> jnp.dtype:
-        fixed = {FP32: jnp.float32, BF16: jnp.bfloat16}
+        fixed = {FP32: jnp.float32, BF16: jnp.bfloat16, FP8: FP8_DTYPE}
         return jnp.dtype(fixed.get(self.dtype_class, compute_dtype))
+
+
+def is_fp8(x) -> bool:
+    return isinstance(x, Fp8Weight)
+
+
+def is_leaf_spec(x) -> bool:
+    """A params leaf's declaration: a ParamSpec, or the Fp8Weight of ParamSpecs of one quantised weight."""
+    return is_spec(x) or is_fp8(x)
+
+
+def weight_spec(spec) -> ParamSpec:
+    """The spec of the weight's values: the ParamSpec itself, or an Fp8Weight spec's `q`."""
+    return spec.q if is_fp8(spec) else spec
+
+
+def param_axes(specs: dict[str, Any]) -> dict[str, tuple]:
+    """{name: logical axes} of a dict of declarations (an FP8 weight's are its values' axes)."""
+    return {name: weight_spec(s).axes for name, s in specs.items()}
+
+
+def scale_axes(axes: tuple, layout: str, n_in: int = 1) -> tuple:
+    """The logical axes of an FP8 weight's scale (pallas_kernels/common/fp8.py): IN_OUT keeps the first input
+    axis (its 128-row blocks shard with it) and the output axes; OUT_IN blocks every axis in place."""
+    return (axes[0],) + tuple(axes[n_in:]) if layout == IN_OUT else tuple(axes)
+
+
+def _fp8(spec: ParamSpec, layout: str, n_in: int = 1) -> Fp8Weight:
+    """The declaration of `spec` stored block-FP8: its values, and the float32 scale per block."""
+    scale = ParamSpec(scale_shape(spec.shape, layout, n_in), scale_axes(spec.axes, layout, n_in), FP32,
+                      init="fp8_scale", fan_in=_fan_in(spec))
+    return Fp8Weight(dataclasses.replace(spec, dtype_class=FP8), scale, layout, n_in)
+
+
+def _quantised(c: LingConfig, specs: dict[str, Any], layout: str, two_in: tuple[str, ...] = ()) -> dict[str, Any]:
+    """`specs` with every linear weight in block-FP8 when the config says so (docs/model.md §4: the release
+    quantises the decoder layers' projections and experts; norms, convs, A_log, dt_bias and the router stay)."""
+    if c.quantization != "fp8":
+        return specs
+    keep = {"conv_qkv", "A_log", "dt_bias", "o_norm", "q_a_norm", "kv_a_norm", "router", "expert_bias"}
+    return {name: s if name in keep else _fp8(s, OUT_IN if name.startswith(("we_", "ws_")) else layout,
+                                               2 if name in two_in else 1)
+            for name, s in specs.items()}
 
 
 def _norm(n: int) -> ParamSpec:
@@ -84,14 +132,14 @@ def mla_qg_parts(c: LingConfig) -> dict[str, int]:
 
 def kda_specs(c: LingConfig) -> dict[str, ParamSpec]:
     D, H, K, W = c.hidden_size, c.num_heads, c.head_dim, c.conv_kernel_size
-    return {
+    return _quantised(c, {
         "w_in": ParamSpec((D, H, sum(kda_in_parts(c).values())), ("embed", "heads", None)),
         "conv_qkv": ParamSpec((W, 3, H, K), (None, None, "heads", None), FP32, init="conv"),
         "A_log": ParamSpec((H,), ("heads",), FP32, init="A_log"),
         "dt_bias": ParamSpec((H, K), ("heads", None), FP32, init="dt_bias"),
         "o_norm": _norm(K),
         "w_o": ParamSpec((H, K, D), ("heads", None, "embed")),
-    }
+    }, IN_OUT, two_in=("w_o",))
 
 
 def mla_specs(c: LingConfig) -> dict[str, ParamSpec]:
@@ -111,13 +159,13 @@ def mla_specs(c: LingConfig) -> dict[str, ParamSpec]:
         "w_v_b": ParamSpec((R, H, c.v_head_dim), (None, "heads", None)),
         "w_o": ParamSpec((H, c.v_head_dim, D), ("heads", None, "embed")),
     })
-    return specs
+    return _quantised(c, specs, IN_OUT, two_in=("w_o",))
 
 
 def dense_specs(c: LingConfig) -> dict[str, ParamSpec]:
     D, I = c.hidden_size, c.intermediate_size
-    return {"w_gate": ParamSpec((D, I), ("embed", "ffn")), "w_up": ParamSpec((D, I), ("embed", "ffn")),
-            "w_down": ParamSpec((I, D), ("ffn", "embed"))}
+    return _quantised(c, {"w_gate": ParamSpec((D, I), ("embed", "ffn")), "w_up": ParamSpec((D, I), ("embed", "ffn")),
+                          "w_down": ParamSpec((I, D), ("ffn", "embed"))}, IN_OUT)
 
 
 def moe_specs(c: LingConfig) -> dict[str, ParamSpec]:
@@ -137,7 +185,7 @@ def moe_specs(c: LingConfig) -> dict[str, ParamSpec]:
         out_in = functools.partial(ParamSpec, init="fan_in_last")
         specs.update({"ws_gate": out_in((Is, D), ("ffn", "embed")), "ws_up": out_in((Is, D), ("ffn", "embed")),
                       "ws_down": out_in((D, Is), ("embed", "ffn"))})
-    return specs
+    return _quantised(c, specs, OUT_IN)
 
 
 def layer_specs(c: LingConfig, layer: int) -> dict[str, Any]:
@@ -182,6 +230,12 @@ def abstract_params(c: LingConfig, dtype=jnp.bfloat16, **kw) -> Any:
                         is_leaf=is_spec)
 
 
+def param_bytes(c: LingConfig, dtype=jnp.bfloat16, **kw) -> int:
+    """Bytes of the params (FP8 values and their scales counted as stored)."""
+    return sum(int(np.prod(s.shape)) * jnp.dtype(s.dtype(dtype)).itemsize
+               for s in jax.tree.leaves(param_specs(c, **kw), is_leaf=is_spec))
+
+
 def init_value(spec: ParamSpec, key: jax.Array, dtype) -> jax.Array:
     """Random values that keep activations O(1) through the stack (so tests never run on near-zeros)."""
     out_dtype = spec.dtype(dtype)
@@ -199,10 +253,17 @@ def init_value(spec: ParamSpec, key: jax.Array, dtype) -> jax.Array:
         x = jax.random.normal(key, shape, jnp.float32) / math.sqrt(shape[0])
     elif spec.init == "embed":
         x = jax.random.normal(key, shape, jnp.float32)
+    elif spec.dtype_class == FP8:  # E4M3 values spread over its range (|x| <= 448), not all at one exponent
+        x = jnp.clip(_FP8_SPREAD * jax.random.normal(key, shape, jnp.float32), -448.0, 448.0)
+    elif spec.init == "fp8_scale":  # scales that vary by block, giving the dequantised weight fan-in scaling
+        x = jax.random.uniform(key, shape, jnp.float32, 0.5, 1.5) / (_FP8_SPREAD * math.sqrt(spec.fan_in))
     else:
         fan_in = _fan_in(spec)
         x = jax.random.normal(key, shape, jnp.float32) / math.sqrt(fan_in)
     return x.astype(out_dtype)
+
+
+_FP8_SPREAD = 32.0  # random FP8 values ~ N(0, 32²): most of E4M3's exponents, few clipped at 448
 
 
 def _fan_in(spec: ParamSpec) -> int:
@@ -225,13 +286,21 @@ def init_params(c: LingConfig, key: jax.Array, dtype=jnp.float32, *, with_mtp: b
     out_shardings = None if shardings is None else jax.tree.leaves(shardings)
 
     def one(i: int, spec: ParamSpec):
-        fn: Callable = lambda k: init_value(spec, k, dtype)
-        if out_shardings is not None:
-            fn = jax.jit(fn, out_shardings=out_shardings[i])
-        return fn(keys[i])
+        if out_shardings is None:
+            return init_value(spec, keys[i], dtype)
+        return _jitted_init(spec, jnp.dtype(dtype), out_shardings[i])(keys[i])
 
     return jax.tree.unflatten(treedef, [one(i, s) for i, s in enumerate(leaves)])
 
 
+@functools.lru_cache(maxsize=None)
+def _jitted_init(spec: ParamSpec, dtype, sharding) -> Callable:
+    """One compiled initialiser per distinct leaf (the full model's ~700 leaves have a few dozen kinds), writing
+    its output straight into `sharding`."""
+    return jax.jit(lambda k: init_value(spec, k, dtype), out_shardings=sharding)
+
+
 def count_params(c: LingConfig, *, with_mtp: bool = True) -> int:
-    return sum(int(np.prod(s.shape)) for s in jax.tree.leaves(param_specs(c, with_mtp=with_mtp), is_leaf=is_spec))
+    """The weights' values (an FP8 weight's scales are not parameters)."""
+    return sum(int(np.prod(weight_spec(s).shape))
+               for s in jax.tree.leaves(param_specs(c, with_mtp=with_mtp), is_leaf=is_leaf_spec))

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from ling_jax.cache import KDACache, KDAStaged
 from ling_jax.config import LingConfig
 from ling_jax.layers.linear import dense
-from ling_jax.params import kda_in_parts, kda_specs
+from ling_jax.params import kda_in_parts, kda_specs, param_axes
 from ling_jax.sharding import logical_to_spec, per_shard
 from pallas_kernels import kda as kda_ops
 
@@ -31,7 +31,7 @@ _STATES = logical_to_spec((None, None, "heads", None, None))  # verify's per-pos
 
 def _in_specs(cfg: LingConfig) -> tuple:
     """Specs of the op's arguments, in the order of the dispatch signature."""
-    axes = {name: spec.axes for name, spec in kda_specs(cfg).items()}
+    axes = param_axes(kda_specs(cfg))
     params = [logical_to_spec(axes[n]) for n in ("conv_qkv", "A_log", "dt_bias", "o_norm")]
     return (_ROWS, _PER_HEAD, _BETA, _PER_HEAD, _ROWS, _STATE, *params)
 
@@ -50,7 +50,7 @@ def kda_block(p: dict, h: jnp.ndarray, norm: tuple, cache: KDACache, cfg: LingCo
               gemv: str, residual: jnp.ndarray | None = None):
     """The block's input h [B, T, D], normalised by `norm` (weight, eps) -> (residual + out [B, T, D],
     KDACache | KDAStaged); `gemv` is the backend of the projections (ling_jax.layers.linear.dense)."""
-    axes = {name: spec.axes for name, spec in kda_specs(cfg).items()}
+    axes = param_axes(kda_specs(cfg))
     parts = split_inputs(dense(h, p["w_in"], axes["w_in"], backend=gemv, norm=norm), cfg)
     qkv = jnp.stack([parts["q"], parts["k"], parts["v"]], axis=2)  # [B, T, 3, H, K]
     args = (qkv, parts["f"], parts["b"][..., 0], parts["g"], cache.conv_window, cache.state, p["conv_qkv"],

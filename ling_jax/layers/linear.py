@@ -6,6 +6,9 @@ verify, a short prompt), with the block's RMSNorm as the kernel's prologue and t
 Pallas launch, plus an XLA fusion summing fp32 partials where the tuning splits K. Under tensor parallelism the kernel runs per shard (`per_shard`), its specs derived from the
 weight's logical axes: column-parallel weights (heads or vocab on an output axis) give sharded outputs, row-parallel
 ones (heads or ffn on an input axis) partial sums added across devices before the residual.
+
+Block-FP8 weights (`Fp8Weight`, pallas_kernels/common/fp8.py) go through both: `proj` dequantises to the compute
+dtype (the spec, and prefill's XLA GEMMs), the GEMV kernel dequantises each tile as it streams it.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from ling_jax.layers.norms import rms_norm
+from ling_jax.params import scale_axes
 from ling_jax.sharding import RULES, TP, logical_to_spec, per_shard, tp_size
+from pallas_kernels.common.fp8 import Fp8Weight, dequantize
 from pallas_kernels.gemv.kernel import MAX_TOKENS as GEMV_MAX_TOKENS  # the kernel's token limit: one 16-row dot
 
 
@@ -25,10 +30,11 @@ def proj(eq: str, x: jnp.ndarray, w: jnp.ndarray, out_dtype=None) -> jnp.ndarray
     """einsum(eq, x, w) with fp32 accumulation, rounded to `out_dtype` (default: x's dtype).
 
     torch's bf16 matmul accumulates in fp32 and rounds once, so this matches it to the rounding of the sum.
-    `w` is cast to x's dtype first (fp32-class weights such as the router keep their own path).
+    `w` is cast to x's dtype first (fp32-class weights such as the router keep their own path); a block-FP8 weight is
+    dequantised to it.
     """
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    y = jnp.einsum(eq, x, w.astype(x.dtype), preferred_element_type=jnp.float32,
+    y = jnp.einsum(eq, x, dequantize(w, x.dtype), preferred_element_type=jnp.float32,
                    precision="highest")
     return y.astype(out_dtype)
 
@@ -73,13 +79,23 @@ def _dense_gemv(x, w, axes, n_in, lead, norm, residual):
         it = iter(extra)
         nrm = (next(it), norm[1]) if norm is not None else None
         res = next(it).reshape(math.prod(lead), -1) if fused_residual is not None else None
-        y = gemv(x.reshape(math.prod(lead), -1), w.reshape(math.prod(w.shape[:n_in]), -1), res, norm=nrm,
-                 backend="pallas")
+        y = gemv(x.reshape(math.prod(lead), -1), _as_matrix(w, n_in), res, norm=nrm, backend="pallas")
         return y.reshape(lead + w.shape[n_in:])
 
-    specs = (logical_to_spec(none + axes[:n_in]), logical_to_spec(axes)) + tuple(s for _, s in extras)
+    w_spec = logical_to_spec(axes)
+    if isinstance(w, Fp8Weight):
+        w_spec = Fp8Weight(w_spec, logical_to_spec(scale_axes(axes, w.layout, w.n_in)), w.layout, w.n_in)
+    specs = (logical_to_spec(none + axes[:n_in]), w_spec) + tuple(s for _, s in extras)
     y = per_shard(run, specs, out_spec, sum_outputs=row_parallel)(x, w, *(a for a, _ in extras))
     return y + residual if row_parallel and residual is not None else y
+
+
+def _as_matrix(w, n_in: int):
+    """w [*in, *out] -> [In, Out] (free on the contiguous array); an FP8 weight's scale [ceil(In/128), Out]."""
+    rows = math.prod(w.shape[:n_in])
+    if not isinstance(w, Fp8Weight):
+        return w.reshape(rows, -1)
+    return Fp8Weight(w.q.reshape(rows, -1), w.scale.reshape(w.scale.shape[0], -1), w.layout, 1)
 
 
 def dense_argmax(x: jnp.ndarray, w: jnp.ndarray, axes: tuple, *, norm: tuple) -> jnp.ndarray:

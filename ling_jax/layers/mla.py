@@ -20,7 +20,7 @@ from ling_jax.cache import MLACache
 from ling_jax.config import LingConfig
 from ling_jax.layers.linear import dense, proj
 from ling_jax.layers.norms import rms_norm
-from ling_jax.params import mla_qg_parts, mla_specs
+from ling_jax.params import mla_qg_parts, mla_specs, param_axes
 
 # q_a_layernorm and kv_a_layernorm keep their own eps whatever rms_norm_eps says (docs/model.md §3.3).
 LATENT_NORM_EPS = 1e-6
@@ -49,7 +49,7 @@ def mla_block(p: dict, h: jnp.ndarray, norm: tuple, cache: MLACache, start: jax.
     -> (residual + out [B, T, D], MLACache with them written); `gemv`: the projections' backend (linear.dense)."""
     B, T, _ = h.shape
     x_dtype = h.dtype
-    axes = {name: spec.axes for name, spec in mla_specs(cfg).items()}
+    axes = param_axes(mla_specs(cfg))
     R, Dn = cfg.kv_lora_rank, cfg.qk_nope_head_dim
     positions = start + jnp.arange(T, dtype=jnp.int32)[None, :]  # [1, T]
     cos, sin = rope_cos_sin(positions, cfg.qk_rope_head_dim, cfg.rope_theta, x_dtype)

@@ -6,7 +6,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from ling_jax.config import LingConfig
-from ling_jax.params import moe_specs
+from ling_jax.params import is_fp8, moe_specs
+from pallas_kernels.common.fp8 import Fp8Weight
 from ling_jax.sharding import logical_to_spec, per_shard, tp_size
 from pallas_kernels import moe as moe_ops
 
@@ -18,7 +19,12 @@ def _partition_specs(cfg: LingConfig, names) -> tuple:
     """The shard_map specs of the MoE params `names`, from their declared logical axes (ling_jax/params.py), so a
     Pallas call sees the same shards as the params' shardings."""
     specs = moe_specs(cfg)
-    return tuple(logical_to_spec(specs[name].axes) for name in names)
+
+    def one(s):
+        if is_fp8(s):
+            return Fp8Weight(logical_to_spec(s.q.axes), logical_to_spec(s.scale.axes), s.layout, s.n_in)
+        return logical_to_spec(s.axes)
+    return tuple(one(specs[name]) for name in names)
 
 
 def route_then_prefetch(route):
@@ -38,14 +44,16 @@ def moe_block(p: dict, x: jnp.ndarray, cfg: LingConfig, layer: int, *, backend: 
     experts = functools.partial(moe_ops.moe_experts, limit=limit, shared_limit=shared_limit, backend=backend)
     shared_names = _SHARED if "ws_gate" in p else ()
     shared = tuple(p[name] for name in shared_names)
+    # The router's L2 prefetch hint takes arrays: an FP8 shared expert's values (its scales are 3 % of them).
+    prefetch = tuple(w.q if isinstance(w, Fp8Weight) else w for w in shared)
     if backend == "pallas":
         # Routing is replicated (every device routes alike); its top-k launch prefetches this device's shard of
         # the shared expert into L2 for the experts kernels (a hint; router.RouterTuning.prefetch_chunk_bytes).
-        route = per_shard(route, (P(),) + _partition_specs(cfg, ("router", "expert_bias") + shared_names),
-                          (P(), P()))
+        route = per_shard(route, (P(),) + _partition_specs(cfg, ("router", "expert_bias")) + tuple(
+            s.q if isinstance(s, Fp8Weight) else s for s in _partition_specs(cfg, shared_names)), (P(), P()))
         experts = per_shard(experts, (P(), P(), P()) + _partition_specs(cfg, _ROUTED + shared_names), P(),
                             sum_outputs=True)
-    weights, ids = route(flat, p["router"], p["expert_bias"], *shared)
+    weights, ids = route(flat, p["router"], p["expert_bias"], *prefetch)
     # One device: the experts kernels add the residual themselves (at T = 1 in the down kernel's epilogue, no add
     # launch). Sharded, each device's output is a partial sum, so the residual is added once, after the psum.
     fused = residual is not None and tp_size() <= 1

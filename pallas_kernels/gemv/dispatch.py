@@ -2,7 +2,8 @@
 
 `backend="reference"` runs `reference.py` (pure jnp, any T). `backend="pallas"` runs the Pallas-Triton kernels of
 `kernel.py` (compiled on a GPU, interpreted on CPU) for 1 <= T <= kernel.MAX_TOKENS tokens and K divisible by 16;
-anything else is an error naming the limit.
+anything else is an error naming the limit. `gemv` also takes a block-FP8 weight (`fp8.Fp8Weight`, layout IN_OUT);
+`greedy_head` does not.
 """
 
 from __future__ import annotations
@@ -10,14 +11,17 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.common import COMPUTE_DTYPES, check_backend, check_dtype, check_rank, check_shape
+from pallas_kernels.common import COMPUTE_DTYPES, check_backend, check_dtype, check_rank, check_shape, fp8
 from pallas_kernels.gemv import reference
 
 
 def _check_inputs(x, w, out_letter):
-    """x [T, K] compute dtype, w [K, out] in x's dtype -> (T, K, out)."""
+    """x [T, K] compute dtype, w [K, out] in x's dtype or an IN_OUT Fp8Weight -> (T, K, out)."""
     check_rank("x", x, 2, "[T, K]")
     check_dtype("x", x, COMPUTE_DTYPES)
+    is_fp8 = isinstance(w, fp8.Fp8Weight)
+    if is_fp8:  # first: the shape hints below are for plain arrays
+        _check_fp8_weight(w)
     t, k = x.shape
     layout = f"[K, {out_letter}]"
     if w.ndim != 2:
@@ -25,10 +29,19 @@ def _check_inputs(x, w, out_letter):
                          "[D, H·Dh], free on the contiguous array)")
     if w.shape[0] != k:
         hint = (" (torch's [out, in] layout: ling-jax stores projections [in, out], pass w.T)"
-                if w.shape[1] == k else "")
+                if w.shape[1] == k and not is_fp8 else "")
         raise ValueError(f"w.shape={tuple(w.shape)} must be {layout} ([in, out]) with K = x.shape[1] = {k}{hint}")
-    check_dtype("w", w, (x.dtype,))
+    if not is_fp8:
+        check_dtype("w", w, (x.dtype,))
     return t, k, w.shape[1]
+
+
+def _check_fp8_weight(w):
+    """An IN_OUT Fp8Weight with one input axis, E4M3 values and its float32 [ceil(K/128), N] scales."""
+    if w.layout == fp8.IN_OUT and w.n_in != 1:
+        raise ValueError(f"w.n_in={w.n_in} must be 1: the GEMV takes an Fp8Weight of one input axis, q [K, N] "
+                         "(quantize the [K, N] weight with n_in=1)")
+    fp8.check_fp8("w", w, fp8.IN_OUT)
 
 
 def _check_norm(norm, k):
@@ -71,7 +84,10 @@ def gemv(x, w, residual=None, *, norm=None, backend="reference"):
 
     Args:
       x: [T, K] compute dtype (float32 or bfloat16).
-      w: [K, N] in x's dtype: the [in, out] layout ling-jax stores projections in (ling_jax/params.py).
+      w: [K, N] in x's dtype: the [in, out] layout ling-jax stores projections in (ling_jax/params.py); or an
+        `fp8.Fp8Weight` (layout IN_OUT, n_in 1): q [K, N] float8_e4m3fn, scale [ceil(K/128), N] float32, dequantised
+        in float32 and multiplied by x in float32 (never rounded to x's dtype; the Pallas kernel applies each
+        128-row block's scale to its fp32 partial sums, reading half the weight bytes).
       residual: optional [T, N] in x's dtype, added last (a pre-norm block's h + proj(x)); the Pallas kernel adds it
         in its epilogue.
       norm: None, or (weight [K] any float dtype, eps a positive Python float): the input is first
@@ -79,7 +95,8 @@ def gemv(x, w, residual=None, *, norm=None, backend="reference"):
         a prologue, saving the norm's own launch.
       backend: "reference" | "pallas" (1 <= T <= kernel.MAX_TOKENS, K % 16 == 0).
     Returns:
-      [T, N] in x's dtype; `ling_jax.layers.linear.proj("td,dn->tn", x, w)` (+ residual) for the reference.
+      [T, N] in x's dtype; `ling_jax.layers.linear.proj("td,dn->tn", x, w)` (+ residual) for the reference with a
+      plain weight.
     """
     check_backend(backend)
     t, k, n = _check_inputs(x, w, "N")
@@ -97,7 +114,7 @@ def greedy_head(x, w, *, norm=None, logits_dtype=None, backend="reference"):
 
     Args:
       x: [T, K] compute dtype: the final-normed hidden states, or the hidden states before that norm with `norm`.
-      w: [K, V] in x's dtype (the lm_head as ling-jax stores it, [D, V]).
+      w: [K, V] in x's dtype (the lm_head as ling-jax stores it, [D, V]); not an Fp8Weight.
       norm: None, or (weight [K], eps) of the model's final norm, applied first as in `gemv`.
       logits_dtype: the dtype the fp32 sums are rounded to before the argmax; None: x's dtype, which is what the
         model's logits hold (`proj` rounds them to the compute dtype before widening to fp32), so the ids are the
@@ -108,6 +125,10 @@ def greedy_head(x, w, *, norm=None, logits_dtype=None, backend="reference"):
       largest); max_logit [T] float32: the logit at that index.
     """
     check_backend(backend)
+    if isinstance(w, fp8.Fp8Weight):
+        raise ValueError("greedy_head takes the lm_head w [K, V] in x's dtype (bfloat16 or float32), not an "
+                         "Fp8Weight: the -fp8 checkpoint keeps the lm_head unquantised; pass "
+                         "fp8.dequantize(w, x.dtype) if the head was quantised")
     t, k, v = _check_inputs(x, w, "V")
     if logits_dtype is not None:
         logits_dtype = _as_compute_dtype(logits_dtype)

@@ -4,13 +4,19 @@
 on a GPU, interpreted on CPU): `router.py` for routing; for the experts `experts.py` up to experts.MAX_TOKENS tokens
 (decode, verify: each selected expert read once) and `grouped.py` beyond (prefill: a grouped GEMM over the pairs
 sorted by expert).
+
+FP8 experts: every expert matrix of `moe_experts` (routed and shared, each on its own) may be an `fp8.Fp8Weight` of
+layout OUT_IN (E4M3 q of the matrix's shape, the checkpoint's float32 128x128 block scales); x stays in the compute
+dtype. Both backends keep the weight in float32 (`fp8.dequantize(w, jnp.float32)`, never rounded to the compute
+dtype) and take its products in fp32: the reference by fp32 matmuls, the Pallas kernels as the exact E4M3 values'
+fp32 sums per 128-block times the block's scale.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-from pallas_kernels.common import COMPUTE_DTYPES, check_backend, check_dtype, check_rank, check_shape
+from pallas_kernels.common import COMPUTE_DTYPES, check_backend, check_dtype, check_rank, check_shape, fp8
 from pallas_kernels.moe import reference
 
 
@@ -78,10 +84,30 @@ def _check_down(name, w, want, names):
     I = D the two cannot be told apart by shape)."""
     swapped = tuple(want[:-2]) + tuple(want[-2:][::-1])
     if tuple(w.shape) == swapped and swapped != tuple(want):
+        fix = ("swap the last two axes of its q and of its scale" if isinstance(w, fp8.Fp8Weight) else
+               "swap its last two axes (jnp.swapaxes(w, -1, -2))")
         raise ValueError(f"{name}.shape={tuple(w.shape)} must be {names} = {tuple(want)} (torch's [out, in]); it looks "
-                         f"like the [.., I, D] down layout of an older ling-jax checkpoint: swap its last two axes "
-                         f"(jnp.swapaxes(w, -1, -2)), or convert the checkpoint again")
+                         f"like the [.., I, D] down layout of an older ling-jax checkpoint: {fix}, or convert the "
+                         f"checkpoint again")
     check_shape(name, w, want, names)
+
+
+def _check_matrix(name, w, want, names, dtype, down=False):
+    """One expert matrix: a plain array of shape `want` in the compute dtype, or an Fp8Weight of layout OUT_IN whose
+    q has that shape (E4M3) and whose scale is float32 [.., ceil(out/128), ceil(in/128)]."""
+    is_fp8 = isinstance(w, fp8.Fp8Weight)
+    if is_fp8 and w.layout != fp8.OUT_IN:
+        raise ValueError(f"{name} is an Fp8Weight of layout {w.layout!r}; the expert matrices need {fp8.OUT_IN!r} "
+                         f"(q [.., out, in] as torch stores it, the checkpoint's 128x128 block scales): "
+                         f"fp8.quantize(w, fp8.OUT_IN), or the checkpoint's weight and weight_scale_inv as they are")
+    (_check_down if down else check_shape)(name, w, want, names)
+    if is_fp8:
+        fp8.check_fp8(name, w, fp8.OUT_IN)
+    elif jnp.dtype(w.dtype) == fp8.FP8_DTYPE:
+        raise ValueError(f"{name}.dtype={fp8.FP8_DTYPE} is a bare E4M3 array: pass it with its block scales as "
+                         f"fp8.Fp8Weight(q, scale, fp8.OUT_IN)")
+    else:
+        check_dtype(name, w, (dtype,))
 
 
 def moe_experts(x, weights, ids, we_gate, we_up, we_down, ws_gate=None, ws_up=None, ws_down=None, *, limit=0.0,
@@ -92,8 +118,12 @@ def moe_experts(x, weights, ids, we_gate, we_up, we_down, ws_gate=None, ws_up=No
       x: [N, D] compute dtype (float32 or bfloat16).
       weights: [N, K] float32 routing weights; ids: [N, K] int32 expert ids in [0, E).
       we_gate, we_up: [E, I, D]; we_down: [E, D, I]; compute dtype (every expert matrix [out, in], as torch stores
-        it: ling_jax/params.py).
-      ws_gate, ws_up: [Is, D]; ws_down: [D, Is]; compute dtype (same convention); all three or none.
+        it: ling_jax/params.py), or each an fp8.Fp8Weight of layout OUT_IN: q that shape in float8_e4m3fn, scale
+        float32 [E, ceil(out/128), ceil(in/128)] (the checkpoint's weight_scale_inv), computed with the float32
+        weight fp8.dequantize(w, jnp.float32) and fp32 products (each product's fp32 result then rounded to the
+        compute dtype as for a plain weight).
+      ws_gate, ws_up: [Is, D]; ws_down: [D, Is]; compute dtype or Fp8Weight (same convention, scale
+        [ceil(out/128), ceil(in/128)]); all three or none. Plain and FP8 matrices may be mixed.
       limit, shared_limit: static floats, 0 = no clamp; else act = min(silu(g), L) · clip(u, -L, L).
       backend: "reference" | "pallas". Pallas: N <= experts.MAX_TOKENS runs the decode/verify kernels
         (experts.py), larger N the grouped GEMM (grouped.py).
@@ -116,22 +146,18 @@ def moe_experts(x, weights, ids, we_gate, we_up, we_down, ws_gate=None, ws_up=No
     check_dtype("weights", weights, (jnp.float32,))
     check_rank("we_gate", we_gate, 3, "[E, I, D]")
     e, i, _ = we_gate.shape
-    check_shape("we_gate", we_gate, (e, i, d), "[E, I, D]")
-    check_shape("we_up", we_up, (e, i, d), "[E, I, D]")
-    _check_down("we_down", we_down, (e, d, i), "[E, D, I]")
-    for name, w in (("we_gate", we_gate), ("we_up", we_up), ("we_down", we_down)):
-        check_dtype(name, w, (x.dtype,))
+    _check_matrix("we_gate", we_gate, (e, i, d), "[E, I, D]", x.dtype)
+    _check_matrix("we_up", we_up, (e, i, d), "[E, I, D]", x.dtype)
+    _check_matrix("we_down", we_down, (e, d, i), "[E, D, I]", x.dtype, down=True)
     shared = (ws_gate, ws_up, ws_down)
     if any(w is None for w in shared) and not all(w is None for w in shared):
         raise ValueError("ws_gate, ws_up and ws_down must be given together (all three or none)")
     if ws_gate is not None:
         check_rank("ws_gate", ws_gate, 2, "[Is, D]")
         i_s = ws_gate.shape[0]
-        check_shape("ws_gate", ws_gate, (i_s, d), "[Is, D]")
-        check_shape("ws_up", ws_up, (i_s, d), "[Is, D]")
-        _check_down("ws_down", ws_down, (d, i_s), "[D, Is]")
-        for name, w in (("ws_gate", ws_gate), ("ws_up", ws_up), ("ws_down", ws_down)):
-            check_dtype(name, w, (x.dtype,))
+        _check_matrix("ws_gate", ws_gate, (i_s, d), "[Is, D]", x.dtype)
+        _check_matrix("ws_up", ws_up, (i_s, d), "[Is, D]", x.dtype)
+        _check_matrix("ws_down", ws_down, (d, i_s), "[D, Is]", x.dtype, down=True)
     for name, lim in (("limit", limit), ("shared_limit", shared_limit)):
         if not isinstance(lim, (int, float)) or lim < 0:
             raise ValueError(f"{name}={lim!r} must be a static Python float >= 0 (0 = no clamp)")

@@ -35,6 +35,24 @@ Tunings by T (`default_tuning`): `DECODE_TUNING` (T = 1), `FMA_TOKENS_TUNING` (2
 PDL: with `early_launch_down` (DECODE_TUNING) the down kernel's programs first admit its successor (at T = 1
 whatever follows the MoE layer: in the model, the next block's norm fusion), which then waits at its entry
 (pallas_kernels/common/pdl.py).
+
+FP8 (any expert matrix an OUT_IN `fp8.Fp8Weight`: E4M3 q [.., out, in] and the checkpoint's float32 128x128 block
+scales [.., ceil(out/128), ceil(in/128)]; each matrix plain or FP8 on its own): the weight is never rounded to the
+compute dtype. Each product over one scale block is taken with the E4M3 values themselves, widened exactly (to
+fp32 for the FMAs, to the activations' dtype for the dots, whose 4 significant bits bf16 holds), summed in fp32, and
+that fp32 sum is multiplied by the block's scale: y[o] = sum_b scale[o_blk, b] · sum_{i in b} x[i]·q[o, i], the
+reference's fp32-weight products (reference.py) up to fp32 rounding and summation order. A chunk wider than 128
+columns is loaded as 128-wide sub-blocks, each with its block's one scale (a scalar load): chunk widths are powers
+of two starting at multiples of themselves, so no load straddles two blocks, and a tile's rows (at most 128,
+`check_fp8_rows`) lie in one; a ragged last block (I = 64 or 192) is indexed like any other.
+At T = 1 ("accumulate", DECODE_TUNING_FP8) each lane sums the 16 adjacent weights of a row it holds (one 16-byte
+load) as a chain of FFMAs and scales that sum once (`_lane_sums`): per weight half an E4M3x2 -> f16x2 unpack, one
+f16 -> fp32 widening and one FFMA, plus the activations' loads and widening, 3.6-3.7 SASS instructions against 6.5
+(gate/up) and 10.0 (down) for the earlier dequantise-to-bf16 tiles. The activations are loaded in the weight tile's
+shape (`rows_load`), so in its register layout: a [1, BW] slice would be moved between lanes through shared memory,
+whose barriers keep the compiler from issuing later tiles' loads early; and h reaches the T = 1 down kernel as
+float32 (`h_dtype`). The FP8 tunings (`DECODE_TUNING_FP8`, `VERIFY_TUNING_FP8`) are what `default_tuning` picks when
+the routed experts are FP8.
 """
 
 from __future__ import annotations
@@ -48,7 +66,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.common import interpret_mode
+from pallas_kernels.common import fp8, interpret_mode
 from pallas_kernels.common.pdl import launch_dependents
 from pallas_kernels.common.sizes import check_pow2_fields, next_pow2
 
@@ -59,12 +77,133 @@ MAX_TOKENS = 64  # beyond this, ownership checks over T·K ids in every program 
 # (a program's [BI, BK] weight tile, read once, times each real token's slice: T FMA reductions per tile and none
 # for the padded rows, which x and h keep; for small T, with the T = 1 path's tiny programs).
 VERIFY_GATE_UP_MODES = ("dot", "fma_tokens")
+# T = 1 FMA products (gate/up and down): "reduce" each tile's products across the warp into the [1, BI] / [BD]
+# accumulator, or "accumulate" them elementwise into a [BI, BW] / [BD, BW] fp32 tile reduced once at the end (an FP8
+# tile: each lane's sum of its adjacent weights of a row, scaled, into [BI, BW / G], `_lane_sums`).
+T1_PRODUCTS = ("reduce", "accumulate")
 EVICTION_POLICIES = (None, "evict_first")
 
 
 def _load(ref, idx, eviction):
     """ref[idx] with an L2 eviction policy (None: the default load)."""
     return ref[idx] if eviction is None else pltriton.load(ref.at[idx], eviction_policy=eviction)
+
+
+def split_fp8(w):
+    """(values, scales) of an expert matrix: an Fp8Weight's E4M3 q and its 128x128 block scales, or a plain array
+    (or None, for an absent one) and None."""
+    if isinstance(w, fp8.Fp8Weight):
+        return w.q, w.scale
+    return w, None
+
+
+def _block_of(start):
+    """The 128-wide scale block holding index `start` (an int or a traced non-negative int32)."""
+    return start // fp8.BLOCK if isinstance(start, int) else lax.div(start, fp8.BLOCK)
+
+
+def _load_w(w_ref, scale_ref, lead, rows, cols, eviction):
+    """Weight tile w[*lead, rows, cols] (rows, cols: pl.ds) and its scale: plain (scale_ref None) the tile as stored
+    and None; FP8 the E4M3 tile as stored and the one float32 scale of the 128x128 block holding it (rows <= 128
+    and cols <= 128, each a power of two starting at a multiple of itself: `sub_width`, `check_fp8_rows`), a scalar
+    load. The products take the E4M3 values widened exactly and apply the scale to their fp32 sums (`scaled`)."""
+    w = _load(w_ref, (*lead, rows, cols), eviction)
+    if scale_ref is None:
+        return w, None
+    return w, scale_ref[(*lead, _block_of(rows.start), _block_of(cols.start))]
+
+
+def rows_load(ref, lead, n_rows, cols):
+    """ref[*lead, 0, cols] repeated over n_rows rows, loaded as one [n_rows, cols.size] tensor (each row's pointers
+    the same). Loaded in a weight tile's shape, activations take the tile's register layout (Triton vectorises
+    same-shaped loads of one computation alike): each lane loads the values its own weights meet."""
+    shape = (n_rows, 1)
+    idx = tuple(jnp.full(shape, l, jnp.int32) for l in lead)
+    c = cols.start + lax.broadcasted_iota(jnp.int32, (1, cols.size), 1)
+    return pltriton.load(ref.at[(*idx, jnp.zeros(shape, jnp.int32), c)])
+
+
+def scaled(part, scale):
+    """An fp32 partial over one scale block's columns times the block's scale (None: a plain weight's, as it is)."""
+    return part if scale is None else part * scale
+
+
+def operand(w, dtype):
+    """A weight tile as a dot operand in the activations' dtype: an E4M3 tile widened exactly (its 4 significant
+    bits fit bf16 and fp32; through fp32, the fast conversions: E4M3 -> bf16 goes through an f16 -> bf16 convert
+    per value on a slower pipe), a plain one as it is (already that dtype)."""
+    if jnp.dtype(w.dtype) == jnp.dtype(dtype):
+        return w
+    return w.astype(jnp.float32).astype(dtype)
+
+
+# FP8 "accumulate" products (T = 1): a tile's fp32 products summed over the adjacent columns one lane holds (Triton
+# gives each lane up to 16 adjacent bytes of an E4M3 tile: one 16-byte load), one chain of FFMAs per lane and row
+# with no shuffle, then times the block's scale: one scaling per 16 weights (`_lane_sums`).
+LANE_GROUP = 16
+
+
+def lane_group(rows, cols, lanes):
+    """The columns of a [rows, cols] tile that one of `lanes` lanes holds side by side (at most LANE_GROUP)."""
+    return max(1, min(LANE_GROUP, cols, rows * cols // lanes))
+
+
+def _lane_sums(prod, lanes):
+    """[R, C] fp32 products -> [R, C / G] sums over G = lane_group adjacent columns, added one after another (a
+    reduction would sum them as a tree, half again as many instructions as a chain of FFMAs)."""
+    r, c = prod.shape
+    g = lane_group(r, c, lanes)
+    if g == 1:
+        return prod
+    parts = jnp.split(prod.reshape(r, c // g, g), g, axis=2)
+    acc = parts[0]
+    for p in parts[1:]:
+        acc = acc + p
+    return acc.reshape(r, c // g)
+
+
+def sub_width(width, *scales):
+    """Columns per weight load of a `width`-column chunk: the chunk, or with an FP8 weight (a scale given) at most
+    one 128-wide scale block, a wider chunk then loaded block by block, each load with its own scale."""
+    return width if all(s is None for s in scales) else min(width, fp8.BLOCK)
+
+
+def check_fp8_rows(tuning, field, rows, *scales):
+    """A tile of `rows` weight rows must lie in one 128-row scale block when the weight is FP8."""
+    if rows > fp8.BLOCK and any(s is not None for s in scales):
+        raise ValueError(f"{type(tuning).__name__}.{field}={getattr(tuning, field)} gives tiles of {rows} weight "
+                         f"rows; with FP8 weights a tile's rows must lie in one {fp8.BLOCK}-row scale block: use "
+                         f"{field} <= {fp8.BLOCK}")
+
+
+def chunk_loop(n_chunks, width, sub, step, init, unroll=False):
+    """fori_loop over n_chunks chunks of `width` columns, each taken as width // sub loads of `sub` columns (one
+    step: their loads issued together): step(ks, carry) -> carry, ks a pl.ds of `sub` columns. `unroll`: the
+    chunks written out instead, so that the compiler may issue later chunks' loads before earlier chunks' math."""
+    def body(c, carry):
+        for j in range(width // sub):
+            start = c * width + j * sub
+            carry = step(pl.ds(start if unroll else pl.multiple_of(start, sub), sub), carry)
+        return carry
+
+    if unroll:
+        for c in range(n_chunks):
+            init = body(c, init)
+        return init
+    return lax.fori_loop(0, n_chunks, body, init)
+
+
+def with_optional(kernel, inputs):
+    """A pallas_call body and its inputs for `kernel`, whose optional inputs (None in `inputs`) reach it as None
+    (static): only the given arrays are passed, the output refs follow the inputs."""
+    present = [a is not None for a in inputs]
+    n_in = sum(present)
+
+    def body(*refs):
+        it = iter(refs[:n_in])
+        kernel(*(next(it) if p else None for p in present), *refs[n_in:])
+
+    return body, [a for a in inputs if a is not None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +226,10 @@ class ExpertsTuning:
     # once per layer, so "evict_first" keeps the stream from displacing lines that are read again: T = 1 gate/up
     # 18.9 -> 18.5-18.6 µs on the H200.
     routed_eviction: str | None = None
+    t1_products: str = "reduce"  # T1_PRODUCTS
+    # T = 1 gate/up: the D chunks written out rather than a loop, so that later chunks' loads may be issued before
+    # earlier chunks' math (the compiler pipelines loads only into dots; the T = 1 down kernel is written out too)
+    unroll_gate_up: bool = False
 
     def __post_init__(self):
         check_pow2_fields(self, ("block_i", "block_d"))
@@ -99,6 +242,8 @@ class ExpertsTuning:
         if self.routed_eviction not in EVICTION_POLICIES:
             raise ValueError(f"ExpertsTuning.routed_eviction={self.routed_eviction!r} must be one of "
                              f"{EVICTION_POLICIES}")
+        if self.t1_products not in T1_PRODUCTS:
+            raise ValueError(f"ExpertsTuning.t1_products={self.t1_products!r} must be one of {T1_PRODUCTS}")
 
 
 # T = 1: 2-row one-warp gate/up programs; down programs of one output feature and one warp (2560 at Flash size, all
@@ -115,7 +260,25 @@ FMA_TOKENS_TUNING = dataclasses.replace(VERIFY_TUNING, verify_gate_up="fma_token
                                         block_k=256, routed_eviction="evict_first")
 
 
-def default_tuning(n_tokens: int) -> ExpertsTuning:
+# FP8 routed experts (1-byte weights), T = 1: one row per lane in both kernels (gate/up 4 rows and down 4 features
+# per one-warp program: a [4, 128] E4M3 sub-block is one 16-byte load per lane), products "accumulate"d as per-lane
+# FFMA chains (module docstring): the venv Triton's sm_90 compile counts 3.7 SASS instructions per gate/up weight
+# and 3.6 per down weight, no spills, no shared memory (the dequantise-to-bf16 tiles: 6.5 and 10.0; bf16 weights
+# with DECODE_TUNING: 4.4 and 7.7 per bf16 weight, twice the bytes). 1728 gate/up and 640 down programs: all
+# resident at once. T > 1: tensor-core dots with 32-row two-warp gate/up programs (3.6 per weight at T = 2..16
+# against 4.3 with four warps and 14 with VERIFY_TUNING's 16 rows, whose E4M3 -> bf16 conversion takes a costly
+# layout); the down blocks stay (64 features: fewer programs would idle SMs). experiments/bench_moe.py --fp8 sweeps
+# the T = 1 alternatives on the GPU (EXPERTS_SWEEP_FP8).
+# The H200 sweep of EXPERTS_SWEEP_FP8 picked 2 down features per program: 38.9 µs per layer against 44.9 at 4
+# (experiments/RESULTS.md, MoE FP8).
+DECODE_TUNING_FP8 = dataclasses.replace(DECODE_TUNING, block_i=4, block_d=2, t1_products="accumulate")
+VERIFY_TUNING_FP8 = dataclasses.replace(VERIFY_TUNING, block_i=32, warps_gate_up=2)
+
+
+def default_tuning(n_tokens: int, fp8_weights: bool = False) -> ExpertsTuning:
+    """The tuning by T, for bf16/fp32 or (fp8_weights) FP8 routed experts."""
+    if fp8_weights:
+        return DECODE_TUNING_FP8 if n_tokens == 1 else VERIFY_TUNING_FP8
     if n_tokens == 1:
         return DECODE_TUNING
     return FMA_TOKENS_TUNING if n_tokens <= FMA_TOKENS_MAX else VERIFY_TUNING
@@ -127,16 +290,39 @@ def _dot_nt(a, b):
     return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
 
 
-def _gu_init(mode, bi, to):
-    shape = {"fma_reduce": (1, bi), "dot_x": (to, bi), "dot_w": (bi, to)}[mode]
+def _gu_init(mode, bi, to, bw, scale_ref, lanes):
+    if mode == "fma_acc" and scale_ref is not None:  # FP8: per-lane sums (_lane_sums)
+        return jnp.zeros((bi, bw // lane_group(bi, bw, lanes)), jnp.float32)
+    shape = {"fma_reduce": (1, bi), "fma_acc": (bi, bw), "dot_x": (to, bi), "dot_w": (bi, to)}[mode]
     return jnp.zeros(shape, jnp.float32)
 
 
-def _gu_step(mode, acc, w, xs):
-    """acc + the products of a [BI, BK] weight tile with the [TO, BK] inputs (T = 1: fma_reduce, one row)."""
-    if mode == "fma_reduce":
-        return acc + jnp.sum(w.astype(jnp.float32) * xs.astype(jnp.float32), axis=1)[None, :]
-    return acc + (_dot_nt(xs, w) if mode == "dot_x" else _dot_nt(w, xs))
+def _gu_step(mode, acc, tile, xs, lanes):
+    """acc + the products of a [BI, BW] weight tile (tile: (values, scale or None), `_load_w`) with the [TO, BW]
+    inputs, an FP8 tile's fp32 sums times its block's scale. T = 1 (one row): fma_reduce reduces them per tile
+    into [1, BI]; fma_acc accumulates them elementwise into [BI, BW] (FP8: per-lane sums into [BI, BW / G],
+    `_lane_sums` over `lanes` lanes), reduced once by _gu_final."""
+    w, scale = tile
+    if mode.startswith("fma"):
+        prod = w.astype(jnp.float32) * xs.astype(jnp.float32)
+        if mode == "fma_reduce":
+            return acc + scaled(jnp.sum(prod, axis=1), scale)[None, :]
+        return acc + (prod if scale is None else _lane_sums(prod, lanes) * scale)
+    w = operand(w, xs.dtype)
+    return acc + scaled(_dot_nt(xs, w) if mode == "dot_x" else _dot_nt(w, xs), scale)
+
+
+def _gu_final(mode, acc):
+    """The accumulator as [TO, BI] fp32."""
+    if mode == "fma_acc":
+        return jnp.sum(acc, axis=1)[None, :]
+    return acc.T if mode == "dot_w" else acc
+
+
+def round_to(a, dtype):
+    """fp32 a rounded to dtype, a rounding XLA keeps even where it may drop cast pairs."""
+    info = jnp.finfo(dtype)
+    return lax.reduce_precision(a, exponent_bits=info.nexp, mantissa_bits=info.nmant).astype(dtype)
 
 
 def _swiglu(g, u, limit):
@@ -157,116 +343,148 @@ def _ownership(ids_flat, s, n_routed):
     return e, (s < n_routed) & (e >= 0) & (earlier == 0)
 
 
-def _gate_up_rows(x_ref, load_g, load_u, *, BK, n_chunks, bi, to, mode, limit, dt, n_tok=1):
-    """SwiGLU(x·W_gateᵀ, x·W_upᵀ) for BI intermediate rows: x_ref [TO, D]; load_g/load_u(ks) -> [BI, BK] weight
-    tiles of one expert; -> [TO, BI] in dt (each product rounded to dt before SwiGLU, as the reference).
+def _gate_up_rows(x_ref, load_g, load_u, *, BK, BW, n_chunks, bi, to, mode, limit, dt, scales, lanes, n_tok=1,
+                  unroll=False):
+    """SwiGLU(x·W_gateᵀ, x·W_upᵀ) for BI intermediate rows: x_ref [TO, D]; load_g/load_u(ks) -> ([BI, BW] weight
+    tile of one expert, its scale or None) (BW = BK, or an FP8 weight's 128-wide sub-blocks of a BK chunk); scales:
+    the two scale refs (None: plain); lanes: the program's; unroll: chunk_loop's; -> [TO, BI] in dt (each product
+    rounded to dt before SwiGLU, as the reference).
     mode "fma_tokens": only the first n_tok rows of x are tokens (the rest padding, left zero)."""
     if mode == "fma_tokens":
-        return _gate_up_rows_tokens(x_ref, load_g, load_u, BK=BK, n_chunks=n_chunks, bi=bi, to=to, limit=limit,
-                                    dt=dt, n_tok=n_tok)
+        return _gate_up_rows_tokens(x_ref, load_g, load_u, BK=BK, BW=BW, n_chunks=n_chunks, bi=bi, to=to,
+                                    limit=limit, dt=dt, n_tok=n_tok)
 
-    def body(c, carry):
-        ks = pl.ds(pl.multiple_of(c * BK, BK), BK)
-        xs = x_ref[:, ks]
-        return _gu_step(mode, carry[0], load_g(ks), xs), _gu_step(mode, carry[1], load_u(ks), xs)
+    # T = 1 with an FP8 tile: x's slice loaded in the tile's shape, so in its register layout (`rows_load`); a
+    # [1, BW] slice is moved to that layout through shared memory, whose barrier would keep the compiler from
+    # issuing later tiles' loads early.
+    bcast = mode.startswith("fma") and any(sc is not None for sc in scales)
 
-    init = _gu_init(mode, bi, to)
-    acc_g, acc_u = lax.fori_loop(0, n_chunks, body, (init, init))
-    if mode == "dot_w":  # [BI, TO]
-        acc_g, acc_u = acc_g.T, acc_u.T
+    def step(ks, carry):
+        xs = rows_load(x_ref, (), bi, ks) if bcast else x_ref[:, ks]
+        return _gu_step(mode, carry[0], load_g(ks), xs, lanes), _gu_step(mode, carry[1], load_u(ks), xs, lanes)
+
+    init = tuple(_gu_init(mode, bi, to, BW, sc, lanes) for sc in scales)
+    acc_g, acc_u = (_gu_final(mode, a) for a in chunk_loop(n_chunks, BK, BW, step, init, unroll))
     return _swiglu(acc_g.astype(dt), acc_u.astype(dt), limit)
 
 
-def _gate_up_rows_tokens(x_ref, load_g, load_u, *, BK, n_chunks, bi, to, limit, dt, n_tok):
-    """_gate_up_rows for T > 1 by FMAs: each [BI, BK] weight tile is loaded once and reduced against each of the
-    n_tok tokens' [1, BK] slices (loaded one by one: a [TO, BK] block would not fit one warp's registers)."""
+def _gate_up_rows_tokens(x_ref, load_g, load_u, *, BK, BW, n_chunks, bi, to, limit, dt, n_tok):
+    """_gate_up_rows for T > 1 by FMAs: each [BI, BW] weight tile is loaded once and reduced against each of the
+    n_tok tokens' [1, BW] slices (loaded one by one: a [TO, BW] block would not fit one warp's registers)."""
     rows = lax.broadcasted_iota(jnp.int32, (to, bi), 0)
 
-    def body(c, carry):
-        ks = pl.ds(pl.multiple_of(c * BK, BK), BK)
-        wg, wu = load_g(ks).astype(jnp.float32), load_u(ks).astype(jnp.float32)
+    def step(ks, carry):
+        (wg, sg), (wu, su) = load_g(ks), load_u(ks)
+        wg, wu = wg.astype(jnp.float32), wu.astype(jnp.float32)
         acc_g, acc_u = carry
         for t in range(n_tok):
-            xt = x_ref[pl.ds(t, 1), ks].astype(jnp.float32)  # [1, BK]
-            acc_g = acc_g + jnp.where(rows == t, jnp.sum(wg * xt, axis=1)[None, :], 0.0)
-            acc_u = acc_u + jnp.where(rows == t, jnp.sum(wu * xt, axis=1)[None, :], 0.0)
+            xt = x_ref[pl.ds(t, 1), ks].astype(jnp.float32)  # [1, BW]
+            acc_g = acc_g + jnp.where(rows == t, scaled(jnp.sum(wg * xt, axis=1), sg)[None, :], 0.0)
+            acc_u = acc_u + jnp.where(rows == t, scaled(jnp.sum(wu * xt, axis=1), su)[None, :], 0.0)
         return acc_g, acc_u
 
     init = jnp.zeros((to, bi), jnp.float32)
-    acc_g, acc_u = lax.fori_loop(0, n_chunks, body, (init, init))
+    acc_g, acc_u = chunk_loop(n_chunks, BK, BW, step, (init, init))
     return _swiglu(acc_g.astype(dt), acc_u.astype(dt), limit)  # padded rows: SwiGLU(0, 0) = 0
 
 
-def _down_dot(load_h, load_d, *, BKI, n_chunks, bd, to, dt):
-    """T > 1: h·W_downᵀ for BD output features: load_h(ks) -> [TO, BKI] activations (TO >= 16 padded token rows),
-    load_d(ks) -> [BD, BKI] weight tiles (W_down rows); -> [TO, BD] fp32 holding values rounded to dt (the reference
-    rounds each expert's output)."""
-    def body(c, acc):
-        ks = pl.ds(pl.multiple_of(c * BKI, BKI), BKI)
-        return acc + _dot_nt(load_h(ks), load_d(ks))
+def _down_dot(load_h, load_d, *, BKI, BW, n_chunks, bd, to, dt):
+    """T > 1: h·W_downᵀ for BD output features: load_h(ks) -> [TO, BW] activations (TO >= 16 padded token rows),
+    load_d(ks) -> ([BD, BW] weight tile, its scale or None) (W_down rows; BW = BKI, or an FP8 weight's 128-wide
+    sub-blocks of a BKI chunk); -> [TO, BD] fp32 holding values rounded to dt (the reference rounds each expert's
+    output)."""
+    def step(ks, acc):
+        hs = load_h(ks)
+        w, scale = load_d(ks)
+        return acc + scaled(_dot_nt(hs, operand(w, hs.dtype)), scale)
 
-    acc = lax.fori_loop(0, n_chunks, body, jnp.zeros((to, bd), jnp.float32))
+    acc = chunk_loop(n_chunks, BKI, BW, step, jnp.zeros((to, bd), jnp.float32))
     return acc.astype(dt).astype(jnp.float32)
 
 
-def _down_fma(load_h, load_d, *, BKI, n_chunks, dt):
+def _down_fma(load_h, load_d, *, BKI, n_chunks, dt, lanes, accumulate=False):
     """T = 1: h·W_downᵀ for BD output features by FMAs, the chunks written out (their loads issued together):
-    load_h(ks) -> [1, BKI], load_d(ks) -> [BD, BKI]; -> [BD] fp32 holding values rounded to dt."""
+    load_h(ks) -> [1, BKI], load_d(ks) -> ([BD, BKI] weight tile, its scale or None); -> [BD] fp32 holding values
+    rounded to dt. Each chunk's products are reduced to [BD], or with `accumulate` summed elementwise over the
+    chunks (FP8: per-lane sums over the program's `lanes`, `_lane_sums`) and reduced once; an FP8 chunk's fp32
+    sums take its scale."""
     acc = None
     for c in range(n_chunks):
         ks = pl.ds(c * BKI, BKI)
-        part = jnp.sum(load_d(ks).astype(jnp.float32) * load_h(ks).astype(jnp.float32), axis=1)
+        hs = load_h(ks)
+        w, scale = load_d(ks)
+        prod = w.astype(jnp.float32) * hs.astype(jnp.float32)
+        if accumulate:
+            part = prod if scale is None else _lane_sums(prod, lanes) * scale
+        else:
+            part = scaled(jnp.sum(prod, axis=1), scale)
         acc = part if acc is None else acc + part
+    if accumulate:
+        acc = jnp.sum(acc, axis=1)
     return acc.astype(dt).astype(jnp.float32)
 
 
-def experts_fwd_kernel_gate_up(x_ref, ids_ref, wg_ref, wu_ref, sg_ref, su_ref, h_ref, *, BK, n_chunks, n_routed,
-                               limit, shared_limit, has_shared, mode, eviction=None, n_tok=1):
+def experts_fwd_kernel_gate_up(x_ref, ids_ref, wg_ref, wu_ref, sg_ref, su_ref, wg_scale_ref, wu_scale_ref,
+                               sg_scale_ref, su_scale_ref, h_ref, *, BK, n_chunks, n_routed, limit, shared_limit,
+                               has_shared, mode, eviction=None, n_tok=1, lanes=32, unroll=False):
     # x_ref [TO, D] (TO = 1 at T = 1, else TP); ids_ref [P] int32; wg_ref/wu_ref [E, I, D]; sg_ref/su_ref [I, D];
-    # h_ref [TO, BI]: slot s, intermediate rows block j, after SwiGLU, compute dtype
+    # *_scale_ref: the FP8 weights' block scales [E, ceil(I/128), ceil(D/128)] / [ceil(I/128), ceil(D/128)], None
+    # for a plain weight; h_ref [TO, BI]: slot s, intermediate rows block j, after SwiGLU: values of the compute
+    # dtype (x's), stored in it or (T = 1 with an FP8 W_down, `h_dtype`) in float32
     s, j = pl.program_id(0), pl.program_id(1)
     to, bi = h_ref.shape
+    dt = x_ref.dtype
     e, owner = _ownership(ids_ref[...], s, n_routed)
     rows = pl.ds(pl.multiple_of(j * bi, bi), bi)
 
-    def compute(load_g, load_u, lim):
-        h_ref[...] = _gate_up_rows(x_ref, load_g, load_u, BK=BK, n_chunks=n_chunks, bi=bi, to=to, mode=mode,
-                                   limit=lim, dt=h_ref.dtype, n_tok=n_tok)
+    def compute(load_g, load_u, lim, scales):
+        h = _gate_up_rows(x_ref, load_g, load_u, BK=BK, BW=sub_width(BK, *scales), n_chunks=n_chunks, bi=bi, to=to,
+                          mode=mode, limit=lim, dt=dt, scales=scales, lanes=lanes, n_tok=n_tok, unroll=unroll)
+        h_ref[...] = h if h_ref.dtype == dt else widen_exact(h)
 
     # One indexer per load (the Triton lowering takes no `ref.at[e][...]` chains).
     @pl.when(owner)
     def _():
-        compute(lambda ks: _load(wg_ref, (e, rows, ks), eviction), lambda ks: _load(wu_ref, (e, rows, ks), eviction),
-                limit)
+        compute(lambda ks: _load_w(wg_ref, wg_scale_ref, (e,), rows, ks, eviction),
+                lambda ks: _load_w(wu_ref, wu_scale_ref, (e,), rows, ks, eviction), limit,
+                (wg_scale_ref, wu_scale_ref))
 
     if has_shared:
         @pl.when(s == n_routed)
         def _():
-            compute(lambda ks: sg_ref[rows, ks], lambda ks: su_ref[rows, ks], shared_limit)
+            compute(lambda ks: _load_w(sg_ref, sg_scale_ref, (), rows, ks, None),
+                    lambda ks: _load_w(su_ref, su_scale_ref, (), rows, ks, None), shared_limit,
+                    (sg_scale_ref, su_scale_ref))
 
 
-def experts_fwd_kernel_down_t1(h_ref, ids_ref, w_ref, wd_ref, sd_ref, r_ref, y_ref, *, BKI, n_chunks, n_routed,
-                               early_launch=False, eviction=None):
-    # T = 1. h_ref [S, 1, I] (after SwiGLU); ids_ref [K] int32; w_ref [K] fp32; wd_ref [E, D, I]; sd_ref [D, I] or
-    # None; r_ref [1, D] compute dtype (the residual stream, added last) or None; y_ref [1, BD] compute dtype: the
-    # layer's output for BD features
+def experts_fwd_kernel_down_t1(h_ref, ids_ref, w_ref, wd_ref, sd_ref, r_ref, wd_scale_ref, sd_scale_ref, y_ref, *,
+                               BKI, n_routed, early_launch=False, eviction=None, accumulate=False, lanes=32):
+    # T = 1. h_ref [S, 1, I] (after SwiGLU; float32 with an FP8 W_down, `h_dtype`); ids_ref [K] int32; w_ref [K]
+    # fp32; wd_ref [E, D, I]; sd_ref [D, I] or None; r_ref [1, D] compute dtype (the residual stream, added last)
+    # or None; wd_scale_ref / sd_scale_ref the FP8 weights' block scales [E, ceil(D/128), ceil(I/128)] /
+    # [ceil(D/128), ceil(I/128)] or None (plain); y_ref [1, BD] compute dtype: the layer's output for BD features
     if early_launch:
         launch_dependents()
     bd = y_ref.shape[1]
     dt = y_ref.dtype
+    i = h_ref.shape[-1]
     feats = pl.ds(pl.multiple_of(pl.program_id(0) * bd, bd), bd)
     ids, wts = ids_ref[...], w_ref[...]
 
-    def expert_out(s, load_d):
-        return _down_fma(lambda ks: h_ref[s, :, ks], load_d, BKI=BKI, n_chunks=n_chunks, dt=dt)
+    def expert_out(s, load_d, scale_ref):
+        bw = sub_width(BKI, scale_ref)  # FP8: more, 128-wide chunks, still written out
+        load_h = ((lambda ks: h_ref[s, :, ks]) if scale_ref is None else
+                  (lambda ks: rows_load(h_ref, (s,), bd, ks)))
+        return _down_fma(load_h, load_d, BKI=bw, n_chunks=i // bw, dt=dt, lanes=lanes, accumulate=accumulate)
 
     # The shared expert first: the router prefetched its rows into L2 (0.0-0.3 µs faster than last).
-    shared = None if sd_ref is None else expert_out(n_routed, lambda ks: sd_ref[feats, ks])
+    shared = None if sd_ref is None else expert_out(
+        n_routed, lambda ks: _load_w(sd_ref, sd_scale_ref, (), feats, ks, None), sd_scale_ref)
     routed = jnp.zeros((bd,), jnp.float32)
     for s in range(n_routed):  # written out: one slot's loads overlap another's math (a loop would serialise them)
         e, owner = _ownership(ids, s, n_routed)
         w_e = jnp.sum(jnp.where(ids == e, wts, 0.0))  # a repeated id: its owner takes every weight
-        out = expert_out(s, lambda ks: _load(wd_ref, (e, feats, ks), eviction))
+        out = expert_out(s, lambda ks: _load_w(wd_ref, wd_scale_ref, (e,), feats, ks, eviction), wd_scale_ref)
         # A non-owner's h rows were never written: masked, not multiplied by 0 (inf · 0 = NaN).
         routed = routed + jnp.where(owner, w_e * out, 0.0)
     y = routed.astype(dt)
@@ -278,19 +496,21 @@ def experts_fwd_kernel_down_t1(h_ref, ids_ref, w_ref, wd_ref, sd_ref, r_ref, y_r
     y_ref[...] = y
 
 
-def experts_fwd_kernel_down(h_ref, ids_ref, ids2_ref, w_ref, wd_ref, sd_ref, o_ref, *, BKI, n_chunks, n_routed,
-                            group, n_groups, early_launch=False, eviction=None):
+def experts_fwd_kernel_down(h_ref, ids_ref, ids2_ref, w_ref, wd_ref, sd_ref, wd_scale_ref, sd_scale_ref, o_ref, *,
+                            BKI, n_chunks, n_routed, group, n_groups, early_launch=False, eviction=None):
     # T > 1. h_ref [S, TO, I] (after SwiGLU); ids_ref [P]; ids2_ref [TO, K]; w_ref [TO, K] fp32; wd_ref [E, D, I];
-    # sd_ref [D, I]; o_ref [TO, BD] fp32: partial of group g (g = NG: the shared expert)
+    # sd_ref [D, I] or None; wd_scale_ref / sd_scale_ref the FP8 block scales or None (plain); o_ref [TO, BD]
+    # fp32: partial of group g (g = NG: the shared expert)
     if early_launch:
         launch_dependents()
     g, i_d = pl.program_id(0), pl.program_id(1)
     to, bd = o_ref.shape
+    dt = h_ref.dtype
     feats = pl.ds(pl.multiple_of(i_d * bd, bd), bd)
 
-    def expert_out(s, load_d):
-        return _down_dot(lambda ks: h_ref[s, :, ks], load_d, BKI=BKI, n_chunks=n_chunks, bd=bd, to=to,
-                         dt=wd_ref.dtype)
+    def expert_out(s, load_d, scale_ref):
+        return _down_dot(lambda ks: h_ref[s, :, ks], load_d, BKI=BKI, BW=sub_width(BKI, scale_ref),
+                         n_chunks=n_chunks, bd=bd, to=to, dt=dt)
 
     @pl.when(g < n_groups)
     def _():
@@ -303,7 +523,8 @@ def experts_fwd_kernel_down(h_ref, ids_ref, ids2_ref, w_ref, wd_ref, sd_ref, o_r
                 hit = ids2 == e  # [TO, K]; a token that lists e twice gets both weights
                 w_tok = jnp.sum(jnp.where(hit, wts, 0.0), axis=1)  # [TO]
                 used = jnp.sum(jnp.where(hit, 1, 0), axis=1) > 0
-                out = expert_out(s, lambda ks: _load(wd_ref, (e, feats, ks), eviction))
+                out = expert_out(s, lambda ks: _load_w(wd_ref, wd_scale_ref, (e,), feats, ks, eviction),
+                                 wd_scale_ref)
                 # Rows of tokens that did not choose e are masked, not multiplied by 0 (inf · 0 = NaN).
                 return acc + jnp.where(used[:, None], w_tok[:, None] * out, 0.0)
 
@@ -316,14 +537,15 @@ def experts_fwd_kernel_down(h_ref, ids_ref, ids2_ref, w_ref, wd_ref, sd_ref, o_r
     if sd_ref is not None:
         @pl.when(g == n_groups)
         def _():
-            o_ref[...] = expert_out(n_routed, lambda ks: sd_ref[feats, ks])
+            o_ref[...] = expert_out(n_routed, lambda ks: _load_w(sd_ref, sd_scale_ref, (), feats, ks, None),
+                                    sd_scale_ref)
 
 
 @functools.partial(jax.jit, static_argnames=("limit", "shared_limit", "tuning"))
 def moe_experts_fused(x, weights, ids, we_gate, we_up, we_down, ws_gate, ws_up, ws_down, *, limit, shared_limit,
                       tuning: ExpertsTuning | None = None, residual=None):
     n, d = x.shape
-    tuning = tuning or default_tuning(n)
+    tuning = tuning or default_tuning(n, any(isinstance(w, fp8.Fp8Weight) for w in (we_gate, we_up, we_down)))
     e, i, _ = we_gate.shape
     k = ids.shape[1]
     dt = x.dtype
@@ -337,10 +559,13 @@ def moe_experts_fused(x, weights, ids, we_gate, we_up, we_down, ws_gate, ws_up, 
         raise ValueError(f"the Pallas experts kernel needs Is = I; got Is={ws_gate.shape[0]}, I={i}")
     if min(d & -d, i & -i) < 16:
         raise ValueError(f"the Pallas experts kernel needs D={d} and I={i} divisible by 16")
+    (wg, wg_s), (wu, wu_s) = split_fp8(we_gate), split_fp8(we_up)
+    (sg, sg_s), (su, su_s) = split_fp8(ws_gate), split_fp8(ws_up)
     bi = min(tuning.block_i, i & -i)
     bk = min(tuning.block_k, d & -d)
+    check_fp8_rows(tuning, "block_i", bi, wg_s, wu_s, sg_s, su_s)
     if n == 1:
-        mode = "fma_reduce"
+        mode = "fma_acc" if tuning.t1_products == "accumulate" else "fma_reduce"
     else:
         mode = tuning.dot_gate_up if tuning.verify_gate_up == "dot" else tuning.verify_gate_up
     if mode.startswith("dot") and bi < 16:
@@ -357,90 +582,107 @@ def moe_experts_fused(x, weights, ids, we_gate, we_up, we_down, ws_gate, ws_up, 
     n_routed = n * k
     n_slots = n_routed + int(has_shared)
     if not has_shared:
-        ws_gate = ws_up = jnp.zeros((1, 1), dt)  # never read: has_shared=False is static
-    interpret = interpret_mode()
-    whole = pl.no_block_spec
-    h = pl.pallas_call(
+        sg = su = jnp.zeros((1, 1), dt)  # never read: has_shared=False is static
+    kernel, inputs = with_optional(
         functools.partial(experts_fwd_kernel_gate_up, BK=bk, n_chunks=d // bk, n_routed=n_routed, limit=limit,
                           shared_limit=shared_limit, has_shared=has_shared, mode=mode,
-                          eviction=tuning.routed_eviction, n_tok=n),
+                          eviction=tuning.routed_eviction, n_tok=n, lanes=32 * tuning.warps_gate_up,
+                          unroll=n == 1 and tuning.unroll_gate_up),
+        [x, ids_flat, wg, wu, sg, su, wg_s, wu_s, sg_s, su_s])
+    h = pl.pallas_call(
+        kernel,
         grid=(n_slots, i // bi),
-        in_specs=[whole] * 6,
+        in_specs=[pl.no_block_spec] * len(inputs),
         out_specs=pl.BlockSpec((None, to, bi), lambda s, j: (s, 0, j)),
-        out_shape=jax.ShapeDtypeStruct((n_slots, to, i), dt),
+        out_shape=jax.ShapeDtypeStruct((n_slots, to, i), h_dtype(n, dt, we_down, ws_down)),
         compiler_params=pltriton.CompilerParams(num_warps=tuning.warps_gate_up, num_stages=tuning.stages_gate_up),
-        interpret=interpret,
+        interpret=interpret_mode(),
         name="experts_fwd_kernel_gate_up",
-    )(x, ids_flat, we_gate, we_up, ws_gate, ws_up)
-    return down_and_combine(h, ids, weights, we_down, ws_down, n=n, tuning=tuning, residual=residual)[:n]
+    )(*inputs)
+    return down_and_combine(h, ids, weights, we_down, ws_down, n=n, tuning=tuning, residual=residual, dtype=dt)[:n]
 
 
-def down_and_combine(h, ids, weights, we_down, ws_down, *, n, tuning: ExpertsTuning, residual=None):
-    """Kernel 2 and the combine: h [S, TO, I] after SwiGLU (slots as in kernel 1), ids/weights [TO, K] (padded rows
-    -1 / 0), we_down [E, D, I], ws_down [D, I] or None, residual [n, D] or None -> y [TO, D] in h's dtype (plus the
-    residual: at T = 1 inside the down kernel, at T > 1 in the combine fusion)."""
+def widen_exact(a):
+    """A bf16 array as float32 through its bit pattern (the same values). A bare convert would do on the GPU, but
+    the interpreter runs the kernel through XLA, which may fuse it with the rounding before it (excess precision)
+    and store the unrounded value."""
+    bits = lax.bitcast_convert_type(a, jnp.uint16).astype(jnp.uint32) << 16
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def h_dtype(n, dt, *downs):
+    """The dtype of kernel 1's output h: the compute dtype dt, or at T = 1 with an FP8 down matrix float32 holding
+    the same dt values, so that the T = 1 down kernel's FMAs take them as loaded: each lane's E4M3 row segment meets
+    its own h values, and a bf16 h widened in registers took 5.0 SASS instructions per down weight against 3.6."""
+    fp8_down = any(isinstance(w, fp8.Fp8Weight) for w in downs)
+    return jnp.float32 if n == 1 and fp8_down and jnp.dtype(dt) == jnp.bfloat16 else dt
+
+
+def down_and_combine(h, ids, weights, we_down, ws_down, *, n, tuning: ExpertsTuning, residual=None, dtype=None):
+    """Kernel 2 and the combine: h [S, TO, I] after SwiGLU (slots as in kernel 1; `h_dtype`), ids/weights [TO, K]
+    (padded rows -1 / 0), we_down [E, D, I], ws_down [D, I] or None (each a plain array or an Fp8Weight), residual
+    [n, D] or None -> y [TO, D] in `dtype` (the compute dtype; None: h's) plus the residual (at T = 1 inside the
+    down kernel, at T > 1 in the combine fusion)."""
+    dtype = h.dtype if dtype is None else dtype
     to, k = ids.shape
     _, d, i = we_down.shape
     has_shared = ws_down is not None
     if h.shape[0] != n * k + int(has_shared):
         raise ValueError(f"h has {h.shape[0]} slots; T·K = {n * k} routed slots" +
                          (" + 1 shared (ws_down given)" if has_shared else " (no ws_down: no shared slot)"))
+    (wd, wd_s), (sd, sd_s) = split_fp8(we_down), split_fp8(ws_down)
     bd = min(tuning.block_d, d & -d)
     bki = min(tuning.block_ki, i & -i)
+    check_fp8_rows(tuning, "block_d", bd, wd_s, sd_s)
     if n == 1:
-        return _down_t1(h, ids, weights, we_down, ws_down, residual, bd=bd, bki=bki, tuning=tuning)
+        return _down_t1(h, ids, weights, (wd, wd_s), (sd, sd_s), residual, bd=bd, bki=bki, tuning=tuning,
+                        dtype=dtype)
     if bd < 16:
         raise ValueError(f"ExpertsTuning.block_d={tuning.block_d} at T={n}: the T > 1 down kernel's tensor-core dots "
                          "need >= 16 output features per program (block_d >= 16; VERIFY_TUNING has 64)")
     n_routed = n * k
     n_groups = k  # slot groups of T slots each
-    kernel = functools.partial(experts_fwd_kernel_down, BKI=bki, n_chunks=i // bki, n_routed=n_routed, group=n,
-                               n_groups=n_groups, early_launch=tuning.early_launch_down,
-                               eviction=tuning.routed_eviction)
-    down_inputs = [h, ids.reshape(-1), ids, weights, we_down]
-    if has_shared:
-        down_inputs.append(ws_down)
-    else:
-        kernel = functools.partial(lambda *refs, kern: kern(*refs[:5], None, refs[5]), kern=kernel)
+    kernel, inputs = with_optional(
+        functools.partial(experts_fwd_kernel_down, BKI=bki, n_chunks=i // bki, n_routed=n_routed, group=n,
+                          n_groups=n_groups, early_launch=tuning.early_launch_down, eviction=tuning.routed_eviction),
+        [h, ids.reshape(-1), ids, weights, wd, sd, wd_s, sd_s])
     partials = pl.pallas_call(
         kernel,
         grid=(n_groups + int(has_shared), d // bd),
-        in_specs=[pl.no_block_spec] * len(down_inputs),
+        in_specs=[pl.no_block_spec] * len(inputs),
         out_specs=pl.BlockSpec((None, to, bd), lambda g, j: (g, 0, j)),
         out_shape=jax.ShapeDtypeStruct((n_groups + int(has_shared), to, d), jnp.float32),
         compiler_params=pltriton.CompilerParams(num_warps=tuning.warps_down, num_stages=tuning.stages_down),
         interpret=interpret_mode(),
         name="experts_fwd_kernel_down",
-    )(*down_inputs)
-    y = jnp.sum(partials[:n_groups], axis=0).astype(h.dtype)  # fp32 combine of the routed experts, rounded once
+    )(*inputs)
+    # fp32 combine of the routed experts, rounded once: a reduce_precision, which XLA keeps where it may drop a bare
+    # cast feeding the next add (excess precision, its default), moving bf16 outputs by 2.6e-3 at D 256, I 192
+    y = round_to(jnp.sum(partials[:n_groups], axis=0), dtype)
     if has_shared:
-        y = y + partials[n_groups].astype(h.dtype)  # compute-dtype add of the shared expert
+        y = y + partials[n_groups].astype(dtype)  # compute-dtype add of the shared expert
     if residual is not None:
         y = jnp.pad(residual, ((0, to - n), (0, 0))) + y
     return y
 
 
-def _down_t1(h, ids, weights, we_down, ws_down, residual, *, bd, bki, tuning):
-    """T = 1: down, weighted combine, the shared expert and the residual add in one launch -> y [1, D] in h's
-    dtype."""
+def _down_t1(h, ids, weights, routed, shared, residual, *, bd, bki, tuning, dtype):
+    """T = 1: down, weighted combine, the shared expert and the residual add in one launch -> y [1, D] in `dtype`.
+    routed / shared: (values, scales or None) of W_down, shared (None, None) without the shared expert."""
     k = ids.shape[1]
-    _, d, i = we_down.shape
-    kernel = functools.partial(experts_fwd_kernel_down_t1, BKI=bki, n_chunks=i // bki, n_routed=k,
-                               early_launch=tuning.early_launch_down, eviction=tuning.routed_eviction)
-    optional = [ws_down, residual]  # absent ones reach the kernel as None (static)
-    present = [a is not None for a in optional]
-    inputs = [h, ids.reshape(-1), weights.reshape(-1), we_down] + [a for a in optional if a is not None]
-
-    def with_absent(*refs):
-        it = iter(refs[4:-1])
-        kernel(*refs[:4], *(next(it) if p else None for p in present), refs[-1])
-
+    (wd, wd_s), (sd, sd_s) = routed, shared
+    d = wd.shape[1]
+    kernel, inputs = with_optional(  # absent optional inputs reach the kernel as None (static)
+        functools.partial(experts_fwd_kernel_down_t1, BKI=bki, n_routed=k, early_launch=tuning.early_launch_down,
+                          eviction=tuning.routed_eviction, accumulate=tuning.t1_products == "accumulate",
+                          lanes=32 * tuning.warps_down),
+        [h, ids.reshape(-1), weights.reshape(-1), wd, sd, residual, wd_s, sd_s])
     return pl.pallas_call(
-        with_absent,
+        kernel,
         grid=(d // bd,),
         in_specs=[pl.no_block_spec] * len(inputs),
         out_specs=pl.BlockSpec((1, bd), lambda j: (0, j)),
-        out_shape=jax.ShapeDtypeStruct((1, d), h.dtype),
+        out_shape=jax.ShapeDtypeStruct((1, d), dtype),
         compiler_params=pltriton.CompilerParams(num_warps=tuning.warps_down, num_stages=1),
         interpret=interpret_mode(),
         name="experts_fwd_kernel_down_t1",
@@ -449,7 +691,7 @@ def _down_t1(h, ids, weights, we_down, ws_down, residual, *, bd, bki, tuning):
 
 def moe_experts(x, weights, ids, we_gate, we_up, we_down, ws_gate=None, ws_up=None, ws_down=None, *, limit=0.0,
                 shared_limit=0.0, tuning: ExpertsTuning | None = None, residual=None):
-    """Same contract as `reference.moe_experts` (+ `residual`, added last); shapes already validated by the
-    dispatcher."""
+    """Same contract as `reference.moe_experts` (+ `residual`, added last; any expert matrix plain or an OUT_IN
+    Fp8Weight); shapes already validated by the dispatcher."""
     return moe_experts_fused(x, weights, ids, we_gate, we_up, we_down, ws_gate, ws_up, ws_down, limit=limit,
                              shared_limit=shared_limit, tuning=tuning, residual=residual)

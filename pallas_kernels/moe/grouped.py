@@ -31,6 +31,17 @@ tiles are adjacent, so its tiles read its weight rows at about the same time, fo
 (D 2560, I 768, E 512, top-8) and 8192 tokens a layer's routed weights are 6.0 GB (1.4 ms at 4.3 TB/s) for 773 GFLOP
 of real products: both bounds matter. Padding costs products, not bytes: about E·BM/2 rows, at BM 64 25% more
 products at 8192 tokens and about twice the real ones at 2048.
+
+FP8 (any expert matrix an OUT_IN `fp8.Fp8Weight`, each on its own): the weight is never rounded to the compute
+dtype (experts.py's FP8 numerics). Each E4M3 tile is widened exactly to the activations' dtype (bf16 holds its 4
+significant bits) for the same tensor-core dot, whose fp32 result over the tile's columns, all in one 128-wide
+scale block, is multiplied by that block's scale: the reference's fp32-weight products up to fp32 rounding and
+summation order. A chunk wider than 128 is taken as 128-wide sub-blocks with one scale each, and a tile's rows
+(BN, BD <= 128) lie in one scale block. An FP8 shared expert runs on the same two kernels as a one-expert stack
+(`shared_expert`): XLA would need fp32 GEMMs for these numerics; a plain one stays XLA's (reference.expert_mlp). At
+Flash size the defaults with FP8 weights compile (venv Triton, sm_90) to gate/up 144 registers and 64 KiB of shared
+memory, down 160 and 56 KiB, no spills, Hopper's warpgroup MMA: two programs still fit an SM, so DEFAULT_TUNING
+serves both; the weights' bytes halve (3.0 GB per layer), the products do not.
 """
 
 from __future__ import annotations
@@ -44,12 +55,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.common import interpret_mode
+from pallas_kernels.common import fp8, interpret_mode
 from pallas_kernels.common.sizes import check_pow2_fields
 from pallas_kernels.moe import reference
-# The decode kernels' tile helpers: the fp32-accumulated transposed-operand dot, the reference's SwiGLU rounding, and a
-# load with an optional L2 eviction policy.
-from pallas_kernels.moe.experts import EVICTION_POLICIES, _dot_nt, _load, _swiglu
+# The decode kernels' tile helpers: the fp32-accumulated transposed-operand dot, the reference's SwiGLU rounding, a
+# weight tile's load (optional L2 eviction policy; FP8: the E4M3 tile and its block's scale), an E4M3 tile as a dot
+# operand and its block's scaling, the chunk loop of FP8 sub-blocks and the combine's rounding.
+from pallas_kernels.moe.experts import (EVICTION_POLICIES, _dot_nt, _load_w, _swiglu, check_fp8_rows, chunk_loop,
+                                        operand, round_to, scaled, split_fp8, sub_width, with_optional)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,12 +125,21 @@ def tile_table(ids, n_experts: int, block_m: int):
     return rows, jnp.where(t < tile_end[-1], expert, -1)
 
 
-def grouped_fwd_kernel_gate_up(te_ref, rows_ref, x_ref, wg_ref, wu_ref, h_ref, *, BK, n_chunks, top_k, n_pairs,
-                               limit, eviction):
-    # te_ref [T] int32; rows_ref [T·BM] int32; x_ref [N, D]; wg_ref/wu_ref [E, I, D]; h_ref [BM, BN]: tile t's rows,
-    # intermediate block j, after SwiGLU, compute dtype
+def _product(a, tile):
+    """a [BM, C] · the weight tile [BN, C]ᵀ (tile: (values, scale or None), `_load_w`) -> [BM, BN] fp32 on the
+    tensor cores in a's dtype: an E4M3 tile widened exactly, its fp32 dot times its block's scale."""
+    w, scale = tile
+    return scaled(_dot_nt(a, operand(w, a.dtype)), scale)
+
+
+def grouped_fwd_kernel_gate_up(te_ref, rows_ref, x_ref, wg_ref, wu_ref, wg_scale_ref, wu_scale_ref, h_ref, *, BK,
+                               n_chunks, top_k, n_pairs, limit, eviction):
+    # te_ref [T] int32; rows_ref [T·BM] int32; x_ref [N, D]; wg_ref/wu_ref [E, I, D]; wg_scale_ref/wu_scale_ref the
+    # FP8 block scales [E, ceil(I/128), ceil(D/128)] or None (plain); h_ref [BM, BN]: tile t's rows, intermediate
+    # block j, after SwiGLU, compute dtype
     j, t = pl.program_id(0), pl.program_id(1)
     bm, bn = h_ref.shape
+    dt = h_ref.dtype
     e = te_ref[t]
 
     @pl.when(e >= 0)
@@ -127,23 +149,23 @@ def grouped_fwd_kernel_gate_up(te_ref, rows_ref, x_ref, wg_ref, wu_ref, h_ref, *
         tok = jnp.where(valid, lax.div(pairs[:, None], top_k), 0)  # [BM, 1]; pairs >= 0: truncation is floor
         feats = pl.ds(pl.multiple_of(j * bn, bn), bn)
 
-        def body(c, carry):
-            k0 = pl.multiple_of(c * BK, BK)
+        def step(ks, carry):
             # A gather: whole-array indices (the interpreter takes no mix of index arrays and slices).
-            xs = pltriton.load(x_ref.at[tok, k0 + lax.broadcasted_iota(jnp.int32, (1, BK), 1)], mask=valid, other=0)
-            ks = pl.ds(k0, BK)
-            return (carry[0] + _dot_nt(xs, _load(wg_ref, (e, feats, ks), eviction)),
-                    carry[1] + _dot_nt(xs, _load(wu_ref, (e, feats, ks), eviction)))
+            cols = ks.start + lax.broadcasted_iota(jnp.int32, (1, ks.size), 1)
+            xs = pltriton.load(x_ref.at[tok, cols], mask=valid, other=0)
+            return (carry[0] + _product(xs, _load_w(wg_ref, wg_scale_ref, (e,), feats, ks, eviction)),
+                    carry[1] + _product(xs, _load_w(wu_ref, wu_scale_ref, (e,), feats, ks, eviction)))
 
         init = jnp.zeros((bm, bn), jnp.float32)
-        acc_g, acc_u = lax.fori_loop(0, n_chunks, body, (init, init))
-        h_ref[...] = _swiglu(acc_g.astype(h_ref.dtype), acc_u.astype(h_ref.dtype), limit)
+        acc_g, acc_u = chunk_loop(n_chunks, BK, sub_width(BK, wg_scale_ref, wu_scale_ref), step, (init, init))
+        h_ref[...] = _swiglu(acc_g.astype(dt), acc_u.astype(dt), limit)
 
 
-def grouped_fwd_kernel_down(te_ref, rows_ref, h_ref, wd_ref, o_ref, *, BKI, n_chunks, n_pairs, block_m, block_d,
-                            eviction):
-    # te_ref [T] int32; rows_ref [T·BM] int32; h_ref [T·BM, I] compute dtype; wd_ref [E, D, I]; o_ref [P + 1, D]:
-    # program (j, t) writes feature block j of tile t's pairs' rows
+def grouped_fwd_kernel_down(te_ref, rows_ref, h_ref, wd_ref, wd_scale_ref, o_ref, *, BKI, n_chunks, n_pairs,
+                            block_m, block_d, eviction):
+    # te_ref [T] int32; rows_ref [T·BM] int32; h_ref [T·BM, I] compute dtype; wd_ref [E, D, I]; wd_scale_ref the
+    # FP8 block scales [E, ceil(D/128), ceil(I/128)] or None (plain); o_ref [P + 1, D]: program (j, t) writes
+    # feature block j of tile t's pairs' rows
     j, t = pl.program_id(0), pl.program_id(1)
     e = te_ref[t]
 
@@ -152,11 +174,12 @@ def grouped_fwd_kernel_down(te_ref, rows_ref, h_ref, wd_ref, o_ref, *, BKI, n_ch
         tile = pl.ds(pl.multiple_of(t * block_m, block_m), block_m)
         feats = pl.ds(pl.multiple_of(j * block_d, block_d), block_d)
 
-        def body(c, acc):
-            ks = pl.ds(pl.multiple_of(c * BKI, BKI), BKI)
-            return acc + _dot_nt(h_ref[tile, ks], _load(wd_ref, (e, feats, ks), eviction))
+        def step(ks, acc):
+            w = _load_w(wd_ref, wd_scale_ref, (e,), feats, ks, eviction)
+            return acc + _product(h_ref[tile, ks], w)
 
-        acc = lax.fori_loop(0, n_chunks, body, jnp.zeros((block_m, block_d), jnp.float32))
+        acc = chunk_loop(n_chunks, BKI, sub_width(BKI, wd_scale_ref), step,
+                         jnp.zeros((block_m, block_d), jnp.float32))
         pairs = rows_ref[tile][:, None]  # padding: row P, masked
         cols = pl.multiple_of(j * block_d, block_d) + lax.broadcasted_iota(jnp.int32, (1, block_d), 1)
         pltriton.store(o_ref.at[pairs, cols], acc.astype(o_ref.dtype), mask=pairs < n_pairs)
@@ -171,51 +194,54 @@ def _check_sizes(d, i, tuning):
 
 def routed_pairs(x, ids, we_gate, we_up, we_down, *, limit, tuning: GroupedTuning):
     """Kernels 1 and 2: x [N, D], ids [N, K] -> out [P + 1, D] in x's dtype, row n·K + k the output of token n's k-th
-    expert (rounded to the compute dtype; row P: scratch for the padding rows)."""
+    expert (rounded to the compute dtype; row P: scratch for the padding rows). Each expert matrix is a plain array
+    or an OUT_IN Fp8Weight."""
     n, d = x.shape
     k = ids.shape[1]
     e, i, _ = we_gate.shape
     p = n * k
     bn, bk, bd, bki = _check_sizes(d, i, tuning)
+    (wg, wg_s), (wu, wu_s), (wd, wd_s) = (split_fp8(w) for w in (we_gate, we_up, we_down))
+    check_fp8_rows(tuning, "block_i", bn, wg_s, wu_s)
+    check_fp8_rows(tuning, "block_d", bd, wd_s)
     bm = tuning.block_m
     rows, tile_expert = tile_table(ids, e, bm)
     n_tiles = tile_expert.shape[0]
-    whole = pl.no_block_spec
-    h = pl.pallas_call(
+    kernel, inputs = with_optional(
         functools.partial(grouped_fwd_kernel_gate_up, BK=bk, n_chunks=d // bk, top_k=k, n_pairs=p, limit=limit,
                           eviction=tuning.weight_eviction),
+        [tile_expert, rows, x, wg, wu, wg_s, wu_s])
+    h = pl.pallas_call(
+        kernel,
         grid=(i // bn, n_tiles),
-        in_specs=[whole] * 5,
+        in_specs=[pl.no_block_spec] * len(inputs),
         out_specs=pl.BlockSpec((bm, bn), lambda j, t: (t, j)),
         out_shape=jax.ShapeDtypeStruct((n_tiles * bm, i), x.dtype),
         compiler_params=pltriton.CompilerParams(num_warps=tuning.warps_gate_up, num_stages=tuning.stages_gate_up),
         interpret=interpret_mode(),
         name="grouped_fwd_kernel_gate_up",
-    )(tile_expert, rows, x, we_gate, we_up)
-    return pl.pallas_call(
+    )(*inputs)
+    kernel, inputs = with_optional(
         functools.partial(grouped_fwd_kernel_down, BKI=bki, n_chunks=i // bki, n_pairs=p, block_m=bm, block_d=bd,
                           eviction=tuning.weight_eviction),
+        [tile_expert, rows, h, wd, wd_s])
+    return pl.pallas_call(
+        kernel,
         grid=(d // bd, n_tiles),
-        in_specs=[whole] * 4,
-        out_specs=whole,
+        in_specs=[pl.no_block_spec] * len(inputs),
+        out_specs=pl.no_block_spec,
         out_shape=jax.ShapeDtypeStruct((p + 1, d), x.dtype),
         compiler_params=pltriton.CompilerParams(num_warps=tuning.warps_down, num_stages=tuning.stages_down),
         interpret=interpret_mode(),
         name="grouped_fwd_kernel_down",
-    )(tile_expert, rows, h, we_down)
-
-
-def _round_to(a, dtype):
-    """fp32 a rounded to dtype, a rounding XLA keeps even where it may drop cast pairs."""
-    info = jnp.finfo(dtype)
-    return lax.reduce_precision(a, exponent_bits=info.nexp, mantissa_bits=info.nmant).astype(dtype)
+    )(*inputs)
 
 
 @functools.partial(jax.jit, static_argnames=("limit", "shared_limit", "tuning"))
 def moe_experts(x, weights, ids, we_gate, we_up, we_down, ws_gate=None, ws_up=None, ws_down=None, *, limit=0.0,
                 shared_limit=0.0, tuning: GroupedTuning | None = None, residual=None):
-    """Same contract as `reference.moe_experts` (+ `residual`, added last), any N; shapes already validated by the
-    dispatcher. `tuning` None: DEFAULT_TUNING."""
+    """Same contract as `reference.moe_experts` (+ `residual`, added last; any expert matrix plain or an OUT_IN
+    Fp8Weight), any N; shapes already validated by the dispatcher. `tuning` None: DEFAULT_TUNING."""
     tuning = tuning or DEFAULT_TUNING
     n, d = x.shape
     k = ids.shape[1]
@@ -224,7 +250,23 @@ def moe_experts(x, weights, ids, we_gate, we_up, we_down, ws_gate=None, ws_up=No
     # reduce_precision: a bare cast feeding the shared expert's add is dropped where XLA allows excess precision
     # (its default), which moved bf16 outputs by 2.9e-3 against the reference's order of roundings.
     contrib = out[:n * k].reshape(n, k, d).astype(jnp.float32) * weights.astype(jnp.float32)[:, :, None]
-    y = _round_to(contrib.sum(1), x.dtype)
+    y = round_to(contrib.sum(1), x.dtype)
     if ws_gate is not None:
-        y = y + reference.expert_mlp(x, ws_gate, ws_up, ws_down, shared_limit)
+        y = y + shared_expert(x, ws_gate, ws_up, ws_down, limit=shared_limit, tuning=tuning)
     return y if residual is None else residual + y
+
+
+def shared_expert(x, ws_gate, ws_up, ws_down, *, limit, tuning: GroupedTuning):
+    """The shared expert of every token, [N, D] in x's dtype (reference.expert_mlp's values). All three matrices
+    plain: XLA's dense GEMMs (reference.expert_mlp). Any of them FP8: the grouped kernels over a one-expert stack
+    (each token one pair), whose FP8 products are bf16 tensor-core dots per 128-wide block scaled in fp32; XLA
+    would need fp32 GEMMs for those numerics (precision HIGHEST, the reference's)."""
+    if not any(isinstance(w, fp8.Fp8Weight) for w in (ws_gate, ws_up, ws_down)):
+        return reference.expert_mlp(x, ws_gate, ws_up, ws_down, limit)
+
+    def stack(w):  # [out, in] -> [1, out, in], a free reshape (an Fp8Weight's scales with it)
+        return fp8.Fp8Weight(w.q[None], w.scale[None], w.layout) if isinstance(w, fp8.Fp8Weight) else w[None]
+
+    n = x.shape[0]
+    ids = jnp.zeros((n, 1), jnp.int32)
+    return routed_pairs(x, ids, stack(ws_gate), stack(ws_up), stack(ws_down), limit=limit, tuning=tuning)[:n]

@@ -11,6 +11,14 @@ fp32 weighted combine rounded once, plus the shared expert (no routing weight) a
 Every expert matrix is [out, in] as torch stores it (ling_jax/params.py: gate/up [.., I, D], down [.., D, I]): each
 product below contracts the input axis in place (einsum / dot_general / ragged_dot_general), so no transposed copy
 of the stacked weights is made.
+
+FP8 (any expert matrix an OUT_IN `fp8.Fp8Weight`): the weight stays float32, `fp8.dequantize(w, jnp.float32)`
+(q·scale, never rounded to the compute dtype), and its products are fp32 (the activations widened exactly,
+precision HIGHEST) with fp32 sums; what follows each product (its rounding to the compute dtype, SwiGLU, the
+combine) is the math above. The kernels compute the same values as sum over 128-blocks b of scale_b · sum_{i in b}
+x_i·q_i, exact E4M3 values with the scale applied to each block's fp32 sum: equal up to fp32 rounding and
+summation order. The gather path dequantises the gathered experts only (the same values, elementwise per expert);
+the sorted path dequantises the whole stack.
 """
 
 from __future__ import annotations
@@ -18,6 +26,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from pallas_kernels.common import fp8
 
 # Above this many (token, expert) pairs the gather path would materialise too many expert weights
 # (each pair copies 3·D·I values); the sorted ragged_dot path computes the same math without the copies.
@@ -57,30 +67,56 @@ def swiglu(g, u, limit):
     return sg * u
 
 
-def _matmul(x, w, contract, prec):
+def _operands(x, w):
+    """(x, w, precision) of one product: a float32 weight (an FP8 one dequantised, or the fp32 path's) with x widened
+    exactly and HIGHEST precision (fp32 products); a bf16 one as it is (fp32-accumulated bf16 products)."""
+    if jnp.dtype(w.dtype) == jnp.float32:
+        return x.astype(jnp.float32), w, _HI
+    return x, w, None
+
+
+def _matmul(x, w, contract):
     """x [N, C] · w (w's axis `contract` has size C) -> [N, out] fp32, contracting w in place."""
+    x, w, prec = _operands(x, w)
     return lax.dot_general(x, w, (((1,), (contract,)), ((), ())), preferred_element_type=jnp.float32,
                            precision=prec)
 
 
+def _einsum(spec, x, w):
+    x, w, prec = _operands(x, w)
+    return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32, precision=prec)
+
+
+def _weight(w):
+    """An Fp8Weight as its float32 weight (fp8.dequantize(w, jnp.float32)); a plain array as it is."""
+    return fp8.dequantize(w, jnp.float32) if isinstance(w, fp8.Fp8Weight) else w
+
+
+def _gathered(w, ids):
+    """w[ids] (the selected experts' matrices); an Fp8Weight gathered with its scales, then dequantised (fp32)."""
+    if not isinstance(w, fp8.Fp8Weight):
+        return w[ids]
+    return _weight(fp8.Fp8Weight(w.q[ids], w.scale[ids], w.layout, w.n_in))
+
+
 def expert_mlp(x, w_gate, w_up, w_down, limit):
-    """One SwiGLU expert (the shared one), gate/up [I, D], down [D, I]: x [N, D] -> [N, D] compute dtype."""
+    """One SwiGLU expert (the shared one), gate/up [I, D], down [D, I] (plain or Fp8Weight): x [N, D] -> [N, D]
+    compute dtype."""
     dt = x.dtype
-    prec = _HI if dt == jnp.float32 else None
-    g = _matmul(x, w_gate, 1, prec).astype(dt)
-    u = _matmul(x, w_up, 1, prec).astype(dt)
-    return _matmul(swiglu(g, u, limit), w_down, 1, prec).astype(dt)
+    w_gate, w_up, w_down = (_weight(w) for w in (w_gate, w_up, w_down))
+    g = _matmul(x, w_gate, 1).astype(dt)
+    u = _matmul(x, w_up, 1).astype(dt)
+    return _matmul(swiglu(g, u, limit), w_down, 1).astype(dt)
 
 
 def _routed_gather(x, weights, ids, we_gate, we_up, we_down, limit):
     """Per (token, k): gather the expert's weights. [N, D] -> [N, D] fp32 (unrounded combine)."""
     dt = x.dtype
-    prec = _HI if dt == jnp.float32 else None
-    wg, wu, wd = we_gate[ids], we_up[ids], we_down[ids]  # [N, K, I, D], [N, K, I, D], [N, K, D, I]
-    g = jnp.einsum("nd,nkid->nki", x, wg, preferred_element_type=jnp.float32, precision=prec).astype(dt)
-    u = jnp.einsum("nd,nkid->nki", x, wu, preferred_element_type=jnp.float32, precision=prec).astype(dt)
+    wg, wu, wd = (_gathered(w, ids) for w in (we_gate, we_up, we_down))  # [N, K, I, D] x2, [N, K, D, I]
+    g = _einsum("nd,nkid->nki", x, wg).astype(dt)
+    u = _einsum("nd,nkid->nki", x, wu).astype(dt)
     h = swiglu(g, u, limit)
-    out = jnp.einsum("nki,nkdi->nkd", h, wd, preferred_element_type=jnp.float32, precision=prec).astype(dt)
+    out = _einsum("nki,nkdi->nkd", h, wd).astype(dt)
     return jnp.einsum("nk,nkd->nd", weights, out.astype(jnp.float32), precision=_HI)
 
 
@@ -92,7 +128,8 @@ _RAGGED_OUT_IN = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((1,), (2,
                                                lhs_ragged_dimensions=(0,), rhs_group_dimensions=(0,))
 
 
-def _ragged_out_in(lhs, rhs, sizes, prec):
+def _ragged_out_in(lhs, rhs, sizes):
+    lhs, rhs, prec = _operands(lhs, rhs)
     return lax.ragged_dot_general(lhs, rhs, sizes, _RAGGED_OUT_IN, precision=prec,
                                   preferred_element_type=jnp.float32)
 
@@ -102,16 +139,16 @@ def _routed_sorted(x, weights, ids, we_gate, we_up, we_down, limit):
     dt = x.dtype
     n, k = ids.shape
     e = we_gate.shape[0]
-    prec = _HI if dt == jnp.float32 else None
+    we_gate, we_up, we_down = (_weight(w) for w in (we_gate, we_up, we_down))
     flat = ids.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     tok = order // k
     sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
     xs = x[tok]  # [N·K, D]
-    g = _ragged_out_in(xs, we_gate, sizes, prec).astype(dt)
-    u = _ragged_out_in(xs, we_up, sizes, prec).astype(dt)
+    g = _ragged_out_in(xs, we_gate, sizes).astype(dt)
+    u = _ragged_out_in(xs, we_up, sizes).astype(dt)
     h = swiglu(g, u, limit)
-    out = _ragged_out_in(h, we_down, sizes, prec).astype(dt)
+    out = _ragged_out_in(h, we_down, sizes).astype(dt)
     contrib = out.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
     # Sum the K contributions per token in k order (scatter back to [N, K, D] first) so the fp32 sum matches
     # the gather path's order exactly.
@@ -122,7 +159,7 @@ def _routed_sorted(x, weights, ids, we_gate, we_up, we_down, limit):
 def moe_experts(x, weights, ids, we_gate, we_up, we_down, ws_gate=None, ws_up=None, ws_down=None, *,
                 limit=0.0, shared_limit=0.0, path="auto"):
     """x [N, D] -> y [N, D] compute dtype; we_gate/we_up [E, I, D], we_down [E, D, I], ws_gate/ws_up [Is, D],
-    ws_down [D, Is] (every matrix [out, in], as torch stores it).
+    ws_down [D, Is] (every matrix [out, in], as torch stores it; each a plain array or an OUT_IN Fp8Weight).
     `path`: "gather", "sorted" or "auto" (gather for small N·top_k)."""
     if path == "auto":
         path = "gather" if ids.size <= GATHER_MAX_PAIRS else "sorted"

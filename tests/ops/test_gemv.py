@@ -2,12 +2,17 @@
 kernels (interpreted on CPU, compiled on a GPU) against the reference, ties and NaN in the greedy pick, and the
 dispatcher's and the tuning's error messages.
 
-Sizes stay tiny (K <= 256, N <= 300) so the interpreted kernels run in seconds; N = 300 and 200 are not multiples of
-any block width, so every kernel run has a masked last block. The RMSNorm prologue (`norm=`) has its own cases.
+Sizes stay tiny (K <= 384, N <= 300) so the interpreted kernels run in seconds; N = 300 and 200 are not multiples of
+any block width, so every kernel run has a masked last block. The RMSNorm prologue (`norm=`) and block-FP8 weights
+(`fp8.Fp8Weight`) have their own cases.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
+import jax
 import numpy as np
 import pytest
 
@@ -17,6 +22,7 @@ from tests.numerics import input_seed, rel_err
 from ling_jax.layers.linear import proj
 from ling_jax.layers.norms import rms_norm
 from pallas_kernels import gemv
+from pallas_kernels.common import fp8
 from pallas_kernels.gemv import kernel, reference
 from pallas_kernels.gemv.kernel import GemvTuning
 
@@ -370,3 +376,201 @@ def test_dispatch_errors():
     assert gemv.gemv(x72, w72).shape == (1, 40)
     with pytest.raises(ValueError, match=r"the Pallas GEMV needs K=72 \(w.shape\[0\]\) divisible by 16"):
         gemv.gemv(x72, w72, backend="pallas")
+
+
+# Block-FP8 weights (IN_OUT: q [K, N] E4M3, scale [ceil(K/128), N] fp32). The weight's 128-row blocks are at scales
+# 1/4, 1, 4 in turn and its columns at log-normal scales, so every block and column has its own scale: a kernel that
+# took a neighbouring block's or column's scale row would be far off (checked below).
+
+
+def _fp8_inputs(seed, t, k, n, dtype):
+    """x [T, K] with token i at scale 0.5 + i, w an Fp8Weight [K, N], residual [T, N] at the outputs' scales, norm
+    (weight [K], eps)."""
+    rng = np.random.default_rng(input_seed(seed))
+    rows = np.repeat(4.0 ** (np.arange(math.ceil(k / fp8.BLOCK)) % 3 - 1), fp8.BLOCK)[:k, None]
+    cols = np.exp(rng.standard_normal((1, n)))
+    tokens = (0.5 + np.arange(t))[:, None]
+    w = fp8.quantize(jnp.asarray(rng.standard_normal((k, n)) * k ** -0.5 * rows * cols, jnp.float32))
+    x = jnp.asarray(rng.standard_normal((t, k)) * tokens, dtype)
+    r = jnp.asarray(rng.standard_normal((t, n)) * tokens * cols, dtype)
+    weight = jnp.asarray(rng.standard_normal(k) * 0.5 + 1.0, jnp.float32)
+    return x, w, r, (weight, NORM_EPS)
+
+
+def _misscaled(w):
+    """w with every block taking its neighbour's scale, along K and along N."""
+    return fp8.Fp8Weight(w.q, jnp.roll(w.scale, 1, axis=(0, 1)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_reference_fp8_keeps_float32_weight(dtype):
+    """The reference dequantises in float32 as NumPy does (q·scale, a float32 multiply, never rounded to x's dtype)
+    and multiplies x widened to float32: float64 NumPy on that weight (worst of 8 seeds: fp32 within summation order,
+    measured 3.0e-7; bf16 the output's one rounding, measured 2.0e-3, bounded by half a bf16 ulp on every entry,
+    2^-8). With norm and residual it is the fp32 product of the normed input, rounded once, plus the residual, bit
+    for bit. A weight rounded to bf16 first (what XLA's prefill GEMMs take) changes >= 37 % of the bf16 outputs
+    (8 seeds), far outside FP8_MAX_BF16_MISMATCH. K = 384: three scale blocks."""
+    k, n = 384, 96
+    x, w, r, norm = _fp8_inputs(90, 5, k, n, dtype)
+    scale = np.repeat(np.asarray(w.scale), fp8.BLOCK, axis=0)[:k]
+    w_np = np.asarray(w.q).astype(np.float32) * scale
+    np.testing.assert_array_equal(np.asarray(fp8.dequantize(w, jnp.float32)), w_np)
+    y = reference.gemv(x, w)
+    assert y.dtype == dtype and y.shape == (5, n)
+    assert rel_err(y, np.asarray(x, np.float64) @ w_np.astype(np.float64)) <= (1e-6 if dtype == jnp.float32
+                                                                                else 2 ** -8)
+    y_f32_input = reference.gemv(reference.rms_norm(x, *norm).astype(jnp.float32), jnp.asarray(w_np))
+    np.testing.assert_array_equal(np.asarray(reference.gemv(x, w, r, norm=norm), np.float32),
+                                  np.asarray(r + y_f32_input.astype(dtype), np.float32))
+    if dtype == jnp.bfloat16:
+        assert _mismatch_share(reference.gemv(x, fp8.dequantize(w, dtype)), y) > 0.2
+
+
+FP8_CASES = {  # T, dtype, K, N, norm, residual, tuning (N = 96 is ragged at 64-column blocks)
+    # One token by FMAs in 32-row chunks (K = 128: one step; K-splits of 128 rows: one step each).
+    "t1-f32-k128-n64-fma": (1, jnp.float32, 128, 64, False, False,
+                            GemvTuning(block_n=64, block_k=128, one_token_dot=False)),
+    "t1-f32-k384-n96-ks3-fma-norm": (1, jnp.float32, 384, 96, True, False,
+                                     GemvTuning(block_n=64, block_k=128, k_splits=3, one_token_dot=False)),
+    # BK 256: two scale blocks per step, each with its own scale row; 32 columns: 8-byte vectors.
+    "t1-bf16-k256-n64-bk256-fma-res": (1, jnp.bfloat16, 256, 64, False, True,
+                                       GemvTuning(block_n=32, block_k=256, one_token_dot=False)),
+    # BK 64: a 128-row scale block over two steps; the second 192-row K-split starts inside scale block 1.
+    "t1-bf16-k384-n96-ks2-fma-norm-res": (1, jnp.bfloat16, 384, 96, True, True,
+                                          GemvTuning(block_n=64, block_k=64, k_splits=2, one_token_dot=False)),
+    # K = 80 < 128: one scale row, 16-row steps (the largest power of two dividing 80), 16-row chunks.
+    "t1-bf16-k80-n40-fma": (1, jnp.bfloat16, 80, 40, False, False,
+                            GemvTuning(block_n=32, block_k=64, one_token_dot=False)),
+    # One token by the hand-pipelined dot (two steps: the loop runs once, then the last step).
+    "t1-bf16-k256-n96-res-dot": (1, jnp.bfloat16, 256, 96, False, True, GemvTuning(block_n=64, block_k=128)),
+    # More tokens: the dot, fp32 x by the full-precision dot.
+    "t3-f32-k256-n96-bk256-norm-res": (3, jnp.float32, 256, 96, True, True, GemvTuning(block_n=64, block_k=256)),
+    "t3-bf16-k384-n96-ks2-norm": (3, jnp.bfloat16, 384, 96, True, False,
+                                  GemvTuning(block_n=64, block_k=64, k_splits=2)),
+    "t3-bf16-k80-n40": (3, jnp.bfloat16, 80, 40, False, False, GemvTuning(block_n=32, block_k=64)),
+    # K-splits of one step: the hand-pipelined loop runs no iteration, only the last step.
+    "t16-bf16-k384-n64-ks3-res": (16, jnp.bfloat16, 384, 64, False, True,
+                                  GemvTuning(block_n=32, block_k=128, k_splits=3)),
+    "t16-f32-k384-n96-ks2-norm-res": (16, jnp.float32, 384, 96, True, True,
+                                      GemvTuning(block_n=64, block_k=64, k_splits=2)),
+    "t16-bf16-k256-n96-norm-res": (16, jnp.bfloat16, 256, 96, True, True, GemvTuning(block_n=64, block_k=128)),
+    # The defaults (kernel._fp8_default_tuning): FMAs at T = 1, the dot above; three 128-row steps.
+    "t1-bf16-k384-n96-default-norm-res": (1, jnp.bfloat16, 384, 96, True, True, None),
+    "t3-bf16-k384-n96-default-res": (3, jnp.bfloat16, 384, 96, False, True, None),
+}
+# Interpreted kernels against the reference, worst of 8 seeds over FP8_CASES. The kernel computes the reference's
+# sums, scale[b, n] · (sum over block b of x[k]·q[k, n]) in fp32, so only fp32 rounding and summation order differ
+# before the output's one rounding. float32 x: measured <= 3.4e-7 (bound 1e-5, the file's TOL). bfloat16 x: an
+# output differs from the reference only where that ~1e-7 relative difference straddles a bf16 rounding boundary
+# (one bf16 ulp, <= 2^-7 relative, on that entry), or where the norm's fp32 sum of squares rounds a normed input the
+# other way; measured <= 1.2e-5 with <= 0.1 % of the entries one ulp apart. The bounds, 1e-3 and 1 % of the
+# entries, hold a few such flips and no more: the old numerics (the dequantised weight rounded to bf16) were
+# 5e-4..2e-3 off with 8-35 % of the entries apart (measured on these cases).
+FP8_TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-3}
+FP8_MAX_BF16_MISMATCH = 0.01
+
+
+@pytest.mark.parametrize("case", list(FP8_CASES))
+def test_gemv_pallas_fp8(case):
+    t, dtype, k, n, with_norm, with_res, tuning = FP8_CASES[case]
+    x, w, r, norm = _fp8_inputs(100, t, k, n, dtype)
+    r, norm = (r if with_res else None), (norm if with_norm else None)
+    y = kernel.gemv(x, w, r, norm=norm, tuning=tuning)
+    want = reference.gemv(x, w, r, norm=norm)
+    assert y.dtype == dtype and y.shape == (t, n)
+    assert rel_err(y, want) <= FP8_TOL[dtype]
+    if dtype == jnp.bfloat16:
+        assert _mismatch_share(y, want) <= FP8_MAX_BF16_MISMATCH
+    # The scales are there, each block's and column's own (the projection alone, without the residual), and so are
+    # the residual and the norm: leaving any out is far outside FP8_TOL (the one token's residual at scale 0.5 is
+    # under 10 % of the output at K = 384).
+    proj_only = reference.gemv(x, w, norm=norm)
+    assert rel_err(reference.gemv(x, _misscaled(w), norm=norm), proj_only) > 0.1
+    assert rel_err(reference.gemv(x, w.q.astype(dtype), norm=norm), proj_only) > 0.1
+    if with_res:
+        assert rel_err(proj_only, want) > 0.05
+    if with_norm:
+        assert rel_err(reference.gemv(x, w, r), want) > 0.05
+
+
+def test_gemv_dispatch_pallas_fp8_matches_reference():
+    x, w, r, norm = _fp8_inputs(101, 2, 256, 96, jnp.bfloat16)
+    y = gemv.gemv(x, w, r, norm=norm, backend="pallas")
+    assert y.dtype == jnp.bfloat16
+    want = gemv.gemv(x, w, r, norm=norm)
+    assert rel_err(y, want) <= FP8_TOL[jnp.bfloat16] and _mismatch_share(y, want) <= FP8_MAX_BF16_MISMATCH
+
+
+def test_default_tuning_fp8():
+    """FP8 defaults (kernel._fp8_default_tuning): 128-row steps in whole scale blocks, 4 warps, FMAs for one token,
+    128 or 64 columns, K-splits of at least MIN_SPLIT_ROWS rows at T = 1 (FP8_DOT_MIN_SPLIT_ROWS above) giving
+    MIN_PROGRAMS programs (MIN_PROGRAMS / 2 above), or the most such splits; plain weights keep theirs."""
+    for k, n in [(2560, 4096), (4096, 2560), (2560, 576), (2560, 32 * 193), (2560, 32 * 641)]:
+        for t in (1, 4):
+            tu = kernel.default_tuning(t, k, n, 1)
+            ks, rows = tu.k_splits, k // tu.k_splits
+            assert k % ks == 0 and rows % fp8.BLOCK == 0 and tu.block_k == fp8.BLOCK and tu.block_n in (64, 128)
+            assert tu.num_warps == 4 and not tu.one_token_dot
+            min_rows, target = ((kernel.MIN_SPLIT_ROWS, kernel.MIN_PROGRAMS) if t == 1
+                                else (kernel.FP8_DOT_MIN_SPLIT_ROWS, kernel.MIN_PROGRAMS // 2))
+            assert rows >= min_rows
+            assert -(-n // tu.block_n) * ks >= target or ks == kernel.fp8_splits(k, min_rows)[-1]
+        assert kernel.default_tuning(1, k, n) == kernel.default_tuning(1, k, n, 4)
+    # K = 2560 is 20 scale blocks: 5 and 10 are splits too, where a power of two past 4 would cut a block.
+    assert kernel.fp8_splits(2560) == [1, 2, 4, 5, 10] and kernel.fp8_splits(80) == [1]
+    # KDA's w_in: 161 blocks of 128 columns, 4 splits (644 programs) at T = 1, 2 (322) above.
+    fp8_w_in = GemvTuning(block_n=128, block_k=128, k_splits=4, one_token_dot=False)
+    assert kernel.default_tuning(1, 2560, 32 * 641, 1) == fp8_w_in
+    assert kernel.default_tuning(4, 2560, 32 * 641, 1) == dataclasses.replace(fp8_w_in, k_splits=2)
+    assert kernel.default_tuning(1, 2560, 32 * 641).block_n == 64
+
+
+@pytest.mark.parametrize("t", [1, 4])
+def test_fp8_lowers_for_cuda(monkeypatch, t):
+    """The FP8 kernels with their defaults (FMAs at T = 1, the hand-pipelined dot above) lower to Triton at Flash
+    size: KDA's w_in with the norm (ragged: 20512 columns), o_proj with the residual. Interpret mode runs neither
+    lowering; compiling it to SASS is experiments/triton_resources.py's job."""
+    from jax._src.pallas.triton import gpu_info
+
+    monkeypatch.setattr(gpu_info, "get_gpu_info", lambda *a, **k: gpu_info.get_gpu_info_from_version(
+        gpu_info.GpuVersion.H200))
+    monkeypatch.setattr(kernel, "interpret_mode", lambda: False)
+    sds = jax.ShapeDtypeStruct
+    for k, n, with_norm, with_res in [(2560, 32 * 641, True, False), (4096, 2560, False, True)]:
+        w = fp8.Fp8Weight(sds((k, n), fp8.FP8_DTYPE), sds((k // fp8.BLOCK, n), jnp.float32))
+
+        def proj(x, w, r, g):
+            return kernel.gemv(x, w, r if with_res else None, norm=(g, 1e-6) if with_norm else None)
+
+        txt = jax.jit(proj).trace(sds((t, k), jnp.bfloat16), w, sds((t, n), jnp.bfloat16),
+                                  sds((k,), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
+        tu = kernel.default_tuning(t, k, n, 1)
+        assert txt.count('name = "gemv_fwd_kernel"') == 1
+        assert f"grid_x = {-(-n // tu.block_n)}" in txt and f"grid_y = {tu.k_splits}" in txt
+
+
+def test_fp8_dispatch_errors():
+    x, w, r, _ = _fp8_inputs(0, 2, 256, 96, jnp.float32)
+    cases = [
+        (fp8.Fp8Weight(w.q.astype(jnp.bfloat16), w.scale), r"w.q.dtype=bfloat16 must be float8_e4m3fn"),
+        (fp8.Fp8Weight(w.q, w.scale.astype(jnp.bfloat16)), r"w.scale.dtype=bfloat16 must be float32"),
+        (fp8.Fp8Weight(w.q, w.scale[:1]), r"w.scale.shape=\(1, 96\) must be \(2, 96\) for a in_out weight of shape "
+                                          r"\(256, 96\) \(128-wide blocks\)"),
+        (fp8.Fp8Weight(w.q, jnp.ones((256, 96), jnp.float32)), r"w.scale.shape=\(256, 96\) must be \(2, 96\)"),
+        (fp8.Fp8Weight(w.q, jnp.ones((2, 1), jnp.float32), fp8.OUT_IN),
+         r"w has FP8 layout 'out_in'; this op needs 'in_out'"),
+        (fp8.Fp8Weight(w.q, jnp.ones((192,), jnp.float32), fp8.IN_OUT, 2), r"w.n_in=2 must be 1: the GEMV takes"),
+        # torch's [out, in]: a plain shape error, no `w.T` hint (an Fp8Weight has no .T)
+        (fp8.quantize(w.q.T.astype(jnp.float32)), r"w.shape=\(96, 256\) must be \[K, N\] \(\[in, out\]\) with K = "
+                                                  r"x.shape\[1\] = 256$"),
+    ]
+    for bad, match in cases:
+        for backend in ("reference", "pallas"):
+            with pytest.raises(ValueError, match=match):
+                gemv.gemv(x, bad, backend=backend)
+    with pytest.raises(ValueError, match=r"residual.dtype=bfloat16 must be one of \['float32'\]"):
+        gemv.gemv(x, w, r.astype(jnp.bfloat16))
+    for backend in ("reference", "pallas"):
+        with pytest.raises(ValueError, match=r"greedy_head takes the lm_head w \[K, V\] in x's dtype .* not an "
+                                             r"Fp8Weight"):
+            gemv.greedy_head(x, w, backend=backend)

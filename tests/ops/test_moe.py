@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from tests.numerics import input_seed, rel_err
 from pallas_kernels import moe
+from pallas_kernels.common import fp8
 from pallas_kernels.moe import reference
 
 
@@ -809,3 +810,199 @@ def test_routed_eviction_policy(n):
             3: {("experts_fwd_kernel_gate_up", "evict_first"): 2, ("experts_fwd_kernel_down", "evict_first"): 1},
             4: {}}[n]
     assert loads == collections.Counter(want)
+
+
+# --- Block-FP8 expert matrices (pallas_kernels/common/fp8.py, layout OUT_IN) ---
+
+# FP8 numerics (pallas_kernels/moe/experts.py, reference.py): the weight stays float32, never rounded to x's dtype.
+# The kernels sum exact E4M3 products per 128-block in fp32 and scale each block's sum; the reference multiplies by
+# the float32 weight fl(q·scale). float32 x: the two differ by fp32 roundings and summation order: measured max
+# 8.5e-7 over 5 seeds of test_experts_pallas_fp8's cases on CPU (an fp32 sum of a few hundred products: ~1e-7 per
+# term, 12x below the bound). bfloat16 x: the same fp32 products, so the bf16 roundings of g, u, h and the outputs
+# agree but for one-ulp flips at near ties: measured max 7.1e-5 over 8 seeds of test_experts_pallas_fp8's cases and
+# 2.1e-4 over 20 of the grouped kernels' (tests/ops/test_moe_grouped.py), 5x below FP8_BF16_TOL; the earlier numerics
+# (the weight dequantised to bf16) are 3.1e-3 to 5.4e-3 off on the same inputs, above it.
+FP8_F32_TOL, FP8_BF16_TOL = 1e-5, 1e-3
+
+
+def _fp8_tol(dtype):
+    return FP8_F32_TOL if jnp.dtype(dtype) == jnp.float32 else FP8_BF16_TOL
+
+
+def _fp8_weights(seed, *ws):
+    """Each float weight quantised to block-FP8 (OUT_IN, the checkpoint's 128x128 blocks), after scaling each
+    128x128 block by its own power of two in [1/4, 4]: the blocks' scales then differ by up to 16x, so a tile that
+    took a neighbouring block's scale would be far off."""
+    rng = np.random.default_rng(input_seed(seed))
+    out = []
+    for w in ws:
+        w = np.asarray(w, np.float32)
+        blocks = fp8.scale_shape(w.shape, fp8.OUT_IN)
+        f = 2.0 ** rng.integers(-2, 3, blocks).astype(np.float32)
+        f = np.repeat(np.repeat(f, fp8.BLOCK, -2)[..., :w.shape[-2], :], fp8.BLOCK, -1)[..., :w.shape[-1]]
+        out.append(fp8.quantize(jnp.asarray(w * f), fp8.OUT_IN))
+    return tuple(out)
+
+
+def _fp8_expert_inputs(seed, n, *, d=256, i=192, e=8, k=4, dtype=jnp.float32, big=True):
+    """(args, shared triple) with every expert matrix an Fp8Weight, and the NumPy float64 copies of x, the routing
+    and the weights q·scale, exact in float64."""
+    args, _, np_args, np_ws = _expert_inputs(seed, n, d=d, i=i, e=e, k=k, i_s=i, dtype=dtype, big=big)
+    routed = _fp8_weights(seed + 1, *np_args[3:])
+    shared = _fp8_weights(seed + 2, *np_ws)
+    deq = lambda w: np.asarray(w.q, np.float64) * np.asarray(fp8.expanded_scale(w), np.float64)  # noqa: E731
+    np_all = (np_args[0], np_args[1], np_args[2], *(deq(w) for w in routed)), tuple(deq(w) for w in shared)
+    return (*args[:3], *routed), shared, np_all
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("n,path", [(3, "gather"), (70, "sorted")])
+def test_experts_fp8_reference_against_float64(n, path, dtype):
+    """The reference with FP8 experts (float32 weights, fp32 products, then the plain math) against NumPy float64
+    loops on the exact weights q·scale: the gather path dequantises the gathered experts, the sorted one the whole
+    stack."""
+    dtype = jnp.dtype(dtype)
+    args, shared, (np_args, np_ws) = _fp8_expert_inputs(80, n, dtype=dtype)
+    kw = dict(limit=4.0, shared_limit=5.0)
+    y = reference.moe_experts(*args, *shared, **kw, path=path)
+    assert y.dtype == dtype
+    # float32: the reference's own bound (test_experts_reference_f32; measured max 6.3e-7 over 5 seeds); bf16:
+    # test_experts_reference_bf16's (bf16 activations and outputs against float64).
+    assert rel_err(y, np_moe(*np_args, np_ws, **kw)) <= (1e-5 if dtype == jnp.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("n,d,i,shared,limits", [
+    (1, 256, 192, True, (4.0, 5.0)),  # decode: two 128-blocks each way, one of them ragged (I = 192)
+    (1, 128, 64, False, (0.0, 0.0)),  # one ragged block per matrix (I = 64 < 128), no shared expert, no clamp
+    (4, 256, 192, True, (4.0, 5.0)),  # verify, the tensor-core dots
+    (16, 128, 64, True, (0.5, 2.0)),
+], ids=["T1-D256-I192", "T1-D128-I64-noshared", "T4-D256-I192", "T16-D128-I64"])
+def test_experts_pallas_fp8(n, d, i, shared, limits, dtype):
+    """The decode/verify kernels (their FP8 defaults by T) with FP8 experts against the reference (float32 weights),
+    with the residual (at T = 1 the down kernel's epilogue)."""
+    dtype = jnp.dtype(dtype)
+    args, ws, _ = _fp8_expert_inputs(90 + n, n, d=d, i=i, dtype=dtype, big=limits[0] > 0)
+    ws = ws if shared else ()
+    r = jnp.asarray(np.random.default_rng(input_seed(91)).standard_normal((n, d)), dtype)
+    kw = dict(limit=limits[0], shared_limit=limits[1], residual=r)
+    y = moe.moe_experts(*args, *ws, **kw, backend="pallas")
+    y_ref = moe.moe_experts(*args, *ws, **kw)
+    assert y.dtype == dtype and y.shape == (n, d)
+    assert rel_err(y, y_ref) <= _fp8_tol(dtype)  # bf16: a bound the earlier bf16-weight numerics exceed
+
+
+@pytest.mark.parametrize("n,tu", [(1, "decode_bf16"), (1, "reduce"), (1, "lanes4_unroll"), (1, "lanes1"),
+                                  (1, "plain_acc"), (2, "fma_tokens_bf16"), (4, "dot_w"), (3, "dot_bk32")])
+def test_experts_pallas_fp8_tunings(n, tu):
+    """FP8 experts with other tunings (float32): the bf16 defaults (per-tile reductions, 512-wide chunks taken as
+    two 128-wide sub-blocks at D 256); DECODE_TUNING_FP8 with per-tile reductions; 2-row programs over 64-wide chunks
+    (4 weights per lane, `experts.lane_group`) with the gate/up chunks written out; 4-warp programs of 16-wide chunks
+    (fewer weights than lanes: the products summed as they are); the per-token FMAs, W·xᵀ dots and 32-wide chunks
+    (four per scale block); and plain weights with the FP8 T = 1 default (t1_products="accumulate" with 256-wide
+    chunks)."""
+    from pallas_kernels.moe import experts as em
+
+    f = em.DECODE_TUNING_FP8
+    tunings = {"decode_bf16": em.DECODE_TUNING,
+               "reduce": dataclasses.replace(f, t1_products="reduce"),
+               "lanes4_unroll": dataclasses.replace(f, block_i=2, block_k=64, block_d=2, block_ki=64,
+                                                    unroll_gate_up=True),
+               "lanes1": dataclasses.replace(f, block_k=16, warps_gate_up=4, block_ki=16, warps_down=4),
+               "plain_acc": f,
+               "fma_tokens_bf16": em.FMA_TOKENS_TUNING,
+               "dot_w": dataclasses.replace(em.VERIFY_TUNING_FP8, dot_gate_up="dot_w"),
+               "dot_bk32": dataclasses.replace(em.VERIFY_TUNING, block_k=32, block_ki=32, block_d=16)}
+    if tu in ("lanes4_unroll", "lanes1"):  # the per-lane groups these shapes give (2x64 and 4x16 tiles)
+        assert em.lane_group(2, 64, 32) == 4 and em.lane_group(4, 16, 128) == 1
+    args, ws, _ = _fp8_expert_inputs(100 + n, n)
+    if tu == "plain_acc":
+        args, ws = (*args[:3], *(fp8.dequantize(w) for w in args[3:])), tuple(fp8.dequantize(w) for w in ws)
+    kw = dict(limit=4.0, shared_limit=5.0)
+    y = em.moe_experts_fused(*args, *ws, **kw, tuning=tunings[tu])
+    assert rel_err(y, moe.moe_experts(*args, *ws, **kw)) <= FP8_F32_TOL
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_experts_pallas_fp8_mixed(n):
+    """FP8 routed experts with a plain shared expert, and the routed down projection plain with the rest FP8: each
+    matrix is dequantised (or not) on its own."""
+    args, ws, _ = _fp8_expert_inputs(110 + n, n)
+    plain = lambda w: fp8.dequantize(w, jnp.float32)  # noqa: E731
+    kw = dict(limit=4.0, shared_limit=5.0)
+    for a, s in (((*args[:5], plain(args[5])), ws), (args, tuple(plain(w) for w in ws))):
+        y = moe.moe_experts(*a, *s, **kw, backend="pallas")
+        assert rel_err(y, moe.moe_experts(*a, *s, **kw)) <= FP8_F32_TOL
+
+
+def test_dispatch_fp8_errors():
+    args, ws, _ = _fp8_expert_inputs(0, 2)
+    x, w, ids, wg, wu, wd = args
+    bad = dataclasses.replace
+    with pytest.raises(ValueError, match=r"we_gate.q.dtype=bfloat16 must be float8_e4m3fn"):
+        moe.moe_experts(x, w, ids, bad(wg, q=wg.q.astype(jnp.bfloat16)), wu, wd)
+    with pytest.raises(ValueError, match=r"ws_down.scale.dtype=bfloat16 must be float32 \(the checkpoint's "
+                                         r"weight_scale_inv\)"):
+        moe.moe_experts(*args, *ws[:2], bad(ws[2], scale=ws[2].scale.astype(jnp.bfloat16)))
+    with pytest.raises(ValueError, match=r"we_up.scale.shape=\(8, 2, 1\) must be \(8, 2, 2\) for a out_in weight "
+                                         r"of shape \(8, 192, 256\) \(128-wide blocks\)"):
+        moe.moe_experts(x, w, ids, wg, bad(wu, scale=wu.scale[:, :, :1]), wd)
+    in_out = fp8.quantize(np.asarray(fp8.dequantize(wd)), fp8.IN_OUT)
+    with pytest.raises(ValueError, match=r"we_down is an Fp8Weight of layout 'in_out'; the expert matrices need "
+                                         r"'out_in' .*fp8.quantize\(w, fp8.OUT_IN\)"):
+        moe.moe_experts(x, w, ids, wg, wu, in_out)
+    with pytest.raises(ValueError, match=r"we_gate.dtype=float8_e4m3fn is a bare E4M3 array: pass it with its block "
+                                         r"scales as fp8.Fp8Weight\(q, scale, fp8.OUT_IN\)"):
+        moe.moe_experts(x, w, ids, wg.q, wu, wd)
+    swapped = fp8.Fp8Weight(jnp.swapaxes(wd.q, 1, 2), jnp.swapaxes(wd.scale, 1, 2), fp8.OUT_IN)
+    with pytest.raises(ValueError, match=r"we_down.shape=\(8, 192, 256\) must be \[E, D, I\] = \(8, 256, 192\) .*"
+                                         r"swap the last two axes of its q and of its scale"):
+        moe.moe_experts(x, w, ids, wg, wu, swapped)
+    with pytest.raises(ValueError, match=r"we_up.shape=\(8, 192, 128\) must be \[E, I, D\] = \(8, 192, 256\)"):
+        moe.moe_experts(x, w, ids, wg, fp8.quantize(np.asarray(fp8.dequantize(wu))[:, :, :128], fp8.OUT_IN), wd)
+    # Plain weights keep their checks, next to FP8 ones (mixed is allowed).
+    with pytest.raises(ValueError, match=r"ws_gate.dtype=bfloat16 must be one of \['float32'\]"):
+        moe.moe_experts(*args, fp8.dequantize(ws[0], jnp.bfloat16), *ws[1:])
+    from pallas_kernels.moe import experts as em
+
+    with pytest.raises(ValueError, match=r"ExpertsTuning.t1_products='sum' must be one of \('reduce', 'accumulate'\)"):
+        em.ExpertsTuning(t1_products="sum")
+    # A tile must lie in one 128-row scale block (D = 256: 256 down rows per program).
+    with pytest.raises(ValueError, match=r"ExpertsTuning.block_d=256 gives tiles of 256 weight rows; with FP8 weights "
+                                         r"a tile's rows must lie in one 128-row scale block: use block_d <= 128"):
+        em.moe_experts_fused(*args, *ws, limit=0.0, shared_limit=0.0,
+                             tuning=dataclasses.replace(em.VERIFY_TUNING, block_d=256))
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_fp8_lowers_for_cuda(monkeypatch, n):
+    """FP8 experts at Flash size lower to Triton with the FP8 defaults by T (experts.default_tuning): at T = 1
+    4-row gate/up programs and 4-feature down programs with the residual added inside (no XLA add) and h in float32;
+    the router's prefetch takes the shared expert's q arrays."""
+    from pallas_kernels.common import pdl
+    from pallas_kernels.moe import experts as experts_mod, router as router_mod
+
+    d, e, i = 2560, 512, 768
+    bf, f32, sds = jnp.bfloat16, jnp.float32, jax.ShapeDtypeStruct
+
+    def w8(*shape):
+        return fp8.Fp8Weight(sds(shape, fp8.FP8_DTYPE), sds(fp8.scale_shape(shape, fp8.OUT_IN), f32), fp8.OUT_IN)
+
+    def layer(x, r, b, wg, wu, wd, sg, su, sd, res):
+        w, ids = moe.route(x, r, b, **ROUTE_KW, backend="pallas", prefetch=(sg.q, su.q, sd.q))
+        return moe.moe_experts(x, w, ids, wg, wu, wd, sg, su, sd, limit=4.0, shared_limit=5.0, backend="pallas",
+                               residual=res)
+
+    txt = lower_for_cuda(monkeypatch, [router_mod, experts_mod, pdl], layer, sds((n, d), bf), sds((e, d), f32),
+                         sds((e,), f32), w8(e, i, d), w8(e, i, d), w8(e, d, i), w8(i, d), w8(i, d), w8(d, i),
+                         sds((n, d), bf))
+    calls = {re.search(r'name = "([^"]+)"', c).group(1): c for c in txt.split("stablehlo.custom_call")[1:]}
+    down = "experts_fwd_kernel_down_t1" if n == 1 else "experts_fwd_kernel_down"
+    assert sorted(calls) == sorted(["router_fwd_kernel_gemv", "router_fwd_kernel_topk", "experts_fwd_kernel_gate_up",
+                                    down])
+    rows = 4 if n == 1 else 32  # DECODE_TUNING_FP8, VERIFY_TUNING_FP8
+    assert f"grid_y = {i // rows}" in calls["experts_fwd_kernel_gate_up"]
+    if n == 1:
+        assert f"grid_x = {d // experts_mod.DECODE_TUNING_FP8.block_d}" in calls[down]
+        assert "stablehlo.add" not in txt  # the residual: added inside the down kernel
+        assert re.search(r"tensor<9x1x768xf32>", txt)  # h: float32 between the two kernels (experts.h_dtype)

@@ -6,6 +6,7 @@ the Triton lowering at Flash size; plus the Pallas router at prefill size."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import re
 
 import numpy as np
@@ -287,3 +288,74 @@ def test_route_pallas_prefill_size(monkeypatch, router_dtype):
     calls = _calls(txt)
     assert all(g in calls["router_fwd_kernel_gemv"] for g in ("grid_x = 8", "grid_y = 1", "grid_z = 128"))
     assert "grid_x = 8192" in calls["router_fwd_kernel_topk"]
+
+
+# --- Block-FP8 expert matrices (pallas_kernels/common/fp8.py, layout OUT_IN) ---
+
+# At D 256, I 192: BK 256 (each step two 128-wide sub-blocks, one scale each), 64-row gate/up tiles (two per scale
+# block, the second block ragged), 128-feature down tiles (one scale block high), 64-wide down chunks.
+FP8_TUNING = grouped.GroupedTuning(block_m=16, block_i=64, block_k=256, block_d=128, block_ki=64)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shared,limits", [("fp8", (4.0, 5.0)), ("mixed", (4.0, 5.0)), (None, (0.0, 0.0))],
+                         ids=["shared-clamp", "shared-mixed-clamp", "routed"])
+def test_grouped_fp8_matches_reference(shared, limits, dtype):
+    """Prefill (N = 70 > experts.MAX_TOKENS, through the dispatcher) with every routed expert matrix FP8, D 256 and
+    I 192 (2 x 2 scale blocks, one ragged), skewed routing, with and without the shared expert (all FP8, or its up
+    matrix plain: either way on the grouped kernels, grouped.shared_expert) and the clamps: the grouped kernels
+    against the reference (float32 weights); float32 also against NumPy float64 on the exact weights."""
+    from tests.ops.test_moe import _fp8_expert_inputs, _fp8_tol
+
+    dtype = jnp.dtype(dtype)
+    n = experts.MAX_TOKENS + 6
+    args, ws, (np_args, np_ws) = _fp8_expert_inputs(120, n, e=16, dtype=dtype, big=limits[0] > 0)
+    ids = jnp.asarray(_ids(np.random.default_rng(input_seed(121)), n, 4, 16, "skewed"), jnp.int32)
+    args, np_args = (*args[:2], ids, *args[3:]), (*np_args[:2], np.asarray(ids), *np_args[3:])
+    if shared == "mixed":  # a plain up matrix: the FP8 one's values in x's dtype
+        ws = (ws[0], ws[1].dequantize(jnp.float32).astype(dtype), ws[2])
+    ws, np_ws = (ws, np_ws) if shared else ((), None)
+    kw = dict(limit=limits[0], shared_limit=limits[1])
+    y = grouped.moe_experts(*args, *ws, **kw, tuning=FP8_TUNING)
+    assert y.dtype == dtype
+    assert rel_err(y, moe.moe_experts(*args, *ws, **kw)) <= _fp8_tol(dtype)
+    if dtype == jnp.float32:
+        assert rel_err(y, np_moe(*np_args, np_ws, **kw)) <= F32_TOL
+        run = lambda *a: moe.moe_experts(*a, **kw, backend="pallas")  # noqa: E731  (DEFAULT_TUNING: BK 64)
+        assert _kernel_names(run, *args, *ws) == ["grouped_fwd_kernel_gate_up", "grouped_fwd_kernel_down"] * (
+            2 if shared else 1)  # the routed experts, then the shared one
+        assert rel_err(run(*args, *ws), y) <= _fp8_tol(dtype)
+
+
+def test_grouped_fp8_errors():
+    from tests.ops.test_moe import _fp8_expert_inputs
+
+    args, ws, _ = _fp8_expert_inputs(0, 3)
+    with pytest.raises(ValueError, match=r"GroupedTuning.block_d=256 gives tiles of 256 weight rows; with FP8 weights "
+                                         r"a tile's rows must lie in one 128-row scale block: use block_d <= 128"):
+        grouped.moe_experts(*args, *ws, tuning=grouped.GroupedTuning(block_d=256))
+    with pytest.raises(ValueError, match=r"we_gate.q.dtype=float32 must be float8_e4m3fn"):
+        moe.moe_experts(*args[:3], dataclasses.replace(args[3], q=args[3].q.astype(jnp.float32)), *args[4:],
+                        backend="pallas")
+
+
+def test_grouped_fp8_lowers_for_cuda(monkeypatch):
+    """FP8 experts at Flash size and 8192 tokens lower to Triton with DEFAULT_TUNING's grids (the same as bf16), the
+    FP8 shared expert on the same kernels as a one-expert stack: 8192 / 64 tiles."""
+    from pallas_kernels.common import fp8
+
+    bf, f32, sds = jnp.bfloat16, jnp.float32, jax.ShapeDtypeStruct
+    n, d, i, e, k = 8192, 2560, 768, 512, 8
+
+    def w8(*shape):
+        return fp8.Fp8Weight(sds(shape, fp8.FP8_DTYPE), sds(fp8.scale_shape(shape, fp8.OUT_IN), f32), fp8.OUT_IN)
+
+    def layer(x, w, ids, wg, wu, wd, sg, su, sd, r):
+        return grouped.moe_experts(x, w, ids, wg, wu, wd, sg, su, sd, limit=4.0, shared_limit=5.0, residual=r)
+
+    txt = lower_for_cuda(monkeypatch, [grouped], layer, sds((n, d), bf), sds((n, k), f32), sds((n, k), jnp.int32),
+                         w8(e, i, d), w8(e, i, d), w8(e, d, i), w8(i, d), w8(i, d), w8(d, i), sds((n, d), bf))
+    grid = lambda c: re.search(r"grid_x = (\d+).*?grid_y = (\d+)", c, re.S).groups()  # noqa: E731
+    grids = [(re.search(r'name = "([^"]+)"', c).group(1), grid(c)) for c in txt.split("stablehlo.custom_call")[1:]]
+    assert grids == [("grouped_fwd_kernel_gate_up", ("12", "1528")), ("grouped_fwd_kernel_down", ("20", "1528")),
+                     ("grouped_fwd_kernel_gate_up", ("12", "128")), ("grouped_fwd_kernel_down", ("20", "128"))]

@@ -1,0 +1,66 @@
+"""The checkpoint side of block-FP8 (docs/model.md §4): a [out, in] tensor and its 128x128 `weight_scale_inv`.
+
+`quantize` is what the `-fp8` release did to its bf16 weights (scale_inv = block amax / 448, q = w / scale_inv
+rounded to E4M3), so `ling-jax convert --dtype fp8` and the synthetic writer produce that layout from float
+weights; `dequantize` is its inverse up to E4M3's rounding. Numpy on the host, one source tensor at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from pallas_kernels.common.fp8 import BLOCK, FP8_MAX
+
+FP8_NP = np.dtype(ml_dtypes.float8_e4m3fn)
+SCALE_SUFFIX = "_scale_inv"  # `<name>.weight` -> `<name>.weight_scale_inv`
+
+
+def scale_name(name: str) -> str:
+    return name + SCALE_SUFFIX
+
+
+def scale_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    """The checkpoint scale of a [out, in] weight: [ceil(out/128), ceil(in/128)]."""
+    return math.ceil(shape[0] / BLOCK), math.ceil(shape[1] / BLOCK)
+
+
+def _expand(scale_inv: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    return np.repeat(np.repeat(scale_inv, BLOCK, 0)[:shape[0]], BLOCK, 1)[:, :shape[1]]
+
+
+def quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[out, in] float -> (q float8_e4m3fn [out, in], scale_inv float32 [ceil(out/128), ceil(in/128)])."""
+    w = np.asarray(w, np.float32)
+    o, i = w.shape
+    po, pi = -o % BLOCK, -i % BLOCK
+    blocks = np.pad(np.abs(w), [(0, po), (0, pi)]).reshape((o + po) // BLOCK, BLOCK, (i + pi) // BLOCK, BLOCK)
+    amax = blocks.max(axis=(1, 3))
+    scale_inv = np.where(amax > 0, amax / FP8_MAX, 1.0).astype(np.float32)
+    q = np.clip(w / _expand(scale_inv, w.shape), -FP8_MAX, FP8_MAX).astype(FP8_NP)
+    return q, scale_inv
+
+
+def dequantize(q: np.ndarray, scale_inv: np.ndarray) -> np.ndarray:
+    """q · scale_inv per block, float32."""
+    return q.astype(np.float32) * _expand(scale_inv, q.shape)
+
+
+def read_raw(path: Path, name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """One tensor read straight from a safetensors file by its header offsets: safetensors' numpy reader has no
+    float8 type (numpy lacks one; ml_dtypes supplies it)."""
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+        start, end = header[name]["data_offsets"]
+        f.seek(8 + header_len + start)
+        data = f.read(end - start)
+    if len(data) != end - start or len(data) != math.prod(shape) * dtype.itemsize:
+        raise ValueError(f"{path.name}: tensor {name} holds {len(data)} bytes, not the {math.prod(shape)} of its "
+                         f"shape {list(shape)}: the shard is truncated or corrupt")
+    return np.frombuffer(data, dtype).reshape(shape)
