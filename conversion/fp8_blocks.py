@@ -7,6 +7,7 @@ weights; `dequantize` is its inverse up to E4M3's rounding. Numpy on the host, o
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import struct
@@ -51,14 +52,21 @@ def dequantize(q: np.ndarray, scale_inv: np.ndarray) -> np.ndarray:
     return q.astype(np.float32) * _expand(scale_inv, q.shape)
 
 
+@functools.lru_cache(maxsize=64)
+def _header(path: Path, mtime_ns: int) -> tuple[int, dict]:
+    """(data start, header) of a safetensors file, parsed once per file (a shard holds thousands of tensors)."""
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        return 8 + header_len, json.loads(f.read(header_len))
+
+
 def read_raw(path: Path, name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """One tensor read straight from a safetensors file by its header offsets: safetensors' numpy reader has no
     float8 type (numpy lacks one; ml_dtypes supplies it)."""
+    data_start, header = _header(Path(path), Path(path).stat().st_mtime_ns)
+    start, end = header[name]["data_offsets"]
     with open(path, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(header_len))
-        start, end = header[name]["data_offsets"]
-        f.seek(8 + header_len + start)
+        f.seek(data_start + start)
         data = f.read(end - start)
     if len(data) != end - start or len(data) != math.prod(shape) * dtype.itemsize:
         raise ValueError(f"{path.name}: tensor {name} holds {len(data)} bytes, not the {math.prod(shape)} of its "

@@ -300,17 +300,6 @@ class Entry:
             scale_inv = np.repeat(scale_inv, BLOCK, axis=0)[:self.source_shape(i)[0]]
         return self._source_transform(i).to_params(scale_inv, self.scale_specs(i))
 
-    def scale_to_hf(self, i: int, xs: Sequence[np.ndarray]) -> np.ndarray:
-        """The inverse of `scale_to_params`; ValueError when an IN_OUT scale differs within a checkpoint block."""
-        rows = self._source_transform(i).to_hf(xs)
-        if self.fp8[0] != IN_OUT:
-            return rows
-        blocks = rows[::BLOCK]
-        if not np.array_equal(np.repeat(blocks, BLOCK, axis=0)[:rows.shape[0]], rows):
-            raise ValueError(f"{self.names[i]}: its FP8 scales differ within a 128x128 block, which the checkpoint "
-                             "layout cannot hold (quantise the float weights instead: conversion.synthetic does)")
-        return blocks
-
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(s[0] for s in self.sources)

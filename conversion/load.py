@@ -123,8 +123,9 @@ def validate(cfg: LingConfig, catalog: dict[str, TensorInfo], entries: list[hf.E
     (layer_types, mlp_layer_types), so that the message says where the schedule came from.
 
     Block-FP8 (docs/model.md §4): every F8_E4M3 tensor needs its `<name>_scale_inv` F32 [ceil(out/128),
-    ceil(in/128)]; the leaves `param_specs` declares FP8 need F8 sources, or float ones when `quantizing`
-    (`load_hf(fp8=True)` quantises them); an F8 tensor feeding an unquantised leaf is dequantised.
+    ceil(in/128)]; a float tensor feeding a leaf `param_specs` declares FP8 is quantised (`quantizing`; a warning
+    lists them when the checkpoint is itself FP8, `quantizing` False); an F8 tensor feeding an unquantised leaf is
+    dequantised.
     """
     conflicts = _schedule_conflicts(cfg, catalog, schedule_lists)
     problems = ([conflicts] if conflicts else []) + list(problems or [])
@@ -179,10 +180,8 @@ def validate(cfg: LingConfig, catalog: dict[str, TensorInfo], entries: list[hf.E
     if scales:
         problems.append(_listing("FP8 scale missing or malformed", scales))
     if unquantised:
-        problems.append(_listing("not FP8, though config.json's quantization_config makes these leaves block-FP8 "
-                                 "(ling-jax packs a fused leaf's parts in one format): re-quantise the bf16 release "
-                                 "with `ling-jax convert --dtype fp8`, or load with fp8=False (--dtype bfloat16) to "
-                                 "dequantise", unquantised))
+        warnings.warn(_listing("stored as floats though the leaves they feed are block-FP8; quantised as the release "
+                               "quantises (conversion/fp8_blocks.py)", unquantised), stacklevel=3)
     if problems:
         raise CheckpointError(f"checkpoint does not match its config.json ({len(problems)} problem kinds):\n  "
                               + "\n  ".join(problems))

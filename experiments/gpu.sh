@@ -64,9 +64,11 @@ suite_slices() {  # `ling-jax bench` on SGLang's workload, the 6-layer exact-wid
   timeout 200 python3 -m ling_jax.cli bench --preset ling-3.0-flash --random-weights --dtype fp8 --layers 6 --profile
   timeout 200 python3 -m ling_jax.cli bench --preset ling-3.0-flash --random-weights --dtype bfloat16 --layers 6 \
     --profile
+  cp experiments/results/bench_ling-3.0-flash-6layers_*.json "$OUT"/
 }
 suite_full() {  # `ling-jax bench` on SGLang's workload: all 42 layers in FP8 on one GPU, the MTP layer loaded
   timeout 540 python3 -m ling_jax.cli bench --preset ling-3.0-flash --random-weights --dtype fp8 --profile
+  cp experiments/results/bench_ling-3.0-flash_fp8.json "$OUT"/
 }
 suite_mla() {  # device time per call from the profiler, then bench_mla's compiled checks and slopes
   timeout 240 python3 experiments/profile_ops.py --ops mla_1k_t1,mla_1k_t6,mla_8k_t1,mla_8k_t6,mla_32k_t1,mla_32k_t6 \

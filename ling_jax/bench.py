@@ -364,7 +364,7 @@ def bench(params, cfg, *, prompt_len: int, output_len: int, backend: str, block_
     if spec != "none":
         row.update(num_draft=num_draft, planned_accept_length=accept_length,
                    accept_length=float(np.mean([r.accept_length for r in results])))
-    moved = step_bytes(cfg, prompt_len + output_len)
+    moved = step_bytes(cfg, prompt_len + output_len, jnp.dtype(params["embed"].dtype).itemsize)
     total = sum(moved.values())
     floor_ms = total / HBM_BYTES_PER_S * 1e3
     row.update(bytes_per_token=int(total), bytes_by_part={k: int(v) for k, v in moved.items()},

@@ -3,7 +3,7 @@
     ling-jax convert --hf-dir DIR --out DIR [--dtype bfloat16|float32|fp8] [--router-fp32] [--no-mtp] [--force]
     ling-jax generate (--checkpoint DIR | --hf-dir DIR | --preset NAME)
                       (--prompt-ids 1,2,3 | --prompt TEXT --tokenizer tokenizer.json) --max-new-tokens N
-                      [--temperature T --top-p P --seed S] [--dtype float32|bfloat16] [--backend reference|pallas]
+                      [--temperature T --top-p P --seed S] [--dtype float32|bfloat16|fp8] [--backend SPEC]
                       [--block-size N] [--prefill-chunk C] [--ignore-eos] [--json]
     ling-jax bench (--preset NAME --random-weights | --checkpoint DIR | --hf-dir DIR) [--layers N]
                    [--dtype bfloat16|float32|fp8] [--prompt-len 8192] [--output-len 1024] [--profile] [--json]
@@ -318,11 +318,7 @@ def _load_weights(args, cfg):
     dtype = None if args.dtype is None else jnp.dtype(jnp.bfloat16 if args.dtype == FP8 else args.dtype)
     if args.checkpoint:
         from conversion.orbax_io import load_params
-        loaded_cfg, params = load_params(args.checkpoint, dtype=dtype)
-        if args.dtype == FP8 and loaded_cfg.quantization != "fp8":
-            raise _usage_error(f"--checkpoint {args.checkpoint} holds unquantised weights: convert it with "
-                               "`ling-jax convert --dtype fp8` to run it in FP8")
-        return loaded_cfg, params
+        return load_params(args.checkpoint, dtype=dtype)
     if args.hf_dir:
         from conversion.load import load_hf
         return load_hf(args.hf_dir, dtype=dtype, with_mtp=args.spec == "mtp", fp8=True if args.dtype == FP8 else None)
@@ -347,6 +343,7 @@ def _generate(args, parser) -> int:
     _check_backend_fits(args.backend, cfg, parser)
     _check_prompt_fits(ids, args, cfg, parser)
     draft_cfg = _check_spec_model(args, cfg, parser)
+    _check_checkpoint_fp8(args, cfg, parser)
     _check_memory(cfg.replace(quantization="fp8") if args.dtype == FP8 else cfg,
                   args.dtype or ("float32" if not (args.checkpoint or args.hf_dir) else "bfloat16"),
                   len(ids), args.max_new_tokens, args.prefill_chunk, with_mtp=args.spec == "mtp")
@@ -572,11 +569,20 @@ def _bench_config(args, parser):
 
     if args.checkpoint or args.hf_dir:
         cfg = _model_config(args, parser)
+        _check_checkpoint_fp8(args, cfg, parser)
         return cfg.replace(quantization="fp8") if args.dtype == FP8 else cfg
     try:
         return bench.bench_config(args.preset or "ling-3.0-flash", args.layers, args.dtype)
     except ConfigError as e:
         parser.error(f"--preset: {e}")
+
+
+def _check_checkpoint_fp8(args, cfg, parser) -> None:
+    """--dtype fp8 on an unquantised orbax checkpoint, refused from its config before anything loads (orbax
+    restores what it stores; an HF directory is quantised while it loads)."""
+    if args.dtype == FP8 and args.checkpoint and cfg.quantization != "fp8":
+        parser.error(f"--checkpoint {args.checkpoint} holds unquantised weights: convert the HF checkpoint with "
+                     "`ling-jax convert --dtype fp8`, or run this one with --dtype bfloat16")
 
 
 def _check_bench_memory(args, cfg) -> None:
@@ -598,7 +604,7 @@ def _check_memory(cfg, dtype: str, prompt_len: int, new_tokens: int, chunk: int,
     compute = "bfloat16" if dtype == FP8 else dtype
     plan = memory.plan(cfg, dtype=compute, prompt_len=prompt_len, max_new_tokens=new_tokens, chunk=chunk,
                        capacity=capacity, with_mtp=with_mtp)
-    memory.check(plan, cfg, compute)
+    memory.check(plan, cfg, compute, with_mtp=with_mtp)
 
 
 def _bench_weights(args, cfg):
@@ -609,11 +615,7 @@ def _bench_weights(args, cfg):
     dtype = bench.compute_dtype(args.dtype)
     if args.checkpoint:
         from conversion.orbax_io import load_params
-        loaded_cfg, params = load_params(args.checkpoint, dtype=dtype)
-        if args.dtype == FP8 and loaded_cfg.quantization != "fp8":
-            raise _usage_error(f"--checkpoint {args.checkpoint} holds unquantised weights: convert it with "
-                               "`ling-jax convert --dtype fp8`, or bench it with --dtype bfloat16")
-        return loaded_cfg, params
+        return load_params(args.checkpoint, dtype=dtype)
     if args.hf_dir:
         from conversion.load import load_hf
         return load_hf(args.hf_dir, dtype=dtype, fp8=True if args.dtype == FP8 else None)
@@ -630,11 +632,6 @@ def _abstract(cfg, dtype):
     return abstract_params(cfg, dtype, with_mtp=bool(cfg.num_mtp_layers))
 
 
-def _usage_error(message: str):
-    from ling_jax.config import ConfigError
-    return ConfigError(message)
-
-
 def _bench_name(args, cfg) -> str:
     if args.checkpoint or args.hf_dir:
         return Path(args.checkpoint or args.hf_dir).name
@@ -648,12 +645,9 @@ def _write_bench(args, row: dict) -> None:
         if not results.is_dir():
             return
         spec = "" if args.spec == "none" else f"_{args.spec}{args.num_draft}"
-        target = results / f"bench_{row['model']}_{args.dtype}{spec}.json"
+        target = results / f"bench_{row['model']}_{row['quantization'] or args.dtype}{spec}.json"
     Path(target).parent.mkdir(parents=True, exist_ok=True)
     Path(target).write_text(json.dumps(row, indent=1, default=str) + "\n")
-    import os
-    if os.environ.get("OUT"):  # the device runner's collection folder
-        (Path(os.environ["OUT"]) / Path(target).name).write_text(json.dumps(row, indent=1, default=str) + "\n")
 
 
 def _bad_input_errors() -> tuple[type[Exception], ...]:

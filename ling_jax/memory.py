@@ -78,16 +78,18 @@ def usable_bytes(device=None, device_bytes: int | None = None) -> int | None:
     return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
 
 
-def check(p: MemoryPlan, cfg: LingConfig, dtype) -> None:
+def check(p: MemoryPlan, cfg: LingConfig, dtype, *, with_mtp: bool = True) -> None:
     if p.fits:
         return
     ways = []
     if cfg.quantization != "fp8":
-        fp8 = dataclasses.replace(p, weights=param_bytes(cfg.replace(quantization="fp8"), dtype) // p.devices)
+        fp8_bytes = param_bytes(cfg.replace(quantization="fp8"), dtype, with_mtp=with_mtp)
+        fp8 = dataclasses.replace(p, weights=fp8_bytes // p.devices)
         ways.append(f"block-FP8 weights (--dtype fp8: weights {fp8.weights / GIB:.1f} GiB per device"
                     + (", which fits)" if fp8.fits else ")"))
     need_devices = -(-p.weights * p.devices // max(p.capacity - p.caches - p.activations - RESERVE_BYTES, 1))
-    ways.append(f"tensor parallelism over more devices (--tp N; the weights alone need about {need_devices})")
+    ways.append(f"tensor parallelism over more devices (params sharded with ling_jax.sharding.param_shardings on a "
+                f"mesh; the weights alone need about {need_devices})")
     ways.append("a shorter context (fewer prompt or output tokens) or prefill chunk (--prefill-chunk)")
     fraction = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
     if fraction is None or float(fraction) < BENCH_MEM_FRACTION:

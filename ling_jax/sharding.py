@@ -16,7 +16,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ling_jax.cache import KDACache, MLACache, ModelState
-from ling_jax.config import LingConfig
+from ling_jax.config import DENSE, KDA, MLA, LingConfig
 from ling_jax.params import is_spec, param_specs
 
 TP = "tp"
@@ -55,6 +55,23 @@ def check_divisible(cfg: LingConfig, n: int) -> None:
     if bad:
         raise ValueError(f"tensor parallelism over {n} devices needs these sizes divisible by {n}: {bad}; "
                          f"choose a device count that divides them")
+    if cfg.quantization == "fp8" and n > 1:
+        # Row-split FP8 weights split their 128-row scale blocks too: each device needs whole blocks.
+        mixers, ffns = ({cfg.mixer_kind(i) for i in range(cfg.num_layers)},
+                        {cfg.ffn_kind(i) for i in range(cfg.num_layers)})
+        rows = {"moe_intermediate_size / tp": cfg.moe_intermediate_size // n}
+        if DENSE in ffns:
+            rows["intermediate_size / tp"] = cfg.intermediate_size // n
+        if cfg.num_shared_experts:
+            rows["shared_expert_intermediate_size / tp"] = cfg.shared_expert_intermediate_size // n
+        if KDA in mixers:
+            rows["num_attention_heads / tp x head_dim"] = cfg.num_heads // n * cfg.head_dim
+        if MLA in mixers or cfg.num_mtp_layers:
+            rows["num_attention_heads / tp x v_head_dim"] = cfg.num_heads // n * cfg.v_head_dim
+        split = {k: v for k, v in rows.items() if v % 128}
+        if split:
+            raise ValueError(f"block-FP8 weights over {n} devices need whole 128-row scale blocks per device: {split} "
+                             "are not multiples of 128; choose a device count that keeps them whole, or bf16 weights")
 
 
 def param_shardings(cfg: LingConfig, mesh: Mesh, *, with_mtp: bool = True):

@@ -271,7 +271,7 @@ def test_load_params_names_load_hf_for_an_hf_directory(files):
         load_params(files / "hf")
 
 
-@pytest.mark.parametrize("command", ["generate", "convert", None])
+@pytest.mark.parametrize("command", ["generate", "convert", "bench", None])
 def test_help_shows_every_default(command):
     result = run_ling_jax(*([command] if command else []), "--help")
     assert result.returncode == 0 and "Traceback" not in result.stderr
@@ -281,7 +281,7 @@ def test_help_shows_every_default(command):
         is_flag = re.fullmatch(r"(-\w, )?--[\w-]+", header) is not None
         assert is_flag or "(default:" in text or "(required)" in text, f"{header}: no default in {text!r}"
     if command == "generate":
-        dtype = dict(entries)["--dtype {float32,bfloat16}"]
+        dtype = dict(entries)["--dtype {float32,bfloat16,fp8}"]
         assert "float32 for --preset" in dtype and "stored in the safetensors for --hf-dir" in dtype
         assert "stored in the checkpoint for --checkpoint" in dtype
 

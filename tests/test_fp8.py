@@ -168,12 +168,20 @@ WEIGHT = "model.layers.1.mlp.experts.3.down_proj.weight"
     (lambda c: c.__setitem__(fp8_blocks.scale_name(WEIGHT),
                              dataclasses.replace(c[fp8_blocks.scale_name(WEIGHT)], dtype="BF16")),
      "stored BF16; block scales are F32"),
-    (lambda c: c.__setitem__(WEIGHT, dataclasses.replace(c[WEIGHT], dtype="BF16")),
-     "not FP8, though config.json's quantization_config"),
-], ids=["missing", "mis-shaped", "wrong-dtype", "unquantised-part"])
+], ids=["missing", "mis-shaped", "wrong-dtype"])
 def test_scale_problems_are_named(fp8_dir, change, message):
     with pytest.raises(CheckpointError, match=message):
         _catalog_with(fp8_dir, change)()
+
+
+def test_a_float_tensor_for_an_fp8_leaf_is_quantised_with_a_warning(fp8_dir):
+    def to_bf16(c):
+        c[WEIGHT] = dataclasses.replace(c[WEIGHT], dtype="BF16")
+        del c[fp8_blocks.scale_name(WEIGHT)]
+    check = _catalog_with(fp8_dir, to_bf16)
+    with pytest.warns(UserWarning, match=r"stored as floats though the leaves they feed are block-FP8(.|\n)*"
+                                         r"down_proj.weight: BF16"):
+        check()
 
 
 def test_a_truncated_fp8_shard_is_named(fp8_dir, tmp_path):
@@ -198,14 +206,14 @@ def test_memory_plan_refuses_the_bf16_full_model_on_one_h200():
     assert memory.plan(flash.replace(quantization="fp8"), **kw).fits
     bf16 = memory.plan(flash, **kw)
     assert not bf16.fits
-    with pytest.raises(memory.MemoryPlanError, match=r"does not fit.*--dtype fp8.*which fits.*--tp N"):
+    with pytest.raises(memory.MemoryPlanError, match=r"does not fit.*--dtype fp8.*which fits.*tensor parallelism"):
         memory.check(bf16, flash, jnp.bfloat16)
 
 
 def test_bench_cli_refuses_the_bf16_full_model_before_allocating():
     result = run_ling_jax("bench", "--preset", "ling-3.0-flash", "--random-weights", "--dtype", "bfloat16",
                           "--device-memory-gb", "141", timeout=120)
-    assert_refused(result, "does not fit", "weights 237.6", "--dtype fp8", "--tp N")
+    assert_refused(result, "does not fit", "weights 237.6", "--dtype fp8", "param_shardings")
 
 
 @pytest.mark.parametrize("args, fragments", [
@@ -230,3 +238,22 @@ def test_bench_cli_runs_sglangs_metrics_on_the_toy_preset(tmp_path):
     assert row["tpot_ms_median"] > 0 and row["ttft_ms"] > 0 and row["kernels_per_step"] > 0
     assert row["bytes_per_token"] == sum(row["bytes_by_part"].values())
     assert 0 < row["frac_of_floor"] < 1
+
+
+def test_router_prefetch_names_an_fp8_weight():
+    from pallas_kernels.moe import route
+
+    x = jnp.ones((1, 128), jnp.float32) * jnp.arange(128) / 128
+    router, bias = jnp.ones((8, 128)) / jnp.arange(1, 9)[:, None], jnp.zeros(8)
+    w = fp8.quantize(jnp.ones((64, 128)) * jnp.arange(128), fp8.OUT_IN)
+    with pytest.raises(ValueError, match=r"prefetch\[0\] is an Fp8Weight; pass its values \(w.q"):
+        route(x, router, bias, n_group=2, topk_group=1, top_k=2, routed_scaling_factor=1.0, prefetch=(w,))
+
+
+def test_tensor_parallel_fp8_needs_whole_scale_blocks_per_device():
+    from ling_jax.sharding import check_divisible
+
+    flash = preset("ling-3.0-flash", quantization="fp8")
+    check_divisible(flash, 2)  # 384 expert rows per device: three whole blocks
+    with pytest.raises(ValueError, match=r"whole 128-row scale blocks.*'moe_intermediate_size / tp': 192"):
+        check_divisible(flash, 4)

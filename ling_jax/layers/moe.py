@@ -7,9 +7,9 @@ from jax.sharding import PartitionSpec as P
 
 from ling_jax.config import LingConfig
 from ling_jax.params import is_fp8, moe_specs
-from pallas_kernels.common.fp8 import Fp8Weight
 from ling_jax.sharding import logical_to_spec, per_shard, tp_size
 from pallas_kernels import moe as moe_ops
+from pallas_kernels.common.fp8 import Fp8Weight
 
 _ROUTED = ("we_gate", "we_up", "we_down")
 _SHARED = ("ws_gate", "ws_up", "ws_down")

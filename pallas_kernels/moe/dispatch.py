@@ -64,6 +64,8 @@ def route(x, router, expert_bias, *, n_group, topk_group, top_k, routed_scaling_
         raise ValueError(f"{top_k=} must be in [1, topk_group·E/n_group = {topk_group * (e // n_group)}]")
     prefetch = tuple(prefetch)
     for j, a in enumerate(prefetch):
+        if isinstance(a, fp8.Fp8Weight):
+            raise ValueError(f"prefetch[{j}] is an Fp8Weight; pass its values (w.q: the scales are 3 % of the bytes)")
         if not hasattr(a, "dtype") or not hasattr(a, "shape"):
             raise ValueError(f"prefetch[{j}] is {type(a).__name__}; it must be an array (e.g. the shared expert's "
                              "ws_gate, ws_up, ws_down)")
