@@ -8,7 +8,8 @@ weight's logical axes: column-parallel weights (heads or vocab on an output axis
 ones (heads or ffn on an input axis) partial sums added across devices before the residual.
 
 Block-FP8 weights (`Fp8Weight`, pallas_kernels/common/fp8.py) go through both: `proj` dequantises to the compute
-dtype (the spec, and prefill's XLA GEMMs), the GEMV kernel dequantises each tile as it streams it.
+dtype (prefill's XLA GEMMs, the reference backend: bf16 tensor cores), the GEMV kernel keeps the dequantised weight
+in fp32, scaling each 128-row block's partial sum by its scale (docs/model.md §4).
 """
 
 from __future__ import annotations
