@@ -57,8 +57,8 @@ suite_fp8() {  # the FP8 kernels compiled (GEMV, MoE decode / verify / grouped p
     -p no:cacheprovider tests/ops/test_gemv.py tests/ops/test_moe.py tests/ops/test_moe_grouped.py -k "fp8"
 }
 suite_fp8_ops() {  # the FP8 GEMV shapes with their tuning sweep, then the FP8 MoE layer's T = 1 sweep
-  timeout 170 python3 experiments/bench_gemv.py --fp8 --sweep
-  timeout 260 python3 experiments/bench_moe.py --fp8 --no-ts --chain norm --layers 8 --router-dtype bfloat16 --iters 1
+  timeout 230 python3 experiments/bench_gemv.py --fp8 --sweep
+  timeout 300 python3 experiments/bench_moe.py --fp8 --no-ts --chain norm --layers 8 --router-dtype bfloat16 --iters 1
 }
 suite_slices() {  # `ling-jax bench` on SGLang's workload, the 6-layer exact-width slice in FP8 and in bf16
   timeout 200 python3 -m ling_jax.cli bench --preset ling-3.0-flash --random-weights --dtype fp8 --layers 6 --profile
