@@ -67,8 +67,7 @@ GREEDY_SWEEP = "block_n=64;block_n=256;block_k=128;num_warps=8;num_warps=2;num_s
 # FP8 (kernel._fp8_default_tuning): one token by the dot instead of FMAs, 8 warps, the other column width, two scale
 # blocks per step (FMAs only: the dot's carried [256, BN] f16 tiles spill registers on sm_90); the K-split counts
 # next to the default's are added per shape (fp8_sweep).
-FP8_SWEEP = ("one_token_dot=true;num_warps=8;block_n=64;block_n=128;block_k=256;fma_ahead=true;"
-             "fma_ahead=true,num_warps=8;fma_ahead=true,block_n=64")
+FP8_SWEEP = "one_token_dot=true;num_warps=8;block_n=64;block_n=128;block_k=256"
 # The FP8 kernel equals the fp32-dequantising reference up to fp32 rounding order before its one rounding to bf16
 # (tests/ops/test_gemv.py's bound); a kernel rounding the dequantised weight to bf16 would be ~2e-3 off.
 FP8_REL_ERR_MAX = 1e-3
@@ -78,8 +77,7 @@ def label(tuning, default, t):
     """Every field of a tuning, short (`bn64 bk64 ks8 w4 s3`, ` fma` for one token by FMAs), marked when it is the
     shape's default."""
     text = (f"bn{tuning.block_n} bk{tuning.block_k} ks{tuning.k_splits} w{tuning.num_warps} "
-            f"s{tuning.num_stages}{' fma' if t == 1 and not tuning.one_token_dot else ''}"
-            f"{' ahead' if t == 1 and tuning.fma_ahead else ''}")
+            f"s{tuning.num_stages}{' fma' if t == 1 and not tuning.one_token_dot else ''}")
     return f"default {text}" if tuning == default else text
 
 
@@ -92,7 +90,7 @@ def fp8_sweep(base, k, t, spec):
     near = [f"k_splits={d}" for d in splits[max(i - 1, 0):i + 2] if d != base.k_splits]
     tunings = parse_tunings(base, ";".join([spec] + near))
     if t > 1:
-        tunings = [dataclasses.replace(tu, one_token_dot=base.one_token_dot, fma_ahead=base.fma_ahead) for tu in tunings
+        tunings = [dataclasses.replace(tu, one_token_dot=base.one_token_dot) for tu in tunings
                    if tu.block_k <= fp8.BLOCK]
     return tunings
 

@@ -88,19 +88,15 @@ EXPERTS_SWEEP = [
 ]
 # --fp8, T = 1: around DECODE_TUNING_FP8 (gate/up 4 rows and down 2 features per one-warp program, per-lane FFMA
 # chains): the gate/up chunks written out, 8-row two-warp gate/up programs (the same lane shape, half the programs),
-# 8- and 2-feature down programs, 256-wide gate/up chunks, and the gate/up loop pipelined by hand one chunk ahead
-# (512- and 256-wide chunks). Eight tunings, each one compiled check and one profiled chain (device time, no wall
-# slope): `--fp8 --no-ts` ends after this sweep and the T = 1 profile.
+# 8-feature down programs, 256-wide gate/up chunks. Five tunings, each one compiled check and one profiled
+# chain (device time, no wall slope): `--fp8 --no-ts` ends after this sweep and the T = 1 profile.
 _F = DECODE_TUNING_FP8
 EXPERTS_SWEEP_FP8 = [
     _F,
     dataclasses.replace(_F, unroll_gate_up=True),
     dataclasses.replace(_F, block_i=8, warps_gate_up=2),
     dataclasses.replace(_F, block_d=8),
-    dataclasses.replace(_F, block_d=2),
     dataclasses.replace(_F, block_k=256),
-    dataclasses.replace(_F, gate_up_ahead=True),
-    dataclasses.replace(_F, gate_up_ahead=True, block_k=256),
 ]
 # The router is [E, D]: a GEMV program streams BE expert rows' D-split (KS splits, BK-wide tiles). T = 1 sweep
 # around router.DECODE_TUNING (BE 1, KS 5, BK 512, 1 warp): rows, splits, warps, stages, and the top-k program's

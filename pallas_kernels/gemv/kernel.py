@@ -105,9 +105,6 @@ class GemvTuning:
     # 88 % by FMAs at T = 1 (experiments/RESULTS.md, GEMV). FP8 weights default to FMAs (fewer instructions per
     # weight; their dot is pipelined by hand either way).
     one_token_dot: bool = True
-    # FP8 one token by FMAs: each step's weight tiles and scale rows loaded one step ahead, carried in registers
-    # into the next iteration (the loop is pipelined by hand, as the dot path's is).
-    fma_ahead: bool = False
 
     def __post_init__(self):
         check_pow2_fields(self, ("block_n", "block_k"), 16)  # the T > 1 dot's minimum; sectors are 32 bytes
@@ -225,14 +222,14 @@ def _scale_row(s_ref, k, *, n0, BN, n_cols):
 
 
 def _block_products(x_ref, w_ref, *, k0, n_steps, BK, n0, BN, n_cols, n_tok, rows, s_ref=None, g_ref=None,
-                    inv_rms=None, fma_ahead=False):
+                    inv_rms=None):
     """fp32 products of x_ref [T, K] (compute dtype) with w_ref [K, N] over rows [k0, k0 + n_steps·BK) and columns
     [n0, n0 + BN) -> [rows, BN] (rows = 1 at T = 1, else DOT_ROWS; padded rows are zero). Columns past n_cols are
     loaded as zeros. With s_ref the weight is FP8 (w_ref the E4M3 values, s_ref their [ceil(K/128), N] scales:
     `_fp8_products`); with g_ref (the norm weight [K]) each x tile is RMS-normed first, by the tokens' inv_rms."""
     if s_ref is not None:
         return _fp8_products(x_ref, w_ref, s_ref, k0=k0, n_steps=n_steps, BK=BK, n0=n0, BN=BN, n_cols=n_cols,
-                             n_tok=n_tok, rows=rows, g_ref=g_ref, inv_rms=inv_rms, fma_ahead=fma_ahead)
+                             n_tok=n_tok, rows=rows, g_ref=g_ref, inv_rms=inv_rms)
     dt = x_ref.dtype
     col_ok = _col_mask(n0, BK, BN=BN, n_cols=n_cols)
     row_ok = _token_mask(BK=BK, n_tok=n_tok, rows=rows)
@@ -275,8 +272,7 @@ def _dot(xs, w, exact_bf16):
                            precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
 
 
-def _fp8_products(x_ref, w_ref, s_ref, *, k0, n_steps, BK, n0, BN, n_cols, n_tok, rows, g_ref, inv_rms,
-                  fma_ahead=False):
+def _fp8_products(x_ref, w_ref, s_ref, *, k0, n_steps, BK, n0, BN, n_cols, n_tok, rows, g_ref, inv_rms):
     """`_block_products` of an FP8 weight: the sum over 128-row scale blocks b of scale[b] · (x · q over the
     block's rows), all in fp32 (module docstring). A step of BK rows is min(BK, 128)-row sub-blocks, each inside
     one scale block: BK is a power of two and every step starts at a multiple of it."""
@@ -297,48 +293,31 @@ def _fp8_products(x_ref, w_ref, s_ref, *, k0, n_steps, BK, n0, BN, n_cols, n_tok
 
     if rows == 1:
         return _fp8_fma(w_ref, n_steps=n_steps, SB=SB, n0=n0, BN=BN, n_cols=n_cols, sub_blocks=sub_blocks,
-                        scale_row=scale_row, load_x=load_x, normed=normed, ahead=fma_ahead)
+                        scale_row=scale_row, load_x=load_x, normed=normed)
     return _fp8_dot(w_ref, x_ref.dtype, n_steps=n_steps, SB=SB, n0=n0, BN=BN, n_cols=n_cols, n_tok=n_tok, rows=rows,
                     sub_blocks=sub_blocks, scale_row=scale_row, load_x=load_x, normed=normed)
 
 
-def _fp8_fma(w_ref, *, n_steps, SB, n0, BN, n_cols, sub_blocks, scale_row, load_x, normed, ahead=False):
+def _fp8_fma(w_ref, *, n_steps, SB, n0, BN, n_cols, sub_blocks, scale_row, load_x, normed):
     """One token by FMAs: an [R, BN] fp32 partial sums x[k]·q[k, :] over a sub-block's R-row chunks (R =
     FP8_FMA_ROWS), then the [R, BN] accumulator takes the partial times the block's scale row (one multiply per
     SB/R weights, not one per weight); its R rows are summed once at the end. Triton pipelines none of these loads
-    (no dot reads them): the bytes in flight come from ptxas issuing a step's 16-byte loads ahead of their use, from
-    several programs per SM, and with `ahead` from the next step's tiles loaded while this step computes."""
+    (no dot reads them): the bytes in flight come from ptxas issuing a step's 16-byte loads ahead of their use and
+    from several programs per SM."""
     R = min(SB, FP8_FMA_ROWS)
     col_ok = _col_mask(n0, R, BN=BN, n_cols=n_cols)
 
-    def chunks(kb):
-        return [pl.multiple_of(kb + i * R, R) for i in range(SB // R)]
-
-    def load_step(c):
-        return [([_load(w_ref, (pl.ds(k, R), pl.ds(n0, BN)), col_ok) for k in chunks(kb)], scale_row(kb))
-                for kb in sub_blocks(c)]
-
-    def compute(c, acc, tiles):
-        for kb, (qs, scale) in zip(sub_blocks(c), tiles):
+    def body(c, acc):
+        for kb in sub_blocks(c):
             part = None
-            for k, q in zip(chunks(kb), qs):
+            for k in [pl.multiple_of(kb + i * R, R) for i in range(SB // R)]:
                 xs = normed(load_x(k, R, None), k, R).astype(jnp.float32)
-                p = xs[:, None] * q.astype(jnp.float32)
+                p = xs[:, None] * _load(w_ref, (pl.ds(k, R), pl.ds(n0, BN)), col_ok).astype(jnp.float32)
                 part = p if part is None else part + p
-            acc = acc + part * scale
+            acc = acc + part * scale_row(kb)
         return acc
 
-    zeros = jnp.zeros((R, BN), jnp.float32)
-    if ahead:
-        def body(c, carry):
-            acc, tiles = carry
-            following = load_step(c + 1)
-            return compute(c, acc, tiles), following
-
-        acc, last = lax.fori_loop(0, n_steps - 1, body, (zeros, load_step(0)))
-        acc = compute(n_steps - 1, acc, last)
-    else:
-        acc = lax.fori_loop(0, n_steps, lambda c, acc: compute(c, acc, load_step(c)), zeros)
+    acc = lax.fori_loop(0, n_steps, body, jnp.zeros((R, BN), jnp.float32))
     return jnp.sum(acc, axis=0)[None, :]
 
 
@@ -394,7 +373,7 @@ def _out_mask(n0, *, BN, n_cols, n_tok, rows):
 
 
 def gemv_kernel(x_ref, w_ref, *refs, K, k_rows, BK, BN, n_cols, n_tok, rows, split_out, with_residual, eps,
-                with_scale, fma_ahead=False):
+                with_scale):
     # x_ref [T, K], w_ref [K, N] (x's dtype, or E4M3), then s_ref [ceil(K/128), N] fp32 (with_scale: FP8), g_ref [K]
     # (the norm weight, any float dtype; eps not None) and r_ref [T, N] (with_residual) in the compute dtype; o_ref
     # [T, N] compute dtype, or [KS, T, N] fp32 partials (split_out).
@@ -407,7 +386,7 @@ def gemv_kernel(x_ref, w_ref, *refs, K, k_rows, BK, BN, n_cols, n_tok, rows, spl
     j, s = pl.program_id(0), pl.program_id(1)
     n0 = j * BN
     acc = _block_products(x_ref, w_ref, k0=s * k_rows, n_steps=k_rows // BK, BK=BK, n0=n0, BN=BN, n_cols=n_cols,
-                          n_tok=n_tok, rows=rows, s_ref=s_ref, g_ref=g_ref, inv_rms=inv_rms, fma_ahead=fma_ahead)
+                          n_tok=n_tok, rows=rows, s_ref=s_ref, g_ref=g_ref, inv_rms=inv_rms)
     mask = _out_mask(n0, BN=BN, n_cols=n_cols, n_tok=n_tok, rows=rows)
     idx = (pl.ds(0, rows), pl.ds(n0, BN))
     if split_out:
@@ -497,8 +476,7 @@ def _gemv(x, w, scale, residual, *norm_weight, eps, tuning):
                  else jax.ShapeDtypeStruct((t, n), x.dtype))
     y = pl.pallas_call(
         functools.partial(gemv_kernel, K=k, k_rows=k_rows, BK=bk, BN=bn, n_cols=n, n_tok=t, rows=rows,
-                          split_out=split_out, with_residual=with_residual, eps=eps, with_scale=bool(scale),
-                          fma_ahead=tuning.fma_ahead),
+                          split_out=split_out, with_residual=with_residual, eps=eps, with_scale=bool(scale)),
         grid=(pl.cdiv(n, bn), ks),
         out_shape=out_shape,
         compiler_params=_params(tuning),

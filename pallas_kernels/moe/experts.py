@@ -193,27 +193,6 @@ def chunk_loop(n_chunks, width, sub, step, init, unroll=False):
     return lax.fori_loop(0, n_chunks, body, init)
 
 
-def chunk_loop_ahead(n_chunks, width, sub, load, compute, init):
-    """`chunk_loop` pipelined by hand one chunk deep: load(ks) -> tiles, compute(tiles, carry) -> carry; chunk c + 1's
-    loads are issued before chunk c's math, their values carried into the next iteration."""
-    def chunk_loads(c):  # c: the loop index, or the first chunk's Python 0 (multiple_of takes traced values only)
-        starts = [c * width + j * sub for j in range(width // sub)]
-        return [load(pl.ds(s if isinstance(s, int) else pl.multiple_of(s, sub), sub)) for s in starts]
-
-    def computed(tiles, carry):
-        for t in tiles:
-            carry = compute(t, carry)
-        return carry
-
-    def body(c, carry):
-        acc, tiles = carry
-        following = chunk_loads(c + 1)
-        return computed(tiles, acc), following
-
-    acc, last = lax.fori_loop(0, n_chunks - 1, body, (init, chunk_loads(0)))
-    return computed(last, acc)
-
-
 def with_optional(kernel, inputs):
     """A pallas_call body and its inputs for `kernel`, whose optional inputs (None in `inputs`) reach it as None
     (static): only the given arrays are passed, the output refs follow the inputs."""
@@ -251,9 +230,6 @@ class ExpertsTuning:
     # T = 1 gate/up: the D chunks written out rather than a loop, so that later chunks' loads may be issued before
     # earlier chunks' math (the compiler pipelines loads only into dots; the T = 1 down kernel is written out too)
     unroll_gate_up: bool = False
-    # T = 1 gate/up: each chunk's tiles loaded one chunk ahead and carried in registers into the next iteration (the
-    # loop pipelined by hand), so that a program keeps two chunks' loads in flight.
-    gate_up_ahead: bool = False
 
     def __post_init__(self):
         check_pow2_fields(self, ("block_i", "block_d"))
@@ -368,11 +344,11 @@ def _ownership(ids_flat, s, n_routed):
 
 
 def _gate_up_rows(x_ref, load_g, load_u, *, BK, BW, n_chunks, bi, to, mode, limit, dt, scales, lanes, n_tok=1,
-                  unroll=False, ahead=False):
+                  unroll=False):
     """SwiGLU(x·W_gateᵀ, x·W_upᵀ) for BI intermediate rows: x_ref [TO, D]; load_g/load_u(ks) -> ([BI, BW] weight
     tile of one expert, its scale or None) (BW = BK, or an FP8 weight's 128-wide sub-blocks of a BK chunk); scales:
     the two scale refs (None: plain); lanes: the program's; unroll: chunk_loop's; -> [TO, BI] in dt (each product
-    rounded to dt before SwiGLU, as the reference); ahead: `chunk_loop_ahead` (T = 1).
+    rounded to dt before SwiGLU, as the reference).
     mode "fma_tokens": only the first n_tok rows of x are tokens (the rest padding, left zero)."""
     if mode == "fma_tokens":
         return _gate_up_rows_tokens(x_ref, load_g, load_u, BK=BK, BW=BW, n_chunks=n_chunks, bi=bi, to=to,
@@ -383,17 +359,12 @@ def _gate_up_rows(x_ref, load_g, load_u, *, BK, BW, n_chunks, bi, to, mode, limi
     # issuing later tiles' loads early.
     bcast = mode.startswith("fma") and any(sc is not None for sc in scales)
 
-    def load(ks):
-        return rows_load(x_ref, (), bi, ks) if bcast else x_ref[:, ks], load_g(ks), load_u(ks)
-
-    def compute(tiles, carry):
-        xs, g, u = tiles
-        return _gu_step(mode, carry[0], g, xs, lanes), _gu_step(mode, carry[1], u, xs, lanes)
+    def step(ks, carry):
+        xs = rows_load(x_ref, (), bi, ks) if bcast else x_ref[:, ks]
+        return _gu_step(mode, carry[0], load_g(ks), xs, lanes), _gu_step(mode, carry[1], load_u(ks), xs, lanes)
 
     init = tuple(_gu_init(mode, bi, to, BW, sc, lanes) for sc in scales)
-    accs = (chunk_loop_ahead(n_chunks, BK, BW, load, compute, init) if ahead else
-            chunk_loop(n_chunks, BK, BW, lambda ks, carry: compute(load(ks), carry), init, unroll))
-    acc_g, acc_u = (_gu_final(mode, a) for a in accs)
+    acc_g, acc_u = (_gu_final(mode, a) for a in chunk_loop(n_chunks, BK, BW, step, init, unroll))
     return _swiglu(acc_g.astype(dt), acc_u.astype(dt), limit)
 
 
@@ -455,7 +426,7 @@ def _down_fma(load_h, load_d, *, BKI, n_chunks, dt, lanes, accumulate=False):
 
 def experts_fwd_kernel_gate_up(x_ref, ids_ref, wg_ref, wu_ref, sg_ref, su_ref, wg_scale_ref, wu_scale_ref,
                                sg_scale_ref, su_scale_ref, h_ref, *, BK, n_chunks, n_routed, limit, shared_limit,
-                               has_shared, mode, eviction=None, n_tok=1, lanes=32, unroll=False, ahead=False):
+                               has_shared, mode, eviction=None, n_tok=1, lanes=32, unroll=False):
     # x_ref [TO, D] (TO = 1 at T = 1, else TP); ids_ref [P] int32; wg_ref/wu_ref [E, I, D]; sg_ref/su_ref [I, D];
     # *_scale_ref: the FP8 weights' block scales [E, ceil(I/128), ceil(D/128)] / [ceil(I/128), ceil(D/128)], None
     # for a plain weight; h_ref [TO, BI]: slot s, intermediate rows block j, after SwiGLU: values of the compute
@@ -468,8 +439,7 @@ def experts_fwd_kernel_gate_up(x_ref, ids_ref, wg_ref, wu_ref, sg_ref, su_ref, w
 
     def compute(load_g, load_u, lim, scales):
         h = _gate_up_rows(x_ref, load_g, load_u, BK=BK, BW=sub_width(BK, *scales), n_chunks=n_chunks, bi=bi, to=to,
-                          mode=mode, limit=lim, dt=dt, scales=scales, lanes=lanes, n_tok=n_tok, unroll=unroll,
-                          ahead=ahead)
+                          mode=mode, limit=lim, dt=dt, scales=scales, lanes=lanes, n_tok=n_tok, unroll=unroll)
         h_ref[...] = h if h_ref.dtype == dt else widen_exact(h)
 
     # One indexer per load (the Triton lowering takes no `ref.at[e][...]` chains).
@@ -617,7 +587,7 @@ def moe_experts_fused(x, weights, ids, we_gate, we_up, we_down, ws_gate, ws_up, 
         functools.partial(experts_fwd_kernel_gate_up, BK=bk, n_chunks=d // bk, n_routed=n_routed, limit=limit,
                           shared_limit=shared_limit, has_shared=has_shared, mode=mode,
                           eviction=tuning.routed_eviction, n_tok=n, lanes=32 * tuning.warps_gate_up,
-                          unroll=n == 1 and tuning.unroll_gate_up, ahead=n == 1 and tuning.gate_up_ahead),
+                          unroll=n == 1 and tuning.unroll_gate_up),
         [x, ids_flat, wg, wu, sg, su, wg_s, wu_s, sg_s, su_s])
     h = pl.pallas_call(
         kernel,

@@ -441,15 +441,6 @@ FP8_CASES = {  # T, dtype, K, N, norm, residual, tuning (N = 96 is ragged at 64-
     # K = 80 < 128: one scale row, 16-row steps (the largest power of two dividing 80), 16-row chunks.
     "t1-bf16-k80-n40-fma": (1, jnp.bfloat16, 80, 40, False, False,
                             GemvTuning(block_n=32, block_k=64, one_token_dot=False)),
-    # One token by FMAs pipelined by hand one step ahead: three steps (the loop twice, then the last), one step (no
-    # iteration), and two scale blocks per step.
-    "t1-bf16-k384-n96-norm-res-fma-ahead": (1, jnp.bfloat16, 384, 96, True, True,
-                                            GemvTuning(block_n=64, block_k=128, one_token_dot=False, fma_ahead=True)),
-    "t1-f32-k384-n96-ks3-fma-ahead": (1, jnp.float32, 384, 96, False, False,
-                                      GemvTuning(block_n=64, block_k=128, k_splits=3, one_token_dot=False,
-                                                 fma_ahead=True)),
-    "t1-bf16-k512-n64-bk256-fma-ahead": (1, jnp.bfloat16, 512, 64, False, True,
-                                         GemvTuning(block_n=32, block_k=256, one_token_dot=False, fma_ahead=True)),
     # One token by the hand-pipelined dot (two steps: the loop runs once, then the last step).
     "t1-bf16-k256-n96-res-dot": (1, jnp.bfloat16, 256, 96, False, True, GemvTuning(block_n=64, block_k=128)),
     # More tokens: the dot, fp32 x by the full-precision dot.

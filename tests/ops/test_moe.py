@@ -893,13 +893,12 @@ def test_experts_pallas_fp8(n, d, i, shared, limits, dtype):
 
 
 @pytest.mark.parametrize("n,tu", [(1, "decode_bf16"), (1, "reduce"), (1, "lanes4_unroll"), (1, "lanes1"),
-                                  (1, "plain_acc"), (1, "ahead"), (1, "ahead_one_chunk"), (2, "fma_tokens_bf16"), (4, "dot_w"), (3, "dot_bk32")])
+                                  (1, "plain_acc"), (2, "fma_tokens_bf16"), (4, "dot_w"), (3, "dot_bk32")])
 def test_experts_pallas_fp8_tunings(n, tu):
     """FP8 experts with other tunings (float32): the bf16 defaults (per-tile reductions, 512-wide chunks taken as
     two 128-wide sub-blocks at D 256); DECODE_TUNING_FP8 with per-tile reductions; 2-row programs over 64-wide chunks
     (4 weights per lane, `experts.lane_group`) with the gate/up chunks written out; 4-warp programs of 16-wide chunks
-    (fewer weights than lanes: the products summed as they are); the gate/up loop pipelined by hand over 64-wide
-    chunks (four chunks) and over one chunk (no iteration); the per-token FMAs, W·xᵀ dots and 32-wide chunks
+    (fewer weights than lanes: the products summed as they are); the per-token FMAs, W·xᵀ dots and 32-wide chunks
     (four per scale block); and plain weights with the FP8 T = 1 default (t1_products="accumulate" with 256-wide
     chunks)."""
     from pallas_kernels.moe import experts as em
@@ -911,8 +910,6 @@ def test_experts_pallas_fp8_tunings(n, tu):
                                                     unroll_gate_up=True),
                "lanes1": dataclasses.replace(f, block_k=16, warps_gate_up=4, block_ki=16, warps_down=4),
                "plain_acc": f,
-               "ahead": dataclasses.replace(f, block_k=64, gate_up_ahead=True),
-               "ahead_one_chunk": dataclasses.replace(f, gate_up_ahead=True),
                "fma_tokens_bf16": em.FMA_TOKENS_TUNING,
                "dot_w": dataclasses.replace(em.VERIFY_TUNING_FP8, dot_gate_up="dot_w"),
                "dot_bk32": dataclasses.replace(em.VERIFY_TUNING, block_k=32, block_ki=32, block_d=16)}
