@@ -3,6 +3,7 @@
 `quantize` is what the `-fp8` release did to its bf16 weights (scale_inv = block amax / 448, q = w / scale_inv
 rounded to E4M3), so `ling-jax convert --dtype fp8` and the synthetic writer produce that layout from float
 weights; `dequantize` is its inverse up to E4M3's rounding. Numpy on the host, one source tensor at a time.
+`read_raw` reads any tensor, or the rows of one, by the shard's header offsets.
 """
 
 from __future__ import annotations
@@ -60,15 +61,24 @@ def _header(path: Path, mtime_ns: int) -> tuple[int, dict]:
         return 8 + header_len, json.loads(f.read(header_len))
 
 
-def read_raw(path: Path, name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """One tensor read straight from a safetensors file by its header offsets: safetensors' numpy reader has no
-    float8 type (numpy lacks one; ml_dtypes supplies it)."""
+def read_raw(path: Path, name: str, shape: tuple[int, ...], dtype: np.dtype, index: tuple = ()) -> np.ndarray:
+    """`tensor[index]` read straight from a safetensors file by its header offsets, any dtype: safetensors' numpy
+    reader has no float8 type (numpy lacks one; ml_dtypes supplies it), and a plain read, unlike its memory map,
+    leaves no file pages in the process's memory. Only the rows `index[0]` spans are read, so a row-split shard of
+    an expert's matrix costs its own bytes."""
     data_start, header = _header(Path(path), Path(path).stat().st_mtime_ns)
     start, end = header[name]["data_offsets"]
-    with open(path, "rb") as f:
-        f.seek(data_start + start)
-        data = f.read(end - start)
-    if len(data) != end - start or len(data) != math.prod(shape) * dtype.itemsize:
-        raise ValueError(f"{path.name}: tensor {name} holds {len(data)} bytes, not the {math.prod(shape)} of its "
+    if end - start != math.prod(shape) * dtype.itemsize:
+        raise ValueError(f"{path.name}: tensor {name} holds {end - start} bytes, not the {math.prod(shape)} of its "
                          f"shape {list(shape)}: the shard is truncated or corrupt")
-    return np.frombuffer(data, dtype).reshape(shape)
+    rows = index[0] if index and shape else slice(None)
+    first, stop, _ = rows.indices(shape[0]) if shape else (0, 1, 1)
+    row_bytes = math.prod(shape[1:]) * dtype.itemsize
+    with open(path, "rb") as f:
+        f.seek(data_start + start + first * row_bytes)
+        data = f.read((stop - first) * row_bytes)
+    if len(data) != (stop - first) * row_bytes:
+        raise ValueError(f"{path.name}: tensor {name} ends {(stop - first) * row_bytes - len(data)} bytes early: "
+                         "the shard is truncated or corrupt")
+    x = np.frombuffer(data, dtype).reshape((stop - first,) + tuple(shape[1:]) if shape else ())
+    return x[(slice(None),) + tuple(index[1:])] if shape else x

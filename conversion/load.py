@@ -2,20 +2,25 @@
 
 Everything is validated from the safetensors headers before a single tensor is read: one `CheckpointError`
 lists every missing, unexpected, duplicate and mis-shaped tensor and a vocab mismatch, led by any layer whose
-tensors are of another kind than config.json's layer schedule. Then the tensors stream one `hf.Entry` at a time
-(one tensor; the E experts of one layer stacked into one [E, ...] host array; or the projections one fused leaf
-packs, each placed in its slice of that leaf), are cast on the host, put on device with their target sharding, and
-freed.
+tensors are of another kind than config.json's layer schedule (`plan_hf`). Then the tensors stream one `hf.Entry`
+at a time (`stream_hf`: one tensor; the E experts of one layer, stacked on [E]; or the projections one fused leaf
+packs, each in its slice of that leaf) straight into the device shards that own them: each distinct shard is
+assembled on the host from the slices of the sources it overlaps (an expert's rows read alone), cast, put on its
+devices and freed. The host holds one source tensor (or a slice of it) and one shard at a time, never a whole
+stacked expert array; a replicated leaf is one array. Sharded or not, the leaves hold the same bytes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import math
 import re
+import struct
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +31,7 @@ from conversion import fp8_blocks, hf
 from ling_jax.config import (DENSE, HF_FFN_NAMES, HF_MIXER_NAMES, KDA, MLA, MOE, LingConfig, from_hf,
                              read_config_json, read_json)
 from ling_jax.params import is_leaf_spec, param_specs
-from pallas_kernels.common.fp8 import Fp8Weight, scale_shape
+from pallas_kernels.common.fp8 import OUT_IN, Fp8Weight, scale_shape
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -249,7 +254,9 @@ def load_hf(hf_dir: str | Path, *, dtype=None, shardings: Any = None, with_mtp: 
         FP32-class params (A_log, dt_bias, convs, expert_bias) load as float32 whatever this is
         (`ParamSpec.dtype`), the routers as `router_weight_dtype` says.
       shardings: None (default device), one `jax.sharding.Sharding` for every leaf, or a pytree of shardings
-        shaped like `param_specs(cfg)` (extra leaves, e.g. an unused "mtp" subtree, are ignored).
+        shaped like `param_specs(cfg)` (extra leaves, e.g. an unused "mtp" subtree, are ignored). Each device's
+        shard is assembled on the host from the slices of the source tensors it owns, so the host holds one
+        source tensor (or a slice of it) and one shard at a time, never a whole stacked [E, ...] expert array.
       with_mtp: True loads the MTP layer `model.layers.{num_hidden_layers}.*` when config.json declares it. If
         the checkpoint holds no tensor under that prefix at all (what transformers' `save_pretrained` writes),
         the model loads without it and a warning says so; a partial MTP layer is an error. False skips the MTP
@@ -272,6 +279,50 @@ def load_hf(hf_dir: str | Path, *, dtype=None, shardings: Any = None, with_mtp: 
       CheckpointError: the tensors differ from what config.json implies (every difference listed), a shard or the
         index cannot be read, or dtype=None and the stored dtype is neither BF16 nor F32.
     """
+    plan = plan_hf(hf_dir, dtype=dtype, shardings=shardings, with_mtp=with_mtp,
+                   router_weight_dtype=router_weight_dtype, fp8=fp8, stacklevel=3)
+    arrays: dict[hf.Path, Any] = {}
+    with contextlib.closing(stream_hf(plan, progress=progress)) as leaves:
+        for _, placed in leaves:
+            arrays.update(placed)
+    specs = param_specs(plan.cfg)
+    treedef = jax.tree.structure(specs, is_leaf=is_leaf_spec)
+    return plan.cfg, jax.tree.unflatten(treedef, [arrays[p] for p in hf.spec_paths(specs)])
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadPlan:
+    """A checkpoint validated against its config, with every leaf's target sharding known; nothing read yet.
+
+    `cfg` describes the params that `stream_hf` yields (the MTP layer dropped when it is not loaded); `placement`
+    maps each array leaf (an FP8 weight's at path + ("q",) and + ("scale",)) to its Sharding, None for the default
+    device."""
+    hf_dir: Path
+    cfg: LingConfig
+    entries: list[hf.Entry]
+    catalog: dict[str, TensorInfo]
+    dtype: Any
+    placement: dict[hf.Path, Any]
+
+    def entry_bytes(self, entry: hf.Entry) -> int:
+        """The checkpoint bytes `entry` reads: its source tensors and, for F8_E4M3 ones, their block scales."""
+        total = 0
+        for names in entry.sources:
+            info = self.catalog[_present(names, self.catalog)]
+            total += info.nbytes
+            if info.dtype == FP8_STORED:
+                total += self.catalog[fp8_blocks.scale_name(_present(names, self.catalog))].nbytes
+        return total
+
+    def leaf_bytes(self, entry: hf.Entry) -> int:
+        """The bytes of the leaves `entry` becomes (FP8: values and scales)."""
+        return sum(math.prod(shape) * dt.itemsize for _, shape, dt in _array_leaves(entry, self.dtype))
+
+
+def plan_hf(hf_dir: str | Path, *, dtype=None, shardings: Any = None, with_mtp: bool = True,
+            router_weight_dtype: str | None = None, fp8: bool | None = None, stacklevel: int = 2) -> LoadPlan:
+    """Read config.json and the shard headers, validate them, and resolve every leaf's sharding (`load_hf`'s
+    arguments and errors); no tensor is read."""
     if router_weight_dtype not in (None, "float32"):
         raise ValueError(f"{router_weight_dtype=} must be None (the routers as stored) or 'float32' (widened); a "
                          "bf16 copy of an fp32 router would move near-tie selections")
@@ -284,7 +335,7 @@ def load_hf(hf_dir: str | Path, *, dtype=None, shardings: Any = None, with_mtp: 
     if load_mtp and not has_mtp_tensors(catalog, cfg):
         msg = (f"{hf_dir}: config.json declares num_nextn_predict_layers={cfg.num_mtp_layers} but the checkpoint has "
                f"no {mtp_prefix}* tensors (transformers' save_pretrained drops them); loading without the MTP layer")
-        warnings.warn(msg, stacklevel=2)
+        warnings.warn(msg, stacklevel=stacklevel)
         load_mtp = False
     ignore = mtp_prefix if (cfg.num_mtp_layers and not load_mtp) else None
     stored_fp8 = cfg.quantization == "fp8"
@@ -296,105 +347,181 @@ def load_hf(hf_dir: str | Path, *, dtype=None, shardings: Any = None, with_mtp: 
              schedule_lists=[n for n in ("layer_types", "mlp_layer_types") if raw.get(n) is not None],
              quantizing=target_fp8 and not stored_fp8)
     dtype = stored_compute_dtype(catalog) if dtype is None else dtype
-    out_cfg = cfg if load_mtp else without_mtp(cfg)
-
     sharding_of = _sharding_lookup(shardings)
     placement = {path + part: sharding_of(path + part) for entry in entries for path in entry.paths
                  for part in ((("q",), ("scale",)) if entry.fp8 else ((),))}  # fail before reading
-    total = sum(catalog[_present(names, catalog)].nbytes for e in entries for names in e.sources)
-    arrays: dict[hf.Path, jax.Array] = {}
-    with contextlib.ExitStack() as stack, _progress(total, f"load {hf_dir.name}", progress) as bar:
-        handles: dict[str, Any] = {}
+    return LoadPlan(hf_dir, cfg if load_mtp else without_mtp(cfg), entries, catalog, dtype, placement)
 
-        def read(names: tuple[str, ...]) -> np.ndarray:
-            info = catalog[_present(names, catalog)]
-            try:
-                if info.dtype == FP8_STORED:
-                    return _read_fp8(hf_dir, catalog, _present(names, catalog), bar)
-                if info.file not in handles:
-                    handles[info.file] = stack.enter_context(safe_open(hf_dir / info.file, framework="numpy"))
-                x = handles[info.file].get_tensor(_present(names, catalog))
-            except SafetensorError as e:
-                raise CheckpointError(f"shard {info.file} in {hf_dir} cannot be read ({e}): re-download or re-copy "
-                                      "that shard file") from None
-            bar.update(info.nbytes)
-            return x
 
-        for entry in entries:
-            for path, host in zip(entry.paths, _host_arrays(entry, read, dtype)):
-                if isinstance(host, Fp8Weight):
-                    arrays[path] = Fp8Weight(*(jax.device_put(a, placement[path + (k,)]).block_until_ready()
-                                               for k, a in (("q", host.q), ("scale", host.scale))),
-                                             host.layout, host.n_in)
-                else:
-                    arrays[path] = jax.device_put(host, placement[path]).block_until_ready()
+def stream_hf(plan: LoadPlan, *, progress: bool = True) -> Iterator[tuple[hf.Entry, dict[hf.Path, Any]]]:
+    """Yield (entry, {params path: placed leaf}) for each entry of `plan` in params order: jax.Arrays, or
+    Fp8Weights of them, already on the devices `plan.placement` names. Between two entries the host holds nothing
+    of the checkpoint; a caller that frees the leaves it is given (orbax_io.convert) converts in bounded memory.
 
-    specs = param_specs(out_cfg)
-    paths = hf.spec_paths(specs)
-    treedef = jax.tree.structure(specs, is_leaf=is_leaf_spec)
-    return out_cfg, jax.tree.unflatten(treedef, [arrays[p] for p in paths])
+    Raises:
+      CheckpointError: a shard cannot be read."""
+    reader = _Reader(plan.hf_dir, plan.catalog)
+    with _progress(sum(map(plan.entry_bytes, plan.entries)), f"load {plan.hf_dir.name}", progress) as bar:
+        for entry in plan.entries:
+            yield entry, _place_entry(entry, reader, plan)
+            bar.update(plan.entry_bytes(entry))
 
 
 class _Fp8Source(tuple):
     """An F8_E4M3 checkpoint tensor with its block scale: (q [out, in], scale_inv [ceil(out/128), ceil(in/128)])."""
 
 
-def _read_fp8(hf_dir: Path, catalog: dict[str, TensorInfo], name: str, bar) -> _Fp8Source:
-    info, scale = catalog[name], catalog[fp8_blocks.scale_name(name)]
-    try:
-        q = fp8_blocks.read_raw(hf_dir / info.file, name, info.shape, fp8_blocks.FP8_NP)
-        s = fp8_blocks.read_raw(hf_dir / scale.file, fp8_blocks.scale_name(name), scale.shape, np.dtype(np.float32))
-    except (OSError, ValueError, KeyError) as e:
-        raise CheckpointError(f"{name} in {hf_dir} cannot be read ({e}): re-download or re-copy its shard") from None
-    bar.update(info.nbytes + scale.nbytes)
-    return _Fp8Source((q, s))
+_NP_DTYPES = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
+              "BF16": np.dtype(jnp.bfloat16), FP8_STORED: fp8_blocks.FP8_NP}
 
 
-def _host_arrays(entry: hf.Entry, read: Callable[[tuple[str, ...]], np.ndarray], dtype) -> list[np.ndarray]:
-    """The params leaves of one entry as host arrays in their target dtypes. Experts, and the parts of a fused leaf,
-    fill one array slice by slice, so that no more than one source tensor is held beside it."""
-    if entry.fp8:
-        return _fp8_host_arrays(entry, read)
-    targets = [np.dtype(s.dtype(dtype)) for s in entry.specs]
-    read = _dequantizing(read)
+class _Reader:
+    """Source tensors, whole or sliced, read by the header offsets of their shard files (`fp8_blocks.read_raw`):
+    plain reads, not a memory map, so what the host holds is what the loader keeps. Read errors as
+    CheckpointError."""
+
+    def __init__(self, hf_dir: Path, catalog: dict[str, TensorInfo]):
+        self.hf_dir, self.catalog = hf_dir, catalog
+
+    def name(self, names: tuple[str, ...]) -> str:
+        return _present(names, self.catalog)
+
+    def whole(self, names: tuple[str, ...]) -> np.ndarray | _Fp8Source:
+        """The source tensor as stored; an F8_E4M3 one with its block scale."""
+        name = self.name(names)
+        if self.catalog[name].dtype == FP8_STORED:
+            return _Fp8Source((self.slice(name, ()), self.slice(fp8_blocks.scale_name(name), ())))
+        return self.slice(name, ())
+
+    def slice(self, name: str, index: tuple) -> np.ndarray:
+        """`name[index]`, reading only the rows `index` spans."""
+        info = self.catalog[name]
+        try:
+            return fp8_blocks.read_raw(self.hf_dir / info.file, name, info.shape, _NP_DTYPES[info.dtype], index)
+        except (OSError, ValueError, KeyError, struct.error) as e:
+            if info.dtype == FP8_STORED or name.endswith(fp8_blocks.SCALE_SUFFIX):
+                raise CheckpointError(f"{name} in {self.hf_dir} cannot be read ({e}): re-download or re-copy its "
+                                      "shard") from None
+            raise CheckpointError(f"shard {info.file} in {self.hf_dir} cannot be read ({e}): re-download or re-copy "
+                                  "that shard file") from None
+
+
+def _array_leaves(entry: hf.Entry, dtype) -> list[tuple[hf.Path, tuple[int, ...], np.dtype]]:
+    """(path, shape, dtype) of each array the entry's leaves hold: an FP8 leaf's values and scale."""
+    out = []
+    for path, spec in zip(entry.paths, entry.specs):
+        if entry.fp8:
+            layout, n_in = entry.fp8
+            out += [(path + ("q",), spec.shape, fp8_blocks.FP8_NP),
+                    (path + ("scale",), scale_shape(spec.shape, layout, n_in), np.dtype(np.float32))]
+        else:
+            out.append((path, spec.shape, np.dtype(spec.dtype(dtype))))
+    return out
+
+
+def _place_entry(entry: hf.Entry, reader: _Reader, plan: LoadPlan) -> dict[hf.Path, Any]:
+    """The entry's leaves on their devices. A tensor that fills whole leaves is read once and each shard cut from
+    it; a stacked or fused leaf is assembled shard by shard, each source tensor read (sliced where its layout
+    allows) for the shards it overlaps."""
+    leaves = _array_leaves(entry, plan.dtype)
     if entry.stacked or entry.fused:
-        (spec,), (target,) = entry.specs, targets
-        out = np.empty(spec.shape, target)
-        for i, names in enumerate(entry.sources):
-            out[entry.slot(i)] = entry.source_to_params(i, read(names))[0].astype(target)
-        return [out]
-    xs = entry.source_to_params(0, read(entry.sources[0]))
-    return [np.ascontiguousarray(x.astype(t)) for x, t in zip(xs, targets)]
-
-
-def _dequantizing(read: Callable) -> Callable[[tuple[str, ...]], np.ndarray]:
-    """`read`, with an FP8 source dequantised to float32 (an unquantised leaf, or `load_hf(fp8=False)`)."""
-    def read_float(names):
-        x = read(names)
-        return fp8_blocks.dequantize(*x) if isinstance(x, _Fp8Source) else x
-    return read_float
-
-
-def _fp8_host_arrays(entry: hf.Entry, read: Callable) -> list[Fp8Weight]:
-    """The block-FP8 leaves of one entry as host Fp8Weights; a float source is quantised as the release is."""
+        arrays = [_place(shape, plan.placement[path],
+                         functools.partial(_assemble, entry, shape, target,
+                                           functools.partial(_piece, entry, reader, path[-1] if entry.fp8 else None)))
+                  for path, shape, target in leaves]
+    else:
+        full = _whole_params(entry, reader)
+        arrays = [_place(shape, plan.placement[path], lambda index, x=x, t=target: np.ascontiguousarray(x[index], t))
+                  for (path, shape, target), x in zip(leaves, full)]
+        del full
+    if not entry.fp8:
+        return {path: a for (path, _, _), a in zip(leaves, arrays)}
     layout, n_in = entry.fp8
+    return {path: Fp8Weight(q, s, layout, n_in) for path, q, s in zip(entry.paths, arrays[::2], arrays[1::2])}
 
-    def source(i: int) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
-        x = read(entry.sources[i])
-        q, s = x if isinstance(x, _Fp8Source) else fp8_blocks.quantize(x)
-        return entry.source_to_params(i, q), entry.scale_to_params(i, s)
 
-    if entry.stacked or entry.fused:
-        (spec,) = entry.specs
-        q_out = np.empty(spec.shape, fp8_blocks.FP8_NP)
-        s_out = np.empty(scale_shape(spec.shape, layout, n_in), np.float32)
-        for i in range(len(entry.sources)):
-            (q,), (s,) = source(i)
-            q_out[entry.slot(i)], s_out[entry.slot(i)] = q, s
-        return [Fp8Weight(q_out, s_out, layout, n_in)]
-    qs, ss = source(0)
-    return [Fp8Weight(np.ascontiguousarray(q), np.ascontiguousarray(s, np.float32), layout, n_in)
-            for q, s in zip(qs, ss)]
+def _whole_params(entry: hf.Entry, reader: _Reader) -> list[np.ndarray]:
+    """The params arrays of an entry of whole leaves, as `_array_leaves` lists them (FP8: q, scale per leaf), in
+    the source's dtype or float32: each shard is cast on its own."""
+    x = reader.whole(entry.sources[0])
+    if not entry.fp8:
+        return list(entry.source_to_params(0, fp8_blocks.dequantize(*x) if isinstance(x, _Fp8Source) else x))
+    q, s = x if isinstance(x, _Fp8Source) else fp8_blocks.quantize(x)
+    return [a for pair in zip(entry.source_to_params(0, q), entry.scale_to_params(0, s)) for a in pair]
+
+
+def _piece(entry: hf.Entry, reader: _Reader, part: str | None, i: int, index: tuple) -> np.ndarray:
+    """`index` of source i's piece of a stacked or fused leaf (part "q"/"scale" of an FP8 one, None otherwise).
+
+    An expert's tensor is its piece unchanged, so a stored tensor of the leaf's kind is read sliced; anything else
+    (a fused part's transform, quantising a float source, dequantising an F8 one) reads the whole source tensor."""
+    name = reader.name(entry.sources[i])
+    stored_fp8 = reader.catalog[name].dtype == FP8_STORED
+    as_stored = (entry.stacked and entry.transform is hf.IDENTITY
+                 and entry.source_shape(i) == entry.source_specs(i)[0].shape)
+    if as_stored and not entry.fp8 and not stored_fp8:
+        return reader.slice(name, index)
+    if as_stored and entry.fp8 and stored_fp8 and (part == "q" or entry.fp8[0] == OUT_IN):
+        # OUT_IN scales are the checkpoint's own 128x128 blocks, so they too are read as stored.
+        return reader.slice(name if part == "q" else fp8_blocks.scale_name(name), index)
+    x = reader.whole(entry.sources[i])
+    if not entry.fp8:
+        return entry.source_to_params(i, fp8_blocks.dequantize(*x) if isinstance(x, _Fp8Source) else x)[0][index]
+    q, s = x if isinstance(x, _Fp8Source) else fp8_blocks.quantize(x)
+    return (entry.source_to_params(i, q) if part == "q" else entry.scale_to_params(i, s))[0][index]
+
+
+def _assemble(entry: hf.Entry, shape: tuple[int, ...], target: np.dtype, piece: Callable[[int, tuple], np.ndarray],
+              index: tuple) -> np.ndarray:
+    """The shard `index` of a stacked or fused leaf of `shape`: each source whose slot overlaps it contributes the
+    overlapping part of its piece (`piece(i, index into the piece)`)."""
+    bounds = [(s.start or 0, n if s.stop is None else s.stop) for s, n in zip(_full_index(index, len(shape)), shape)]
+    out = np.empty([hi - lo for lo, hi in bounds], target)
+    for i in range(len(entry.sources)):
+        dst, src = [], []
+        for (lo, hi), slot, n in zip(bounds, _full_index(entry.slot(i), len(shape)), shape):
+            if isinstance(slot, int):  # the piece lacks this axis
+                if not lo <= slot < hi:
+                    break
+                dst.append(slot - lo)
+                continue
+            start, stop = slot.start or 0, n if slot.stop is None else slot.stop
+            a, b = max(start, lo), min(stop, hi)
+            if a >= b:
+                break
+            dst.append(slice(a - lo, b - lo))
+            src.append(slice(a - start, b - start))
+        else:
+            out[tuple(dst)] = piece(i, tuple(src)).astype(target, copy=False)
+    return out
+
+
+def _full_index(index: tuple, ndim: int) -> list:
+    """`index` (slices, ints, at most one Ellipsis) as one int or slice per axis."""
+    index = tuple(index)
+    if Ellipsis in index:
+        k = index.index(Ellipsis)
+        index = index[:k] + (slice(None),) * (ndim - len(index) + 1) + index[k + 1:]
+    return list(index) + [slice(None)] * (ndim - len(index))
+
+
+def _place(shape: tuple[int, ...], sharding: Any, build: Callable[[tuple], np.ndarray]) -> jax.Array:
+    """A jax.Array of `shape` laid out as `sharding` (None: the default device), each distinct shard built on the
+    host by `build(index)` and freed once on its devices: the host holds one shard at a time."""
+    if sharding is None:
+        return jax.device_put(build(tuple(slice(None) for _ in shape))).block_until_ready()
+    index_map = sharding.addressable_devices_indices_map(shape)
+    owners: dict[tuple, tuple[tuple, list]] = {}
+    for device, index in index_map.items():
+        key = tuple((s.start, s.stop, s.step) for s in index)
+        owners.setdefault(key, (index, []))[1].append(device)
+    shards = {}
+    for index, devices in owners.values():
+        host = build(index)
+        for device in devices:
+            shards[device] = jax.device_put(host, device).block_until_ready()
+        del host
+    return jax.make_array_from_single_device_arrays(shape, sharding, [shards[d] for d in index_map])
 
 
 _STORED_COMPUTE_DTYPES = {"BF16": jnp.bfloat16, "F32": jnp.float32}

@@ -1,16 +1,27 @@
 """The ling-jax checkpoint: an orbax params tree plus the official config.json beside it.
 
-    <path>/config.json   `ling_jax.config.to_hf_dict(cfg)`; `from_hf` reads it back
-    <path>/params/       orbax StandardCheckpointer tree, the structure of `param_specs(cfg)`
+    <path>/config.json     `ling_jax.config.to_hf_dict(cfg)`; `from_hf` reads it back
+    <path>/params/         one orbax checkpoint written by partial saves (orbax.checkpoint.experimental.v1.partial)
+    <path>/params/state/   its pytree, the structure of `param_specs(cfg)`
 
-`load_params` restores every leaf straight into its target sharding (orbax reads only each device's slice).
+`convert` streams: it converts a group of leaves (`GROUP_BYTES` of them, or one larger entry), adds it to the
+checkpoint with a partial save, frees it and goes on, so its host memory is about two groups (orbax copies the
+arrays it writes) plus one source tensor, however large the model. The groups leave no trace on disk: the
+finalised checkpoint is one tree. Checkpoints of older ling-jax versions, one StandardCheckpointer tree directly
+under params/, still load.
+
+`load_params` restores every leaf straight into its target sharding (orbax reads only each device's slice), so a
+checkpoint written from any mesh restores onto any other that divides the sizes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import gc
 import json
 import logging
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,33 +29,55 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from orbax.checkpoint.experimental.v1 import partial
+from orbax.checkpoint.experimental.v1._src.partial.path import add_partial_save_suffix
 
 from conversion import hf
-from conversion.load import INDEX_NAME, CheckpointError, _sharding_lookup, load_hf, router_dtype_of
+from conversion.load import INDEX_NAME, CheckpointError, _sharding_lookup, plan_hf, router_dtype_of, stream_hf
 from ling_jax.config import LingConfig, from_hf, to_hf_dict
 from ling_jax.params import COMPUTE, is_spec, param_specs
 
 PARAMS_DIR = "params"
+TREE_DIR = "state"  # where orbax's v1 layout keeps the pytree inside params/
+# Leaves that one partial save writes together. Small entries (norms, attention projections) share a save; an
+# entry larger than this (a layer's stacked experts) is a group of its own: at Flash size, in bf16, ~2 GB.
+GROUP_BYTES = 256 * 2**20
 
 
 def save_params(path: str | Path, cfg: LingConfig, params: Any, *, force: bool = False) -> Path:
-    """Write `params` (structure of `param_specs(cfg)`) and config.json under `path`; returns `path`."""
+    """Write `params` (structure of `param_specs(cfg)`) and config.json under `path`; returns `path`.
+
+    Raises:
+      FileExistsError: `path` holds params/ already and `force` is False."""
     path = Path(path).absolute()
     _check_structure(cfg, jax.tree.map(lambda x: (x.shape, x.dtype), params), "params")
     _refuse_overwrite(path, force)
     path.mkdir(parents=True, exist_ok=True)
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(path / PARAMS_DIR, params, force=force)
-        ckptr.wait_until_finished()
+    with _partial_saves(path / PARAMS_DIR) as add:
+        add(params)
     (path / "config.json").write_text(json.dumps(to_hf_dict(cfg), indent=2) + "\n")
     return path
 
 
+@contextlib.contextmanager
+def _partial_saves(params_dir: Path):
+    """`add(subtree)` writes a part of the params tree (None where other parts go); on exit the parts become one
+    checkpoint at `params_dir`. A pending copy left by an interrupted conversion is discarded first, and an
+    existing `params_dir` replaced (callers refuse to overwrite unless forced)."""
+    pending = Path(add_partial_save_suffix(params_dir))
+    for stale in (pending, params_dir):
+        if stale.exists():
+            shutil.rmtree(stale)
+    yield lambda tree: partial.save(params_dir, tree)
+    partial.finalize(params_dir)
+
+
 def load_params(path: str | Path, *, shardings: Any = None, dtype=None) -> tuple[LingConfig, Any]:
-    """Restore (cfg, params) from `save_params`' directory.
+    """Restore (cfg, params) from a directory `save_params` or `convert` wrote, from any mesh onto any other.
 
     Args:
-      shardings: None (default device), one Sharding for every leaf, or a pytree shaped like `param_specs(cfg)`.
+      shardings: None (default device), one Sharding for every leaf, or a pytree shaped like `param_specs(cfg)`
+        (e.g. `ling_jax.sharding.param_shardings(cfg, make_mesh(n))`); each device reads only its own slice.
       dtype: None keeps COMPUTE params' stored dtypes, otherwise they become `dtype`; FP32-class params are float32
         either way (`ParamSpec.dtype`), the routers as stored (`cfg.router_weight_dtype`: bfloat16 when every
         stored router is, else float32).
@@ -55,8 +88,9 @@ def load_params(path: str | Path, *, shardings: Any = None, dtype=None) -> tuple
     """
     path = Path(path).absolute()
     cfg = read_config(path)
+    tree_dir = _tree_dir(path / PARAMS_DIR)
     with ocp.StandardCheckpointer() as ckptr:
-        stored = _stored_shapes(ckptr, path / PARAMS_DIR)
+        stored = _stored_shapes(ckptr, tree_dir, path / PARAMS_DIR)
         stored_by_path = _check_structure(cfg, stored, str(path / PARAMS_DIR))
         cfg = cfg.replace(router_weight_dtype=router_dtype_of(
             jnp.dtype(dt).name for p, (_, dt) in stored_by_path.items() if p[-1] == "router"))
@@ -72,7 +106,8 @@ def load_params(path: str | Path, *, shardings: Any = None, dtype=None) -> tuple
                    for p, spec in hf.array_paths(specs).items()]
         target = jax.tree.unflatten(jax.tree.structure(specs, is_leaf=is_spec), targets)
         try:
-            params = ckptr.restore(path / PARAMS_DIR, target)
+            with _absl_quiet():  # orbax warns that v1's pytree directory lacks a v0 _CHECKPOINT_METADATA
+                params = ckptr.restore(tree_dir, target)
         except ValueError as e:  # tensorstore's report of a missing or damaged array file
             raise CheckpointError(f"{path / PARAMS_DIR}: orbax cannot restore it ({_first_line(e)}); the copy is "
                                   "incomplete or damaged: copy it again, or convert the HF checkpoint again "
@@ -106,16 +141,91 @@ def is_hf_checkpoint(path: str | Path) -> bool:
 
 def convert(hf_dir: str | Path, out_dir: str | Path, *, dtype=None, shardings: Any = None,
             with_mtp: bool = True, progress: bool = True, force: bool = False,
-            router_weight_dtype: str | None = None, fp8: bool | None = None) -> LingConfig:
-    """`load_hf` then `save_params` (`fp8`: as `load_hf`'s, True quantising to block-FP8). The whole model passes through device memory: for the full-size preset pass
-    `shardings` that spread it over the devices (or a CPU sharding on a host with the RAM)."""
-    _refuse_overwrite(Path(out_dir).absolute(), force)  # before minutes of loading, not after
-    cfg, params = load_hf(hf_dir, dtype=dtype, shardings=shardings, with_mtp=with_mtp, progress=progress,
-                          router_weight_dtype=router_weight_dtype, fp8=fp8)
+            router_weight_dtype: str | None = None, fp8: bool | None = None,
+            group_bytes: int = GROUP_BYTES) -> LingConfig:
+    """Convert an official checkpoint directory to a ling-jax one at `out_dir`, streaming: each group of leaves
+    (`group_bytes` of them, or one larger entry) is converted straight into `shardings` (as `load_hf` does), added
+    to the orbax checkpoint and freed before the next is read. Host memory stays about two groups plus one source
+    tensor (on CPU the devices' shards live in host memory too), whatever the model's size.
+
+    Args:
+      hf_dir, dtype, shardings, with_mtp, progress, router_weight_dtype, fp8: as `load_hf`'s (`fp8` True
+        quantises to block-FP8).
+      force: replace an existing `out_dir`/params.
+      group_bytes: leaf bytes one partial save writes; more saves take longer, larger ones hold more memory.
+
+    Returns:
+      The cfg of the written params (`load_hf`'s).
+
+    Raises:
+      FileExistsError: `out_dir`/params exists and `force` is False (checked before anything is read).
+      CheckpointError, ConfigError: as `load_hf`.
+    """
+    out_dir = Path(out_dir).absolute()
+    _refuse_overwrite(out_dir, force)  # before minutes of loading, not after
+    plan = plan_hf(hf_dir, dtype=dtype, shardings=shardings, with_mtp=with_mtp,
+                   router_weight_dtype=router_weight_dtype, fp8=fp8, stacklevel=3)
+    ends = _group_ends([plan.leaf_bytes(e) for e in plan.entries], group_bytes)
     if progress:
-        print(f"saving orbax checkpoint to {out_dir}", file=sys.stderr)
-    save_params(out_dir, cfg, params, force=force)
-    return cfg
+        print(f"writing orbax checkpoint to {out_dir} in {len(ends)} parts", file=sys.stderr)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with _partial_saves(out_dir / PARAMS_DIR) as add, contextlib.closing(stream_hf(plan, progress=progress)) as stream:
+        group: dict[hf.Path, Any] = {}
+        # No enumerate: its reused result tuple would hold one entry's leaves while the next entry is placed.
+        for k in range(len(plan.entries)):
+            group.update(next(stream)[1])
+            if k in ends:
+                add(_subtree(group))
+                group.clear()
+                _release_memory()
+    (out_dir / "config.json").write_text(json.dumps(to_hf_dict(plan.cfg), indent=2) + "\n")
+    return plan.cfg
+
+
+def _release_memory() -> None:
+    """Return a written group's memory now: glibc keeps the freed pages of tensorstore's write buffers (some
+    hundred MB per large leaf on CPU) unless asked; collecting first frees whatever only reference cycles held."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to return
+        ctypes.CDLL(None).malloc_trim(0)
+
+
+def _group_ends(sizes: list[int], group_bytes: int) -> set[int]:
+    """Indices of the entries that close a group: consecutive entries fill a group up to `group_bytes`; one larger
+    entry is a group of its own."""
+    ends, size = set(), 0
+    for k, n in enumerate(sizes):
+        if size and size + n > group_bytes:
+            ends.add(k - 1)
+            size = 0
+        size += n
+    return ends | {len(sizes) - 1} if sizes else ends
+
+
+def _subtree(leaves: dict[hf.Path, Any]) -> dict:
+    """The params tree holding only `leaves` (lists padded with None before the layers they hold)."""
+    root: dict = {}
+    for path, value in leaves.items():
+        node = root
+        for key, below in zip(path[:-1], path[1:]):
+            node = _child(node, key, [] if isinstance(below, int) else {})
+        _put(node, path[-1], value)
+    return root
+
+
+def _child(node: dict | list, key: Any, empty: dict | list) -> dict | list:
+    if isinstance(node, list):
+        node.extend([None] * (key + 1 - len(node)))
+        if node[key] is None:
+            node[key] = empty
+        return node[key]
+    return node.setdefault(key, empty)
+
+
+def _put(node: dict | list, key: Any, value: Any) -> None:
+    if isinstance(node, list):
+        node.extend([None] * (key + 1 - len(node)))
+    node[key] = value
 
 
 def _refuse_overwrite(path: Path, force: bool) -> None:
@@ -124,11 +234,18 @@ def _refuse_overwrite(path: Path, force: bool) -> None:
                               "directory")
 
 
-def _stored_shapes(ckptr: ocp.StandardCheckpointer, params_dir: Path) -> Any:
-    """The stored tree of (shape, dtype) pairs; CheckpointError when orbax finds no readable checkpoint there."""
+def _tree_dir(params_dir: Path) -> Path:
+    """Where the orbax pytree of params/ lives: params/state (partial saves), or params/ itself (the one
+    StandardCheckpointer tree of older ling-jax versions)."""
+    return params_dir if (params_dir / "_METADATA").is_file() else params_dir / TREE_DIR
+
+
+def _stored_shapes(ckptr: ocp.StandardCheckpointer, tree_dir: Path, params_dir: Path) -> Any:
+    """The stored tree of (shape, dtype) pairs; CheckpointError (naming `params_dir`) when orbax finds no readable
+    checkpoint there."""
     with _absl_quiet():  # orbax logs each failed read itself; the error below says it once
         try:
-            tree = ckptr.metadata(params_dir).item_metadata
+            tree = ckptr.metadata(tree_dir).item_metadata
             reason = "its metadata files are missing or unreadable"
         except (ValueError, OSError) as e:
             tree, reason = None, _first_line(e)

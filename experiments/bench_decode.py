@@ -8,7 +8,8 @@ over `--repeats` generations after a warm-up one; the floor is the step's HBM by
 and written, MLA cache read) at 4.3 TB/s. `--profile` adds the device time of a step by kernel family (JAX
 profiler), `--tp N` shards the weights N ways over the first N devices (ling_jax/sharding.py) and decodes under
 that mesh; its floor is then the step's bytes split N ways, a lower bound (the router, norms and a few small
-tensors are read by every device).
+tensors are read by every device). `--flax` times the same generations through the Flax NNX module too
+(`flax_tpot_us`), alternating with the params runs.
 
     python experiments/bench_decode.py --layers 6 --prompt-len 2048 --new-tokens 257 --backends fast,reference \
         --router-dtype bfloat16 --profile
@@ -35,6 +36,7 @@ from ling_jax.bench import (count_launches, kernel_counts, kernels_per_step, op_
 from ling_jax.config import preset
 from ling_jax.engine import generate as G
 from ling_jax.engine.sampling import Greedy
+from ling_jax.flax_model import LingForCausalLM
 from ling_jax.params import init_params
 from ling_jax.sharding import make_mesh, param_shardings
 
@@ -69,19 +71,27 @@ def run_backend(args, cfg, params, prompt, backend, total, floor_us, full_bytes,
     """TPOT / TTFT medians over args.repeats generations after args.warmup untimed ones (+ the profile if asked)."""
     kwargs = dict(max_new_tokens=args.new_tokens, sampler=Greedy(), backend=backend,
                   block_size=args.block_size, ignore_eos=True)
+    module = LingForCausalLM(cfg, params) if args.flax else None
     for _ in range(args.warmup):  # compile + warm up
         G.generate(params, cfg, prompt, **kwargs)
-    tpots, ttfts = [], []
-    for _ in range(args.repeats):
+        if module is not None:
+            module.generate(prompt, **kwargs)
+    tpots, ttfts, flax_tpots = [], [], []
+    for _ in range(args.repeats):  # with --flax, params and the module alternate, so drift hits both alike
         res = G.generate(params, cfg, prompt, **kwargs)
         tpots.append(res.tpot_s)
         ttfts.append(res.ttft_s)
+        if module is not None:
+            flax_tpots.append(module.generate(prompt, **kwargs).tpot_s)
     tpot_us = float(np.median(tpots)) * 1e6
     row = dict(backend=backend, layers=cfg.num_layers, tp=args.tp, tpot_us=tpot_us,
                ttft_ms=float(np.median(ttfts)) * 1e3, bytes_per_step=total, floor_us=floor_us,
                frac_of_floor=floor_us / tpot_us, **kernel_counts(params, cfg, backend),
                # Extrapolation, not a measurement: the full model at the slice's fraction of the floor.
                extrapolated_full_tpot_ms=tpot_us * full_bytes / total / 1e3)
+    if module is not None:
+        row.update(tpots_us=[t * 1e6 for t in tpots], flax_tpot_us=float(np.median(flax_tpots)) * 1e6,
+                   flax_tpots_us=[t * 1e6 for t in flax_tpots])
     if args.profile:
         row["profile"] = profile_step(params, cfg, backend, prompt, args.block_size,
                                       device=0 if args.tp > 1 else None)
@@ -107,6 +117,8 @@ def main(argv=None):
     parser.add_argument("--router-dtype", choices=("float32", "bfloat16"), default="float32",
                         help="the MoE routers' dtype (LingConfig.router_weight_dtype): bfloat16 as the BF16 release "
                              "stores them, float32 (LingConfig's default) as transformers' save_pretrained does")
+    parser.add_argument("--flax", action="store_true",
+                        help="also decode through the Flax NNX module (ling_jax/flax_model.py), alternating with params")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: weights sharded over N devices")
     parser.add_argument("--json", default="bench_decode.json", help="results file name (experiments/results, $OUT)")
     parser.add_argument("--smoke", action="store_true", help="toy preset on the CPU; writes nothing to the repo")

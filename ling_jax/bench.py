@@ -164,9 +164,12 @@ def profile_step(params, cfg, backend: str, prompt, block: int, top: int = 25, d
     """
     from ling_jax.profiling import exclusive_by_family, kernel_family, trace_events
 
-    eos = jnp.zeros((0,), jnp.int32)
+    from ling_jax.sharding import replicated
+
+    prompt, key, eos = replicated((np.asarray(prompt, np.int32), jax.random.key(0), jnp.zeros((0,), jnp.int32)),
+                                  params["embed"])
     max_len = max_len or prompt.shape[1] + 4 * block
-    loop, _ = G.start(params, jnp.asarray(prompt), jax.random.key(0), eos, cfg, Greedy(), max_len=max_len,
+    loop, _ = G.start(params, jnp.asarray(prompt), key, eos, cfg, Greedy(), max_len=max_len,
                       backend=backend, pad_id=pad_id(cfg), prefill_chunk=prefill_chunk)
     kw = dict(steps=block, backend=backend, pad_id=pad_id(cfg))
     loop, _, _ = G.decode_block(params, loop, eos, cfg, Greedy(), **kw)  # compile
@@ -324,14 +327,15 @@ def run_header() -> dict:
                                 cwd=Path(__file__).parent).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         commit = None
-    return dict(device=jax.devices()[0].device_kind, devices=jax.device_count(), jax=jax.__version__,
+    return dict(device=jax.devices()[0].device_kind, devices=jax.device_count(), processes=jax.process_count(),
+                jax=jax.__version__,
                 date=datetime.date.today().isoformat(), commit=commit)
 
 
 def peak_memory_bytes() -> int | None:
-    """The device's peak allocation so far (None where the runtime reports none: the CPU)."""
+    """This process's first device's peak allocation so far (None where the runtime reports none: the CPU)."""
     try:
-        stats = jax.devices()[0].memory_stats() or {}
+        stats = jax.local_devices()[0].memory_stats() or {}
     except Exception:  # a runtime without memory stats
         stats = {}
     return stats.get("peak_bytes_in_use")

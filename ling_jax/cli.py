@@ -1,12 +1,19 @@
 """`ling-jax` command line: convert | generate | bench.
 
     ling-jax convert --hf-dir DIR --out DIR [--dtype bfloat16|float32|fp8] [--router-fp32] [--no-mtp] [--force]
+                     [--tp N]
     ling-jax generate (--checkpoint DIR | --hf-dir DIR | --preset NAME)
                       (--prompt-ids 1,2,3 | --prompt TEXT --tokenizer tokenizer.json) --max-new-tokens N
                       [--temperature T --top-p P --seed S] [--dtype float32|bfloat16|fp8] [--backend SPEC]
-                      [--block-size N] [--prefill-chunk C] [--ignore-eos] [--json]
+                      [--block-size N] [--prefill-chunk C] [--ignore-eos] [--json] [--tp N]
+                      [--coordinator HOST:PORT --num-processes P --process-id I]
     ling-jax bench (--preset NAME --random-weights | --checkpoint DIR | --hf-dir DIR) [--layers N]
                    [--dtype bfloat16|float32|fp8] [--prompt-len 8192] [--output-len 1024] [--profile] [--json]
+                   [--tp N] [--coordinator HOST:PORT --num-processes P --process-id I]
+
+`--tp N` shards the model over N devices (ling_jax.sharding: heads, intermediate dims and the vocabulary split).
+With `--coordinator`, one process runs per host, `jax.distributed` joins them, and the mesh spans every process's
+devices; process 0 prints and writes the results.
 
 With no arguments, `generate` runs the embedded default: the `toy` preset with random weights, a fixed prompt and
 64 new tokens.
@@ -18,9 +25,12 @@ the model's config first (preset, config.json), checks the prompt against it, an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import socket
 import sys
+import time
 from pathlib import Path
 
 DEFAULT_PROMPT_IDS = "7,41,3,99,12,250,18,5,77,301,64,9"
@@ -33,6 +43,7 @@ SPEC_CHOICES = ("none", "oracle", "mtp", "suffix", "model")
 MAX_DRAFTS = 16  # engine.speculative.MAX_DRAFTS, restated so option errors need no JAX import
 DEFAULT_DRAFTS = 3
 PREFILL_CHUNK = 8192  # model.PREFILL_CHUNK, restated for the same reason
+COORDINATOR_TIMEOUT_S = 300  # jax.distributed.initialize's own default
 
 
 class _Parser(argparse.ArgumentParser):
@@ -83,6 +94,23 @@ def _add_convert(conv: argparse.ArgumentParser) -> None:
     conv.add_argument("--router-fp32", action="store_true",
                       help="widen bf16-stored MoE routers to float32 (same logits, twice the router bytes); by "
                            "default they stay as stored")
+    _add_tp(conv, "convert into the shards of an N-device mesh, so no device holds the whole model (the "
+                  "checkpoint loads at any --tp)")
+
+
+def _add_tp(p: argparse.ArgumentParser, help_text: str) -> None:
+    p.add_argument("--tp", type=int, default=1, metavar="N", help=f"tensor parallelism over N devices: {help_text}")
+
+
+def _add_processes(p: argparse.ArgumentParser) -> None:
+    group = p.add_argument_group("several hosts (one process each, joined by jax.distributed; all three or none)")
+    group.add_argument("--coordinator", metavar="HOST:PORT", default=None,
+                       help="process 0's address, the same on every host (default: none, one process)")
+    group.add_argument("--num-processes", type=int, default=None, metavar="P", help="processes in all (default: none)")
+    group.add_argument("--process-id", type=int, default=None, metavar="I",
+                       help="this process's index, 0..P-1; process 0 prints the results (default: none)")
+    group.add_argument("--coordinator-timeout", type=int, default=COORDINATOR_TIMEOUT_S, metavar="S",
+                       help="seconds to wait for the coordinator and the other processes")
 
 
 def _add_generate(gen: argparse.ArgumentParser) -> None:
@@ -135,6 +163,8 @@ def _add_generate(gen: argparse.ArgumentParser) -> None:
     spec.add_argument("--oracle-ids", metavar="IDS",
                       help="the continuation --spec oracle replays, comma-separated ids from the first new token "
                            "on (default: none)")
+    _add_tp(gen, "the model sharded over a mesh of N devices (with --coordinator: every process's devices)")
+    _add_processes(gen)
 
 
 def _add_bench(b: argparse.ArgumentParser) -> None:
@@ -175,6 +205,8 @@ def _add_bench(b: argparse.ArgumentParser) -> None:
     b.add_argument("--results", metavar="FILE", default=None,
                    help="also write the row as JSON here (default: experiments/results/bench_<model>.json when "
                         "that directory exists)")
+    _add_tp(b, "as `generate --tp`; the memory plan counts each device's share")
+    _add_processes(b)
 
 
 def _check_numbers(args, parser) -> None:
@@ -296,6 +328,116 @@ def _check_backend_fits(spec: str, cfg, parser) -> None:
         parser.error(f"--backend: {e}")
 
 
+def _check_tp(args, parser) -> None:
+    if args.tp < 1:
+        parser.error(f"--tp {args.tp} must be >= 1 (1: one device)")
+
+
+def _check_processes(args, parser) -> None:
+    """--coordinator, --num-processes and --process-id: all three or none, the id in range, the address well formed.
+    Checked with the other options, before any device is touched."""
+    flags = {"--coordinator": args.coordinator, "--num-processes": args.num_processes,
+             "--process-id": args.process_id}
+    given = [flag for flag, value in flags.items() if value is not None]
+    if not given:
+        return
+    if len(given) < len(flags):
+        missing = [flag for flag in flags if flag not in given]
+        parser.error(f"{' and '.join(given)} needs --coordinator HOST:PORT, --num-processes P and --process-id I "
+                     f"together: pass {' and '.join(missing)} too, or drop {' and '.join(given)} for one process")
+    if args.num_processes < 1:
+        parser.error(f"--num-processes {args.num_processes} must be >= 1")
+    if not 0 <= args.process_id < args.num_processes:
+        parser.error(f"--process-id {args.process_id} must lie in 0..{args.num_processes - 1} (--num-processes "
+                     f"{args.num_processes}); process 0 serves the coordinator")
+    if args.coordinator_timeout < 1:
+        parser.error(f"--coordinator-timeout {args.coordinator_timeout} must be >= 1 second")
+    _coordinator_address(args.coordinator, parser)
+
+
+def _coordinator_address(text: str, parser) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        parser.error(f"--coordinator {text!r} must be HOST:PORT, e.g. 10.0.0.1:8476 (process 0's host and a free "
+                     "port there)")
+    return host.strip("[]"), int(port)
+
+
+def _start_processes(args, parser) -> None:
+    """jax.distributed joins the processes, before JAX starts its devices. Process 0 serves the coordinator: its port
+    must be free. The others first wait (up to --coordinator-timeout) until it listens, so an unreachable address is
+    one message, not the runtime's abort."""
+    if getattr(args, "coordinator", None) is None:
+        return
+    host, port = _coordinator_address(args.coordinator, parser)
+    deadline = time.monotonic() + args.coordinator_timeout
+    if args.process_id == 0:
+        try:
+            socket.create_server(("", port)).close()
+        except OSError as e:
+            parser.error(f"--coordinator {args.coordinator}: process 0 serves the coordinator on port {port} and "
+                         f"cannot bind it ({e.strerror}): choose a free port, the same on every process")
+    else:
+        while True:
+            try:
+                socket.create_connection((host, port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    parser.error(f"--coordinator {args.coordinator} cannot be reached within "
+                                 f"{args.coordinator_timeout} s: start process 0 (--process-id 0) with the same "
+                                 "--coordinator, check the host and port, or raise --coordinator-timeout")
+                time.sleep(0.2)
+    import jax
+
+    jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id,
+                               initialization_timeout=max(int(deadline - time.monotonic()), 1))
+
+
+def _mesh(args, parser, *cfgs):
+    """The --tp mesh, the sizes of each config in `cfgs` checked against it; None for --tp 1 on one process (the
+    single-device run). With several processes it must span all their devices."""
+    several = getattr(args, "coordinator", None) is not None
+    if args.tp == 1 and not several:
+        return None
+    import jax
+
+    from ling_jax.sharding import check_divisible, make_mesh
+
+    if several and args.tp != jax.device_count():
+        parser.error(f"--tp {args.tp} must span the devices of all {args.num_processes} processes, "
+                     f"{jax.device_count()} in all ({jax.local_device_count()} here): pass --tp {jax.device_count()}")
+    try:
+        mesh = make_mesh(args.tp)
+        for cfg in cfgs:
+            check_divisible(cfg, args.tp)
+    except ValueError as e:
+        parser.error(f"--tp {args.tp}: {e}")
+    return mesh
+
+
+def _param_shardings(mesh, cfg, *, with_mtp: bool = True):
+    """The params' shardings on `mesh` (None without a mesh: the default device)."""
+    if mesh is None:
+        return None
+    from ling_jax.sharding import param_shardings
+    return param_shardings(cfg, mesh, with_mtp=with_mtp)
+
+
+def _in_mesh(mesh):
+    """The sharded run's context: the Pallas kernels run per shard under it (ling_jax.sharding.per_shard)."""
+    if mesh is None:
+        return contextlib.nullcontext()
+    import jax
+    return jax.set_mesh(mesh)
+
+
+def _is_main_process() -> bool:
+    """Process 0 prints and writes the results (every process computes them)."""
+    import jax
+    return jax.process_index() == 0
+
+
 def _check_prompt_fits(ids: list[int], args, cfg, parser) -> None:
     option = "--prompt" if args.prompt is not None else "--prompt-ids"
     bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
@@ -311,28 +453,42 @@ def _check_prompt_fits(ids: list[int], args, cfg, parser) -> None:
                      f"max_position_embeddings={limit}: {fix}")
 
 
-def _load_weights(args, cfg):
+def _load_weights(args, cfg, mesh):
+    """(cfg, params) as the options say, each leaf loaded straight into its shard on `mesh` (if any). `cfg` already
+    says whether the weights are block-FP8 (`_weights_config`)."""
     import jax
     import jax.numpy as jnp
 
     dtype = None if args.dtype is None else jnp.dtype(jnp.bfloat16 if args.dtype == FP8 else args.dtype)
+    with_mtp = args.spec == "mtp"
+    # An orbax checkpoint restores every stored leaf, the MTP layer included, so its shardings must cover them all.
+    shardings = _param_shardings(mesh, cfg, with_mtp=with_mtp or bool(args.checkpoint))
     if args.checkpoint:
         from conversion.orbax_io import load_params
-        return load_params(args.checkpoint, dtype=dtype)
+        return load_params(args.checkpoint, dtype=dtype, shardings=shardings)
     if args.hf_dir:
         from conversion.load import load_hf
-        return load_hf(args.hf_dir, dtype=dtype, with_mtp=args.spec == "mtp", fp8=True if args.dtype == FP8 else None)
+        return load_hf(args.hf_dir, dtype=dtype, with_mtp=with_mtp, fp8=True if args.dtype == FP8 else None,
+                       shardings=shardings, progress=_is_main_process())
     from ling_jax.params import init_params
 
-    print(f"ling-jax generate: random weights (preset {args.preset or 'toy'}), so the tokens mean nothing; for a "
-          "real model pass --checkpoint DIR (from `ling-jax convert`) or --hf-dir DIR", file=sys.stderr)
-    if args.dtype == FP8:
-        cfg = cfg.replace(quantization="fp8")
-    return cfg, init_params(cfg, jax.random.key(args.seed), dtype or jnp.float32, with_mtp=args.spec == "mtp")
+    if _is_main_process():
+        print(f"ling-jax generate: random weights (preset {args.preset or 'toy'}), so the tokens mean nothing; for a "
+              "real model pass --checkpoint DIR (from `ling-jax convert`) or --hf-dir DIR", file=sys.stderr)
+    return cfg, init_params(cfg, jax.random.key(args.seed), dtype or jnp.float32, with_mtp=with_mtp,
+                            shardings=shardings)
+
+
+def _weights_config(args, cfg):
+    """`cfg` as the loaded weights will be: block-FP8 with --dtype fp8 (an HF checkpoint or a preset is quantised;
+    an orbax one must be already), else as stored."""
+    return cfg.replace(quantization="fp8") if args.dtype == FP8 else cfg
 
 
 def _generate(args, parser) -> int:
     _check_numbers(args, parser)
+    _check_tp(args, parser)
+    _check_processes(args, parser)
     _check_backend(args.backend, parser)
     if args.prompt is not None and args.tokenizer is None:
         parser.error("--prompt needs --tokenizer tokenizer.json (or pass --prompt-ids)")
@@ -344,27 +500,27 @@ def _generate(args, parser) -> int:
     _check_prompt_fits(ids, args, cfg, parser)
     draft_cfg = _check_spec_model(args, cfg, parser)
     _check_checkpoint_fp8(args, cfg, parser)
-    _check_memory(cfg.replace(quantization="fp8") if args.dtype == FP8 else cfg,
-                  args.dtype or ("float32" if not (args.checkpoint or args.hf_dir) else "bfloat16"),
-                  len(ids), args.max_new_tokens, args.prefill_chunk, with_mtp=args.spec == "mtp")
+    cfg = _weights_config(args, cfg)
+    _start_processes(args, parser)
+    mesh = _mesh(args, parser, cfg, *([draft_cfg] if draft_cfg is not None else []))
+    _check_memory(cfg, args.dtype or ("float32" if not (args.checkpoint or args.hf_dir) else "bfloat16"),
+                  len(ids), args.max_new_tokens, args.prefill_chunk, with_mtp=args.spec == "mtp", devices=args.tp)
 
     from ling_jax.engine.generate import generate
     from ling_jax.engine.sampling import make_sampler
     sampler = make_sampler(args.temperature, args.top_p)
-    cfg, params = _load_weights(args, cfg)
-    if args.spec == "none":
-        run = lambda: generate(params, cfg, [ids], max_new_tokens=args.max_new_tokens, sampler=sampler,  # noqa: E731
-                               seed=args.seed, backend=args.backend, block_size=args.block_size,
-                               ignore_eos=args.ignore_eos, prefill_chunk=args.prefill_chunk)
-    else:
-        run = _speculative_run(args, cfg, params, draft_cfg, ids, sampler)
-    for _ in range(args.warmup):
-        run()
-    result = run()
-    for _ in range(EXTRA_WARMUPS if args.warmup else 0):  # the times must exclude compilation
-        if not result.compiles:
-            break
-        result = run()
+    with _in_mesh(mesh):
+        cfg, params = _load_weights(args, cfg, mesh)
+        if args.spec == "none":
+            run = lambda: generate(params, cfg, [ids], max_new_tokens=args.max_new_tokens,  # noqa: E731
+                                   sampler=sampler, seed=args.seed, backend=args.backend,
+                                   block_size=args.block_size, ignore_eos=args.ignore_eos,
+                                   prefill_chunk=args.prefill_chunk)
+        else:
+            run = _speculative_run(args, cfg, params, draft_cfg, ids, sampler, mesh)
+        result = _timed_run(run, args.warmup)
+    if not _is_main_process():
+        return 0
     if result.compiles:
         print(f"ling-jax generate: the timed run compiled {result.compiles} executable(s), so its times include "
               "compilation" + ("; pass --warmup 1 or more" if not args.warmup else ""), file=sys.stderr)
@@ -382,6 +538,18 @@ def _generate(args, parser) -> int:
               + (f" | spec {args.spec} k={args.num_draft}: accept length {result.accept_length:.2f}"
                  if args.spec != "none" else "") + "]", file=sys.stderr)
     return 0
+
+
+def _timed_run(run, warmup: int):
+    """`warmup` untimed runs, then the timed one, repeated (up to EXTRA_WARMUPS times) while it still compiled."""
+    for _ in range(warmup):
+        run()
+    result = run()
+    for _ in range(EXTRA_WARMUPS if warmup else 0):  # the times must exclude compilation
+        if not result.compiles:
+            break
+        result = run()
+    return result
 
 
 def _check_spec_options(args, parser) -> None:
@@ -461,7 +629,7 @@ def _has_mtp(args, cfg) -> bool:
     return True
 
 
-def _speculative_run(args, cfg, params, draft_cfg, ids, sampler):
+def _speculative_run(args, cfg, params, draft_cfg, ids, sampler, mesh):
     import jax.numpy as jnp
 
     from ling_jax.engine import drafters
@@ -476,7 +644,7 @@ def _speculative_run(args, cfg, params, draft_cfg, ids, sampler):
     elif args.spec == "suffix":
         drafter = drafters.Suffix()
     else:
-        draft_cfg, aux = _load_draft(args.draft_checkpoint, params)
+        draft_cfg, aux = _load_draft(args.draft_checkpoint, params, _param_shardings(mesh, draft_cfg))
         drafter = drafters.ModelDrafter(draft_cfg, backend=args.backend)
     return lambda: generate_speculative(params, cfg, [ids], max_new_tokens=args.max_new_tokens, sampler=sampler,
                                         drafter=drafter, k=args.num_draft, aux=aux, seed=args.seed,
@@ -484,20 +652,20 @@ def _speculative_run(args, cfg, params, draft_cfg, ids, sampler):
                                         ignore_eos=args.ignore_eos, prefill_chunk=args.prefill_chunk)
 
 
-def _load_draft(path: str, params):
+def _load_draft(path: str, params, shardings):
     from conversion.orbax_io import is_hf_checkpoint
 
     dtype = params["embed"].dtype  # the draft model computes in the target's dtype
     if is_hf_checkpoint(path):
         from conversion.load import load_hf
-        return load_hf(path, dtype=dtype, with_mtp=False)
+        return load_hf(path, dtype=dtype, with_mtp=False, shardings=shardings)
     from conversion.orbax_io import load_params
-    return load_params(path, dtype=dtype)
+    return load_params(path, dtype=dtype, shardings=shardings)
 
 
 def _convert(args, parser) -> int:
-    _hf_config(args.hf_dir, parser, orbax_fix=f"it is converted already: `ling-jax generate --checkpoint "
-                                              f"{args.hf_dir}` runs it")
+    cfg = _hf_config(args.hf_dir, parser, orbax_fix=f"it is converted already: `ling-jax generate --checkpoint "
+                                                    f"{args.hf_dir}` runs it")
     from conversion.orbax_io import PARAMS_DIR, convert
 
     if Path(args.out).resolve() == Path(args.hf_dir).resolve():
@@ -506,12 +674,17 @@ def _convert(args, parser) -> int:
     if (Path(args.out) / PARAMS_DIR).exists() and not args.force:
         parser.error(f"--out {args.out} already holds a ling-jax checkpoint: pass --force to overwrite it, or "
                      "choose another --out")
+    _check_tp(args, parser)
     import jax.numpy as jnp
 
     dtype = {None: None, FP8: jnp.bfloat16}.get(args.dtype, args.dtype)
     fp8 = None if args.dtype is None else args.dtype == FP8
+    if fp8 is not None:  # quantised or dequantised while loading: the shardings are those of the leaves written
+        cfg = cfg.replace(quantization="fp8" if fp8 else None)
+    mesh = _mesh(args, parser, cfg)
     convert(args.hf_dir, args.out, dtype=None if dtype is None else jnp.dtype(dtype), with_mtp=not args.no_mtp,
-            force=args.force, router_weight_dtype="float32" if args.router_fp32 else None, fp8=fp8)
+            force=args.force, router_weight_dtype="float32" if args.router_fp32 else None, fp8=fp8,
+            shardings=_param_shardings(mesh, cfg))
     print(f"wrote {args.out}")
     return 0
 
@@ -523,6 +696,8 @@ def _bench(args, parser) -> int:
                                  ("--layers", args.layers if args.layers is not None else 1, 1)):
         if value < least:
             parser.error(f"{option} {value} must be >= {least}")
+    _check_tp(args, parser)
+    _check_processes(args, parser)
     if not 1 <= args.num_draft <= MAX_DRAFTS:
         parser.error(f"--num-draft {args.num_draft} must lie in 1..{MAX_DRAFTS}")
     if args.accept_length is not None and (args.spec != "oracle" or not 1 <= args.accept_length <= args.num_draft + 1):
@@ -547,14 +722,19 @@ def _bench(args, parser) -> int:
         parser.error("--spec mtp drafts with the MTP layer, which this model has not (a --layers slice drops it): "
                      "bench all layers, or use --spec oracle or suffix")
     _check_backend_fits(args.backend, cfg, parser)
+    _start_processes(args, parser)
+    mesh = _mesh(args, parser, cfg)
     _check_bench_memory(args, cfg)
-    cfg, params = _bench_weights(args, cfg)
-    row = bench.bench(params, cfg, prompt_len=args.prompt_len, output_len=args.output_len, backend=args.backend,
-                      block_size=args.block_size, warmup=args.warmup, repeats=args.repeats,
-                      prefill_chunk=args.prefill_chunk, count_kernels=not args.no_kernel_count,
-                      profile=args.profile, seed=args.seed, progress=not args.json, spec=args.spec,
-                      num_draft=args.num_draft, accept_length=args.accept_length)
-    row = dict(model=_bench_name(args, cfg), dtype=args.dtype, **row, **bench.run_header())
+    with _in_mesh(mesh):
+        cfg, params = _bench_weights(args, cfg, mesh)
+        row = bench.bench(params, cfg, prompt_len=args.prompt_len, output_len=args.output_len, backend=args.backend,
+                          block_size=args.block_size, warmup=args.warmup, repeats=args.repeats,
+                          prefill_chunk=args.prefill_chunk, count_kernels=not args.no_kernel_count,
+                          profile=args.profile, seed=args.seed, progress=not args.json and _is_main_process(),
+                          spec=args.spec, num_draft=args.num_draft, accept_length=args.accept_length)
+    row = dict(model=_bench_name(args, cfg), dtype=args.dtype, tp=args.tp, **row, **bench.run_header())
+    if not _is_main_process():
+        return 0
     _write_bench(args, row)
     if args.json:
         print(json.dumps({k: v for k, v in row.items() if k != "profile"}, default=str))
@@ -587,43 +767,47 @@ def _check_checkpoint_fp8(args, cfg, parser) -> None:
 
 def _check_bench_memory(args, cfg) -> None:
     _check_memory(cfg, args.dtype, args.prompt_len, args.output_len, args.prefill_chunk,
-                  with_mtp=bool(cfg.num_mtp_layers), device_gb=args.device_memory_gb)
+                  with_mtp=bool(cfg.num_mtp_layers), device_gb=args.device_memory_gb, devices=args.tp)
 
 
 def _check_memory(cfg, dtype: str, prompt_len: int, new_tokens: int, chunk: int, *, with_mtp: bool,
-                  device_gb: float | None = None) -> None:
-    """The memory plan (ling_jax/memory.py) against the first device, before any weight exists; skipped where the
-    runtime reports no limit (the CPU) unless `device_gb` gives one."""
+                  device_gb: float | None = None, devices: int = 1) -> None:
+    """The memory plan (ling_jax/memory.py) of each of `devices` against this process's first device, before any
+    weight exists; skipped where the runtime reports no limit (the CPU) unless `device_gb` gives one."""
     import jax
 
     from ling_jax import memory
 
-    capacity = memory.usable_bytes(jax.devices()[0], None if device_gb is None else int(device_gb * 1e9))
+    capacity = memory.usable_bytes(jax.local_devices()[0], None if device_gb is None else int(device_gb * 1e9))
     if capacity is None:
         return
     compute = "bfloat16" if dtype == FP8 else dtype
     plan = memory.plan(cfg, dtype=compute, prompt_len=prompt_len, max_new_tokens=new_tokens, chunk=chunk,
-                       capacity=capacity, with_mtp=with_mtp)
+                       capacity=capacity, with_mtp=with_mtp, devices=devices)
     memory.check(plan, cfg, compute, with_mtp=with_mtp)
 
 
-def _bench_weights(args, cfg):
+def _bench_weights(args, cfg, mesh):
     import jax
 
     from ling_jax import bench
 
     dtype = bench.compute_dtype(args.dtype)
+    shardings = _param_shardings(mesh, cfg)
     if args.checkpoint:
         from conversion.orbax_io import load_params
-        return load_params(args.checkpoint, dtype=dtype)
+        return load_params(args.checkpoint, dtype=dtype, shardings=shardings)
     if args.hf_dir:
         from conversion.load import load_hf
-        return load_hf(args.hf_dir, dtype=dtype, fp8=True if args.dtype == FP8 else None)
+        return load_hf(args.hf_dir, dtype=dtype, fp8=True if args.dtype == FP8 else None, shardings=shardings,
+                       progress=_is_main_process())
     from ling_jax.params import init_params
 
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    if shardings is None:  # drawn on the device, leaf by leaf: the host never holds the model
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: device, _abstract(cfg, dtype))
     params = init_params(cfg, jax.random.key(args.seed), dtype, with_mtp=bool(cfg.num_mtp_layers),
-                         shardings=jax.tree.map(lambda _: device, _abstract(cfg, dtype)))
+                         shardings=shardings)
     return cfg, jax.block_until_ready(params)
 
 
@@ -645,7 +829,8 @@ def _write_bench(args, row: dict) -> None:
         if not results.is_dir():
             return
         spec = "" if args.spec == "none" else f"_{args.spec}{args.num_draft}"
-        target = results / f"bench_{row['model']}_{row['quantization'] or args.dtype}{spec}.json"
+        tp = "" if args.tp == 1 else f"_tp{args.tp}"
+        target = results / f"bench_{row['model']}_{row['quantization'] or args.dtype}{spec}{tp}.json"
     Path(target).parent.mkdir(parents=True, exist_ok=True)
     Path(target).write_text(json.dumps(row, indent=1, default=str) + "\n")
 

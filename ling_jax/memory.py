@@ -1,7 +1,8 @@
 """Will the model, its caches and a prefill's activations fit the devices? Answered from shapes, before allocating.
 
-`plan` adds, per device: the params (FP8 values and scales as stored; every leaf split n ways under tensor
-parallelism, a lower bound since norms and routers are replicated), the caches for the prompt plus every token to
+`plan` adds, per device: the params (FP8 values and scales as stored; under tensor parallelism over n devices a
+leaf with a `tp`-mapped axis holds 1/n of its bytes, a replicated one, as norms, routers and the embedding, all of
+them), the caches for the prompt plus every token to
 come, and the peak activations of one prefill chunk (`ling_jax.model.prefill_bytes`, the same estimate the prefill
 checks itself against). `check` raises `MemoryPlanError` naming the sizes and the ways out: block-FP8 weights,
 more devices, a shorter context or chunk.
@@ -15,10 +16,13 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import jax
 import jax.numpy as jnp
 
+import numpy as np
+
 from ling_jax.config import LingConfig
-from ling_jax.params import param_bytes
+from ling_jax.params import is_spec, param_specs
 
 GIB = 2 ** 30
 # What JAX preallocates of a GPU unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise.
@@ -61,10 +65,22 @@ def plan(cfg: LingConfig, *, dtype, prompt_len: int, max_new_tokens: int, chunk:
     from ling_jax.model import prefill_bytes
 
     itemsize = jnp.dtype(dtype).itemsize
-    weights = param_bytes(cfg, dtype, with_mtp=with_mtp) // devices
+    weights = weight_bytes_per_device(cfg, dtype, devices, with_mtp=with_mtp)
     need = prefill_bytes(cfg, 1, prompt_len, chunk, prompt_len + max_new_tokens, itemsize, tp=devices,
                          flash_attention=True)
     return MemoryPlan(weights, need["caches"], need["activations"], capacity, devices)
+
+
+def weight_bytes_per_device(cfg: LingConfig, dtype, devices: int, *, with_mtp: bool = True) -> int:
+    """The params' bytes on each of `devices` under `ling_jax.sharding.param_shardings`."""
+    from ling_jax.sharding import RULES
+
+    total = 0
+    for spec in jax.tree.leaves(param_specs(cfg, with_mtp=with_mtp), is_leaf=is_spec):
+        nbytes = int(np.prod(spec.shape)) * jnp.dtype(spec.dtype(dtype)).itemsize
+        split = any(RULES.get(a) for a in spec.axes if a is not None)
+        total += -(-nbytes // devices) if split else nbytes
+    return total
 
 
 def usable_bytes(device=None, device_bytes: int | None = None) -> int | None:
@@ -83,13 +99,13 @@ def check(p: MemoryPlan, cfg: LingConfig, dtype, *, with_mtp: bool = True) -> No
         return
     ways = []
     if cfg.quantization != "fp8":
-        fp8_bytes = param_bytes(cfg.replace(quantization="fp8"), dtype, with_mtp=with_mtp)
-        fp8 = dataclasses.replace(p, weights=fp8_bytes // p.devices)
+        fp8 = dataclasses.replace(p, weights=weight_bytes_per_device(cfg.replace(quantization="fp8"), dtype,
+                                                                      p.devices, with_mtp=with_mtp))
         ways.append(f"block-FP8 weights (--dtype fp8: weights {fp8.weights / GIB:.1f} GiB per device"
                     + (", which fits)" if fp8.fits else ")"))
     need_devices = -(-p.weights * p.devices // max(p.capacity - p.caches - p.activations - RESERVE_BYTES, 1))
-    ways.append(f"tensor parallelism over more devices (params sharded with ling_jax.sharding.param_shardings on a "
-                f"mesh; the weights alone need about {need_devices})")
+    ways.append(f"tensor parallelism over more devices (--tp N; in Python, params sharded with "
+                f"ling_jax.sharding.param_shardings on a mesh; the weights alone need about {need_devices})")
     ways.append("a shorter context (fewer prompt or output tokens) or prefill chunk (--prefill-chunk)")
     fraction = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
     if fraction is None or float(fraction) < BENCH_MEM_FRACTION:

@@ -34,7 +34,7 @@ from ling_jax.layers.mla import mla_block
 from ling_jax.layers.mlp import dense_mlp
 from ling_jax.layers.moe import moe_block
 from ling_jax.layers.norms import rms_norm
-from ling_jax.params import LM_HEAD_AXES
+from ling_jax.params import LM_HEAD_AXES, as_params
 
 
 PREFILL_MODES = ("prefill", "extend")
@@ -158,6 +158,7 @@ def prefill(params: dict, tokens: jax.Array, cfg: LingConfig, *, max_len: int, b
     Token ids are range-checked on the host when they are concrete (called outside jit), and the caches plus one
     chunk's activations are checked against the device's free memory before anything is allocated.
     """
+    params = as_params(params)
     _check_call(params, cfg, backend)
     _check_tokens(tokens, cfg, "tokens")
     B, T = jnp.shape(tokens)
@@ -285,6 +286,7 @@ def decode(params: dict, state: ModelState, token: jax.Array, cfg: LingConfig, *
     A step past the latent caches' capacity gives NaN logits (device-side, no host read); `checked=True` reads the
     length on the host first and raises instead.
     """
+    params = as_params(params)
     _check_call(params, cfg, backend)
     if jnp.ndim(token) != 1:
         raise ValueError(f"token.shape={jnp.shape(token)} must be [batch]: one token per sequence")
@@ -305,6 +307,7 @@ def verify(params: dict, state: ModelState, tokens: jax.Array, cfg: LingConfig, 
     The MLA caches are donated and updated in place; the KDA entries are not (the staged state has other shapes, so
     their buffers could not be reused). Capacity as in `decode`.
     """
+    params = as_params(params)
     _check_call(params, cfg, backend)
     _check_tokens(tokens, cfg, "tokens")
     if checked:
@@ -330,6 +333,7 @@ def mtp_forward(params: dict, hidden: jax.Array, next_tokens: jax.Array, cache: 
     [B, T, D] (what a chained draft step feeds back as `hidden`, as the main model feeds its normed state), and
     the MLACache with these positions written).
     """
+    params = as_params(params)
     if "mtp" not in params:
         raise ValueError("params have no 'mtp' entry: this config/checkpoint has no MTP layer "
                          "(num_nextn_predict_layers=0, or it was loaded with with_mtp=False)")

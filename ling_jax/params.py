@@ -304,3 +304,10 @@ def count_params(c: LingConfig, *, with_mtp: bool = True) -> int:
     """The weights' values (an FP8 weight's scales are not parameters)."""
     return sum(int(np.prod(weight_spec(s).shape))
                for s in jax.tree.leaves(param_specs(c, with_mtp=with_mtp), is_leaf=is_leaf_spec))
+
+
+def as_params(x: Any) -> Any:
+    """The params pytree of `x`: `x` itself, or a model object's (`flax_model.LingForCausalLM.as_params`), so that
+    every function taking params takes the Flax model too."""
+    to_params = getattr(x, "as_params", None)
+    return to_params() if callable(to_params) else x

@@ -80,18 +80,60 @@ def param_shardings(cfg: LingConfig, mesh: Mesh, *, with_mtp: bool = True):
                         is_leaf=is_spec)
 
 
-def state_shardings(state: ModelState, mesh: Mesh) -> ModelState:
+def state_specs(state: ModelState) -> ModelState:
     """KDA state and conv windows split by head; MLA latent caches replicated (every head reads them)."""
-    rep = NamedSharding(mesh, PartitionSpec())
-
     def entry(e):
         if isinstance(e, KDACache):
-            return KDACache(NamedSharding(mesh, PartitionSpec(None, None, None, "tp", None)),
-                            NamedSharding(mesh, PartitionSpec(None, "tp", None, None)))
+            return KDACache(PartitionSpec(None, None, None, TP, None), PartitionSpec(None, TP, None, None))
         assert isinstance(e, MLACache)
-        return MLACache(rep)
+        return MLACache(PartitionSpec())
 
-    return ModelState(rep, tuple(entry(e) for e in state.layers))
+    return ModelState(PartitionSpec(), tuple(entry(e) for e in state.layers))
+
+
+def state_shardings(state: ModelState, mesh: Mesh) -> ModelState:
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), state_specs(state),
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def constrain_state(state: ModelState) -> ModelState:
+    """`state` laid out as `state_specs` says under a context mesh with `tp` > 1 (inside jit: the caches a prefill
+    leaves are then split by head whatever XLA's propagation would pick); `state` itself otherwise."""
+    if tp_size() <= 1:
+        return state
+    return jax.tree.map(jax.lax.with_sharding_constraint, state, state_specs(state),
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def replicated(tree, like: jax.Array):
+    """`tree`'s arrays and host values replicated over the mesh of `like` (a param) when that mesh spans several
+    processes: the engine's inputs then join its programs as global arrays, which a process-local array cannot.
+    Every process must pass the same values. Arrays already spanning other processes are kept; on one process the
+    tree is returned as it is."""
+    if like.is_fully_addressable:
+        return tree
+    rep = NamedSharding(like.sharding.mesh, PartitionSpec())
+
+    def one(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return x
+        if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return jax.random.wrap_key_data(jax.device_put(np.asarray(jax.random.key_data(x)), rep),
+                                            impl=jax.random.key_impl(x))
+        return jax.device_put(np.asarray(x), rep)
+
+    return jax.tree.map(one, tree)
+
+
+def host_values(tree):
+    """`tree`'s arrays on the host, read from this process's replica: a replicated array that spans other
+    processes' devices is read from its first local shard (no collective); any other array as a whole."""
+    def local(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable and x.is_fully_replicated:
+            return x.addressable_shards[0].data
+        return x
+
+    return jax.device_get(jax.tree.map(local, tree))
 
 
 def tp_size() -> int:

@@ -4,9 +4,13 @@ Bad inputs run the real entry point in a subprocess (`tests/cli_run.py`), so the
 exit code, one usage line at most, no traceback, and a message naming the option and the fix.
 """
 
+import contextlib
+import io
 import json
 import re
 
+import jax
+import numpy as np
 import pytest
 
 from conversion.load import CheckpointError
@@ -232,6 +236,21 @@ BAD_INPUTS = [
      ["vocab_size=1024 but the target has 512", "share the target's tokenizer"]),
     (["generate", "--hf-dir", "{files}/no-mtp", "--spec", "mtp"], ["--spec mtp", "NextN", "--spec suffix"]),
     (["generate", "--spec", "bogus"], ["--spec", "invalid choice: 'bogus'"]),
+    # tensor parallelism and several processes (the counts that need devices: TP_BAD_INPUTS)
+    (["generate", "--tp", "0"], ["--tp 0 must be >= 1"]),
+    (["bench", "--preset", "toy", "--random-weights", "--tp", "-2"], ["--tp -2 must be >= 1"]),
+    (["convert", "--hf-dir", "{files}/hf", "--out", "{files}/new", "--tp", "0"], ["--tp 0 must be >= 1"]),
+    (["generate", "--coordinator", "localhost:8476"], ["--coordinator needs", "--num-processes P and --process-id I",
+                                                       "pass --num-processes and --process-id too"]),
+    (["bench", "--preset", "toy", "--random-weights", "--num-processes", "2", "--process-id", "0"],
+     ["pass --coordinator too"]),
+    (["generate", "--coordinator", "localhost:8476", "--num-processes", "2", "--process-id", "2"],
+     ["--process-id 2 must lie in 0..1"]),
+    (["generate", "--coordinator", "localhost", "--num-processes", "2", "--process-id", "1"],
+     ["--coordinator 'localhost' must be HOST:PORT"]),
+    (["generate", "--coordinator", "127.0.0.1:9", "--num-processes", "2", "--process-id", "1",
+      "--coordinator-timeout", "1"], ["--coordinator 127.0.0.1:9 cannot be reached within 1 s",
+                                      "start process 0 (--process-id 0)"]),
     # convert
     (["convert", "--hf-dir", "{files}/missing", "--out", "{files}/new"], ["--hf-dir {files}/missing does not exist"]),
     (["convert", "--hf-dir", "{files}/empty", "--out", "{files}/new"], ["--hf-dir {files}/empty has no config.json"]),
@@ -248,7 +267,7 @@ BAD_INPUTS = [
 def test_bad_input_is_one_clear_line(args, fragments, files):
     result = run_ling_jax(*_expand(args, files))
     message = assert_refused(result, *_expand(fragments, files))
-    command = f"ling-jax {args[0]}" if args[0] in ("generate", "convert") else "ling-jax"
+    command = f"ling-jax {args[0]}" if args[0] in ("generate", "convert", "bench") else "ling-jax"
     assert result.stderr.startswith(f"usage: {command}") and f"{command} --help lists them" in result.stderr
     # A checkpoint's problems come as one headed list (a line per layer or shard); everything else is one line.
     listing = message.splitlines()[0].endswith(":") and all(line.startswith("  ") for line in message.splitlines()[1:])
@@ -322,3 +341,112 @@ def test_speculative_generate_reports_acceptance_and_equals_plain_greedy():
         assert {"accept_length", "verify_steps", "drafted", "accepted"} <= set(got)
         assert got["accept_length"] == (got["accepted"] + got["verify_steps"]) / got["verify_steps"]
     assert got["accept_length"] == 4  # the oracle with the true continuation: k + 1 every step
+
+
+# --tp N: the CLI's sharded runs give the single-device greedy tokens (float32, so the all-reduces' summation order
+# moves the logits by ~1e-7 and cannot flip an argmax that is not a tie).
+
+TP_COMMON = ["--dtype", "float32", "--max-new-tokens", "12", "--json", "--warmup", "0", "--ignore-eos",
+             "--prompt-ids", "9,41,3,99,12,250,18,5,77,201"]
+needs_4_devices = pytest.mark.skipif(len(jax.devices()) < 4,
+                                     reason="needs 4 devices (tests/conftest.py sets jax_num_cpu_devices)")
+
+
+@pytest.fixture(scope="module")
+def tp_hf(tmp_path_factory):
+    """A transformers-written float32 checkpoint whose head count, intermediate sizes and vocabulary divide by 4,
+    and its greedy tokens from `generate --tp 1`."""
+    from tests.hf_ref import SmallConfig, build
+
+    small = SmallConfig("tp4", num_hidden_layers=2, layer_group_size=2, q_lora_rank=None, first_k_dense_replace=1,
+                        num_local_experts=16, n_group=4, topk_group=2, num_experts_per_tok=3, vocab_size=256)
+    m32, _ = build(small, seed=7)
+    hf_dir = tmp_path_factory.mktemp("tp-hf")
+    m32.save_pretrained(hf_dir, max_shard_size="200KB")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["generate", "--hf-dir", str(hf_dir), *TP_COMMON]) == 0
+    tokens = json.loads(out.getvalue().strip().splitlines()[-1])["tokens"]
+    assert len(set(tokens)) > 3, "the reference output should not be one repeated token"
+    return hf_dir, tokens
+
+
+def _tokens(args, capsys):
+    code, out, err = run_cli(args, capsys)
+    assert code == 0, err
+    return json.loads(out.strip().splitlines()[-1])["tokens"]
+
+
+@needs_4_devices
+def test_tp4_generate_equals_tp1_plain_and_speculative(tp_hf, capsys):
+    hf_dir, single = tp_hf
+    assert _tokens(["generate", "--hf-dir", str(hf_dir), *TP_COMMON, "--tp", "4"], capsys) == single
+    assert _tokens(["generate", "--hf-dir", str(hf_dir), *TP_COMMON, "--tp", "4", "--spec", "suffix"],
+                   capsys) == single
+
+
+@needs_4_devices
+def test_convert_tp4_checkpoint_equals_tp1_conversion(tp_hf, tmp_path, capsys):
+    """The conversion only moves values: the tp4 checkpoint's leaves equal the tp1 one's exactly, and it generates
+    the --hf-dir tokens on one device."""
+    from conversion.orbax_io import load_params
+
+    hf_dir, single = tp_hf
+    for tp in ("1", "4"):
+        assert main(["convert", "--hf-dir", str(hf_dir), "--out", str(tmp_path / f"tp{tp}"), "--tp", tp]) == 0
+    capsys.readouterr()
+    (cfg1, p1), (cfg4, p4) = load_params(tmp_path / "tp1"), load_params(tmp_path / "tp4")
+    assert cfg1 == cfg4
+    leaves1, leaves4 = jax.tree.leaves(p1), jax.tree.leaves(p4)
+    assert len(leaves1) == len(leaves4) and all(np.array_equal(a, b) for a, b in zip(leaves1, leaves4))
+    assert _tokens(["generate", "--checkpoint", str(tmp_path / "tp4"), *TP_COMMON, "--tp", "1"], capsys) == single
+
+
+def two_layer_toy():
+    """The toy preset cut to one KDA and one MLA layer (its MTP layer kept): the same code paths, a third of the
+    compile time."""
+    return preset("toy").replace(num_layers=2, layer_group_size=2, first_k_dense_replace=0,
+                                 expert_swiglu_limits=(0.0, 4.0), shared_swiglu_limits=(0.0, 5.0))
+
+
+@needs_4_devices
+def test_tp4_mtp_speculation_equals_plain_greedy(tmp_path, capsys):
+    """--spec mtp at --tp 4: the MTP layer's params are sharded too, and the output is plain single-device greedy."""
+    from conversion.synthetic import write_synthetic
+
+    write_synthetic(tmp_path / "hf", two_layer_toy(), seed=2, dtype="float32", progress=False)
+    common = ["generate", "--hf-dir", str(tmp_path / "hf"), *TP_COMMON]
+    plain = _tokens(common, capsys)
+    assert len(set(plain)) > 3, "the reference output should not be one repeated token"
+    assert _tokens([*common, "--tp", "4", "--spec", "mtp", "--num-draft", "2"], capsys) == plain
+
+
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices (tests/conftest.py sets jax_num_cpu_devices)")
+def test_bench_tp2_runs_and_reports(tmp_path, capsys):
+    code, out, _ = run_cli(["bench", "--preset", "toy", "--layers", "2", "--random-weights", "--tp", "2",
+                            "--prompt-len", "16", "--output-len", "5", "--block-size", "4", "--warmup", "0",
+                            "--repeats", "1", "--backend", "reference", "--no-kernel-count", "--json",
+                            "--results", str(tmp_path / "row.json")], capsys)
+    assert code == 0
+    row = json.loads(out.strip().splitlines()[-1])
+    assert row["tp"] == 2 and row["layers"] == 2 and row["tpot_ms_median"] > 0 and row["ttft_ms"] > 0
+    assert json.loads((tmp_path / "row.json").read_text())["tp"] == 2
+
+
+TP_BAD_INPUTS = [
+    (["generate", "--tp", "3"], ["--tp 3", "divisible by 3", "'num_attention_heads': 4",
+                                 "choose a device count that divides them"]),
+    (["generate", "--tp", "8"], ["--tp 8", "needs 8 devices; 4 are visible"]),
+    (["generate", "--preset", "ling-3.0-flash", "--dtype", "fp8", "--tp", "4"],
+     ["--tp 4", "whole 128-row scale blocks", "'moe_intermediate_size / tp': 192"]),
+    (["bench", "--preset", "toy", "--random-weights", "--tp", "3"], ["--tp 3", "divisible by 3"]),
+    (["convert", "--hf-dir", "{files}/hf", "--out", "{files}/tp3", "--tp", "3"], ["--tp 3", "divisible by 3"]),
+]
+
+
+@pytest.mark.parametrize("args, fragments", TP_BAD_INPUTS, ids=[" ".join(a) for a, _ in TP_BAD_INPUTS])
+def test_bad_tp_is_named_before_loading(args, fragments, files):
+    """On 4 devices: a count the sizes or the FP8 scale blocks do not take, or more devices than there are."""
+    result = run_ling_jax(*_expand(args, files), env={"JAX_NUM_CPU_DEVICES": "4"})
+    assert_refused(result, *fragments)
+    assert not (files / "tp3").exists()

@@ -23,9 +23,12 @@ def toy():
 
 
 @pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (tests/conftest.py sets jax_num_cpu_devices)")
-def test_tp4_matches_single_device(toy):
+@pytest.mark.parametrize("n", [2, 4])
+def test_tp_matches_single_device(toy, n):
+    """TP2 and TP4 prefill logits at every position, then 5 decode steps, within 1e-5 of one device (float32: only
+    the order of the all-reduced partial sums differs)."""
     cfg, params, tokens, ref_logits = toy
-    mesh = make_mesh(4)
+    mesh = make_mesh(n)
     sharded = jax.device_put(params, param_shardings(cfg, mesh, with_mtp=False))
     mixer = sharded["layers"][0]["mixer"]  # the fused leaves split by head, every part of a head on one device
     assert mixer["w_in"].sharding.spec == jax.sharding.PartitionSpec(None, "tp", None)
@@ -36,26 +39,35 @@ def test_tp4_matches_single_device(toy):
     for t in range(40, 45):
         step, state, _ = model.decode(sharded, state, tokens[:, t], cfg)
         assert rel(step, ref_logits[:, t]) < 1e-5
-    assert len(state.layers[0].state.sharding.device_set) == 4
+    assert len(state.layers[0].state.sharding.device_set) == n
 
 
 @pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (tests/conftest.py sets jax_num_cpu_devices)")
-def test_tp4_commit_every_n_matches_single_device_decode(toy):
-    """Under TP4, commit(verify(T drafts), n) for every n in 1..T is the single-device state after decoding n."""
+@pytest.mark.parametrize("n", [2, 4])
+def test_tp_verify_matches_single_device(toy, n):
+    """TP2 and TP4 verify of T drafts: the single-device verify's logits and staged state within 1e-5, and
+    commit(staged, k) for every k in 1..T is the single-device state after decoding k."""
     from ling_jax.cache import commit
     from tests.test_model import assert_commit_matches_decode, decoded_states
 
     cfg, params, tokens, _ = toy
     P, T = 40, 5
+    drafts = tokens[:, P:P + T]
     _, state, _ = model.prefill(params, tokens[:, :P], cfg, max_len=64)
-    decoded = decoded_states(params, cfg, state, tokens[:, P:P + T])
-    mesh = make_mesh(4)
+    decoded = decoded_states(params, cfg, jax.tree.map(jnp.copy, state), drafts)
+    ref_logits, ref_staged, _ = model.verify(params, state, drafts, cfg)
+    mesh = make_mesh(n)
     sharded = jax.device_put(params, param_shardings(cfg, mesh, with_mtp=False))
     _, state, _ = model.prefill(sharded, tokens[:, :P], cfg, max_len=64)
     state = jax.device_put(state, state_shardings(state, mesh))
-    _, staged, _ = model.verify(sharded, state, tokens[:, P:P + T], cfg)
-    for n in range(1, T + 1):
-        assert_commit_matches_decode(commit(staged, jnp.int32(n)), decoded[n - 1], 1e-5)
+    logits, staged, _ = model.verify(sharded, state, drafts, cfg)
+    assert rel(logits, ref_logits) < 1e-5
+    assert int(staged.length) == int(ref_staged.length) == P
+    for i, (mine, ref) in enumerate(zip(staged.layers, ref_staged.layers)):
+        for name, a, b in zip(mine._fields, mine, ref):
+            assert rel(a, b) < 1e-5, (i, name)
+    for k in range(1, T + 1):
+        assert_commit_matches_decode(commit(staged, jnp.int32(k)), decoded[k - 1], 1e-5)
 
 
 @pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (tests/conftest.py sets jax_num_cpu_devices)")

@@ -29,6 +29,8 @@ from ling_jax.cache import ModelState, cache_len
 from ling_jax.config import LingConfig
 from ling_jax.engine.sampling import Greedy
 from ling_jax.model import check_chunk, check_prefill_memory, decode_forward, prefill
+from ling_jax.params import as_params
+from ling_jax.sharding import constrain_state, host_values, replicated
 
 
 # jax.monitoring's event for one XLA compilation (jax._src.dispatch.BACKEND_COMPILE_EVENT; a test pins that it fires).
@@ -74,7 +76,7 @@ def start(params, prompt, key, eos, cfg: LingConfig, sampler, *, max_len: int, b
     key, sub = jax.random.split(key)
     first = sampler.sample(logits[:, -1], sub)
     first, done = _mask_eos(first, jnp.zeros(first.shape, bool), eos, pad_id)
-    return LoopState(model, first, done, key), first
+    return LoopState(constrain_state(model), first, done, key), first
 
 
 def sample_step(params, loop: LoopState, eos, cfg: LingConfig, sampler, *, backend: str, pad_id: int):
@@ -114,6 +116,7 @@ def generate(params, cfg: LingConfig, prompt, *, max_new_tokens: int, sampler, s
     The latent caches are sized here from the prompt and `max_new_tokens`, so no step can outgrow them.
     `prefill_chunk`: prompt tokens per prefill forward (model.PREFILL_CHUNK by default; model.prefill).
     """
+    params = as_params(params)  # a Flax LingForCausalLM runs on its own arrays
     check_config(cfg, backend)  # raises on an unknown backend spec or sizes its kernels cannot take
     check_partitioning(params, backend)
     prepare(backend)
@@ -133,14 +136,15 @@ def generate(params, cfg: LingConfig, prompt, *, max_new_tokens: int, sampler, s
     check_prefill_memory(params, cfg, *prompt.shape, prefill_chunk, max_len, backend)
     pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
     eos = jnp.asarray([] if ignore_eos else cfg.eos_token_ids, jnp.int32)
-    prompt_dev, key = jnp.asarray(prompt), jax.random.key(seed)
+    prompt_dev, key, eos = replicated((prompt, jax.random.key(seed), eos), params["embed"])
+    prompt_dev = jnp.asarray(prompt_dev)
     jax.block_until_ready((prompt_dev, key, eos))
 
     with jax.transfer_guard("disallow"), _CompileCounter() as compiled:
         t0 = time.perf_counter()
         loop, first = start(params, prompt_dev, key, eos, cfg, sampler, max_len=max_len, backend=backend,
                             pad_id=pad_id, prefill_chunk=prefill_chunk)
-        chunks = [jax.device_get(first)[:, None]]
+        chunks = [host_values(first)[:, None]]
         t1 = time.perf_counter()
         pending, steps = None, 0
         for _ in range(n_blocks):
@@ -203,8 +207,9 @@ class _CompileCounter:
 
 
 def _collect(pending, chunks: list, ignore_eos: bool) -> bool:
-    """Copy a finished block to the host; True when every sequence is done (stop dispatching)."""
-    block_tokens, done = jax.device_get(pending)
+    """Copy a finished block to the host (this process's replica); True when every sequence is done (stop
+    dispatching)."""
+    block_tokens, done = host_values(pending)
     chunks.append(block_tokens)
     return (not ignore_eos) and bool(done.all())
 

@@ -43,6 +43,8 @@ from ling_jax.config import LingConfig
 from ling_jax.engine import acceptance
 from ling_jax.engine.generate import _CompileCounter, _cut_after_eos, _mask_eos, host_prompt
 from ling_jax.model import check_chunk, check_prefill_memory, forward, prefill
+from ling_jax.params import as_params
+from ling_jax.sharding import constrain_state, host_values, replicated
 
 VERIFY_STEPS, DRAFTED, ACCEPTED = range(3)
 # k + 1 <= 17 verify positions keep the step in the decode/verify kernels' regime (they take <= 64 tokens); longer
@@ -155,7 +157,9 @@ def spec_start(params, aux, prompt, key, eos, cfg: LingConfig, sampler, drafter,
     first, done = _mask_eos(first, jnp.zeros(first.shape, bool), eos, pad_id)
     dstate = drafter.init(aux, params, cfg, prompt, first, hidden, max_len, backend)
     counters = jnp.zeros((3,), jnp.int32)
-    return SpecState(model, first, hidden[:, -1], dstate, key, done, jnp.ones((), jnp.int32), counters), first
+    state = SpecState(constrain_state(model), first, hidden[:, -1], dstate, key, done, jnp.ones((), jnp.int32),
+                      counters)
+    return state, first
 
 
 def generate_speculative(params, cfg: LingConfig, prompt, *, max_new_tokens: int, sampler, drafter, k: int,
@@ -163,6 +167,7 @@ def generate_speculative(params, cfg: LingConfig, prompt, *, max_new_tokens: int
                          ignore_eos: bool = False, prefill_chunk: int | None = None) -> SpecResult:
     """prompt [B, T] host ints -> SpecResult; `aux` holds the drafter's arrays (the oracle's continuation, a draft
     model's params). `block_size` spec steps per dispatched executable; `prefill_chunk` as in `generate`."""
+    params = as_params(params)  # a Flax LingForCausalLM runs on its own arrays
     check_config(cfg, backend)
     check_partitioning(params, backend)
     prepare(backend)
@@ -184,14 +189,15 @@ def generate_speculative(params, cfg: LingConfig, prompt, *, max_new_tokens: int
     eos = jnp.asarray([] if ignore_eos else cfg.eos_token_ids, jnp.int32)
     n_blocks = -(-(max_new_tokens - 1) // block_size)  # a step emits >= 1 token
     statics = dict(cfg=cfg, sampler=sampler, drafter=drafter, backend=backend, pad_id=pad_id)
-    prompt_dev, key = jnp.asarray(prompt), jax.random.key(seed)
+    prompt_dev, key, eos, aux = replicated((prompt, jax.random.key(seed), eos, aux), params["embed"])
+    prompt_dev = jnp.asarray(prompt_dev)
     jax.block_until_ready((prompt_dev, key, eos, aux))
 
     with jax.transfer_guard("disallow"), _CompileCounter() as compiled:
         t0 = time.perf_counter()
         state, first = spec_start(params, aux, prompt_dev, key, eos, max_len=max_len, prefill_chunk=prefill_chunk,
                                   **statics)
-        chunks = [jax.device_get(first)[:, None]]
+        chunks = [host_values(first)[:, None]]
         t1 = time.perf_counter()
         pending = None
         for _ in range(n_blocks):
@@ -205,7 +211,7 @@ def generate_speculative(params, cfg: LingConfig, prompt, *, max_new_tokens: int
             _collect(pending, chunks, max_new_tokens, ignore_eos)
         jax.block_until_ready(state)
         t2 = time.perf_counter()
-        counters = jax.device_get(state.counters)
+        counters = host_values(state.counters)
 
     tokens = np.concatenate(chunks, axis=1)[:, :max_new_tokens]
     return SpecResult(_cut_after_eos(tokens, cfg.eos_token_ids, ignore_eos), t1 - t0, t2 - t1,
@@ -213,7 +219,8 @@ def generate_speculative(params, cfg: LingConfig, prompt, *, max_new_tokens: int
 
 
 def _collect(pending, chunks: list, max_new_tokens: int, ignore_eos: bool) -> bool:
-    """Copy a finished block's tokens to the host; True when the output is complete (stop dispatching)."""
-    out, count, done = jax.device_get(pending)
+    """Copy a finished block's tokens to the host (this process's replica); True when the output is complete (stop
+    dispatching)."""
+    out, count, done = host_values(pending)
     chunks.append(out[:, :int(count)])
     return sum(c.shape[1] for c in chunks) >= max_new_tokens or (not ignore_eos and bool(done.all()))
