@@ -6,6 +6,8 @@ PYTHON312 ?= $(shell for c in python3.12 $(HOME)/.pyenv/versions/3.12*/bin/pytho
 VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# Test files spread over this many processes, a file's tests together (its module fixtures are built once).
+TEST_WORKERS ?= 2
 
 .PHONY: demo test mutate install install-test clean
 
@@ -27,7 +29,7 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/ling-jax generate --preset toy --max-new-tokens 64
 
 test: $(VENV)/.installed-test
-	JAX_PLATFORMS=cpu $(PY) -m pytest -q $(PYTEST_ARGS)
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # Single-line bugs applied one at a time in a scratch copy; each must make its tests fail (tests/mutations.py).
 mutate: $(VENV)/.installed-test

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The benchmarks and the compiled kernel tests on a GPU machine, by suite (wheels the machine lacks, fla-core and
-# einops for the fla comparisons, go in .whl/):   bash experiments/gpu.sh SUITE [SUITE...]   (tests engine decode moe kda mla spec prefill prefill_check fp8 fp8_ops slices full all)
+# einops for the fla comparisons, go in .whl/):   bash experiments/gpu.sh SUITE [SUITE...]   (tests engine decode moe kda mla spec prefill prefill_check fp8 fp8_ops slices full flax crosscheck all)
 # Each suite writes its log and results JSON into $OUT (default /tmp/out) and the JSON under its canonical name into
 # experiments/results/ (what plot_results.py reads); the tail of every log is printed at the end. Every suite has
 # its own timeout under the 600 s a device command may run; with several GPUs the suites run side by side, one
@@ -70,6 +70,21 @@ suite_full() {  # `ling-jax bench` on SGLang's workload: all 42 layers in FP8 on
   timeout 540 python3 -m ling_jax.cli bench --preset ling-3.0-flash --random-weights --dtype fp8 --profile
   cp experiments/results/bench_ling-3.0-flash_fp8.json "$OUT"/
 }
+suite_flax() {  # the slice decoding through the Flax NNX module and through params, alternating in one run
+  timeout 420 python3 experiments/bench_decode.py --layers 6 --prompt-len 2048 --new-tokens 257 --backends fast \
+    --router-dtype bfloat16 --flax
+}
+suite_crosscheck() {  # `ling-jax crosscheck` in bf16 on the exact-width 6-layer slice (random weights, official layout)
+  timeout 240 python3 -c "from conversion.synthetic import write_synthetic; from ling_jax.bench import slice_config
+write_synthetic('/tmp/slice6', slice_config(6), with_mtp=False, workers=8)" 2>&1 | tail -n 1
+  local ids
+  ids=$(python3 -c "import numpy as np; print(','.join(map(str, np.random.default_rng(0).integers(2, 157184, 70))))")
+  for backend in ${CROSSCHECK_BACKENDS:-fast}; do
+    timeout 360 python3 -m ling_jax.cli crosscheck --hf-dir /tmp/slice6 --dtype bfloat16 --prompt-ids "$ids" \
+      --decode-steps 4 --backend "$backend" --json > "$OUT/crosscheck_slice6_$backend.json"
+    echo "-- crosscheck --backend $backend: exit $?"
+  done
+}
 suite_mla() {  # device time per call from the profiler, then bench_mla's compiled checks and slopes
   timeout 240 python3 experiments/profile_ops.py --ops mla_1k_t1,mla_1k_t6,mla_8k_t1,mla_8k_t6,mla_32k_t1,mla_32k_t6 \
     --backends pallas,reference --n 8 --json mla_profile.json
@@ -80,8 +95,8 @@ suites=()
 for s in "$@"; do
   case "$s" in
     all) suites+=(tests engine decode moe kda mla spec prefill) ;;
-    tests|engine|decode|moe|kda|mla|spec|prefill|prefill_check|fp8|fp8_ops|slices|full) suites+=("$s") ;;
-    *) echo "unknown suite '$s' (tests engine decode moe kda mla spec prefill prefill_check fp8 fp8_ops slices full all)"; exit 2 ;;
+    tests|engine|decode|moe|kda|mla|spec|prefill|prefill_check|fp8|fp8_ops|slices|full|flax|crosscheck) suites+=("$s") ;;
+    *) echo "unknown suite '$s' (tests engine decode moe kda mla spec prefill prefill_check fp8 fp8_ops slices full flax crosscheck all)"; exit 2 ;;
   esac
 done
 [ ${#suites[@]} -gt 0 ] || { sed -n 2,7p "$0"; exit 2; }

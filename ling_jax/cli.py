@@ -77,6 +77,10 @@ def _parser() -> argparse.ArgumentParser:
     _add_generate(sub.add_parser("generate", help="generate tokens", formatter_class=_DefaultsFormatter))
     _add_bench(sub.add_parser("bench", help="batch-1 TTFT / TPOT on SGLang's workload (8192 in, 1024 out)",
                               formatter_class=_DefaultsFormatter))
+    from ling_jax.crosscheck_cli import add_crosscheck_arguments
+
+    add_crosscheck_arguments(sub.add_parser("crosscheck", formatter_class=_DefaultsFormatter,
+                                            help="ling-jax against transformers on a checkpoint, layer by layer"))
     return parser
 
 
@@ -847,13 +851,20 @@ def _bad_input_errors() -> tuple[type[Exception], ...]:
         (loaded.CheckpointError,) if loaded else ())
 
 
+def _crosscheck(args, parser) -> int:
+    from ling_jax.crosscheck_cli import run_crosscheck
+
+    return run_crosscheck(args, parser)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv or ["generate"])
     sub = parser._subparsers._group_actions[0].choices[args.command]  # errors name the subcommand
     try:
-        return {"generate": _generate, "convert": _convert, "bench": _bench}[args.command](args, sub)
+        return {"generate": _generate, "convert": _convert, "bench": _bench,
+                "crosscheck": _crosscheck}[args.command](args, sub)
     except _bad_input_errors() as e:
         sub.error(str(e))
 

@@ -1,9 +1,9 @@
 """transformers' BailingHybridForCausalLM as the reference model for parity tests.
 
 transformers picks its KDA implementation when `modeling_bailing_hybrid` is imported: with fla-core importable it
-binds fla's GPU Triton kernels, which fail on CPU. `import_reference_model()` imports it with `fla` hidden, so it
-binds its pure-torch path, then un-hides fla so that `fla.ops.kda.naive` (an independent KDA reference) still
-imports in the same process. `assert_torch_paths()` proves the binding took.
+binds fla's GPU Triton kernels, which fail on CPU. `import_reference_model()` (ling_jax/crosscheck.py) imports it
+with `fla` hidden, so it binds its pure-torch path, then un-hides fla so that `fla.ops.kda.naive` (an independent
+KDA reference) still imports in the same process. `assert_torch_paths()` proves the binding took.
 """
 
 from __future__ import annotations
@@ -11,25 +11,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-import sys
 
 import numpy as np
 import torch
 
+from ling_jax.crosscheck import import_reference_model
 from tests.numerics import rel_err  # noqa: F401  (re-exported for the parity tests)
-
-
-def import_reference_model():
-    saved = sys.modules.get("fla", "absent")
-    sys.modules["fla"] = None  # makes `import fla` raise ImportError
-    try:
-        from transformers.models.bailing_hybrid import modeling_bailing_hybrid as mod
-    finally:
-        if saved == "absent":
-            del sys.modules["fla"]
-        else:
-            sys.modules["fla"] = saved
-    return mod
 
 
 MOD = import_reference_model()

@@ -286,6 +286,16 @@ def test_bf16_router_kept_as_stored(tmp_path):
         preset("toy", router_weight_dtype="float16")
 
 
+def test_synthetic_parallel_write_is_the_serial_bytes(toy_synthetic, tmp_path):
+    """Shards written by worker processes are byte for byte the serial writer's, index and config included."""
+    path, cfg = toy_synthetic
+    out = write_synthetic(tmp_path / "parallel", cfg, seed=3, max_shard_bytes=256 * 1024, progress=False, workers=3)
+    serial = sorted(p.name for p in path.iterdir())
+    assert sorted(p.name for p in out.iterdir()) == serial and len(serial) > 4
+    for name in serial:
+        assert (out / name).read_bytes() == (path / name).read_bytes(), name
+
+
 def test_synthetic_without_mtp_is_skipped_quietly(toy_synthetic):
     path, cfg = toy_synthetic
     with warnings.catch_warnings():
