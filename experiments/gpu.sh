@@ -74,14 +74,17 @@ suite_flax() {  # the slice decoding through the Flax NNX module and through par
   timeout 420 python3 experiments/bench_decode.py --layers 6 --prompt-len 2048 --new-tokens 257 --backends fast \
     --router-dtype bfloat16 --flax
 }
-suite_crosscheck() {  # `ling-jax crosscheck` in bf16 on the exact-width 6-layer slice (random weights, official layout)
+# `ling-jax crosscheck` on the exact-width 6-layer slice (random weights, official layout); bf16 and the fast ops
+# unless CROSSCHECK_DTYPE / CROSSCHECK_BACKENDS say otherwise
+suite_crosscheck() {
   timeout 240 python3 -c "from conversion.synthetic import write_synthetic; from ling_jax.bench import slice_config
 write_synthetic('/tmp/slice6', slice_config(6), with_mtp=False, workers=8)" 2>&1 | tail -n 1
   local ids
   ids=$(python3 -c "import numpy as np; print(','.join(map(str, np.random.default_rng(0).integers(2, 157184, 70))))")
   for backend in ${CROSSCHECK_BACKENDS:-fast}; do
-    timeout 360 python3 -m ling_jax.cli crosscheck --hf-dir /tmp/slice6 --dtype bfloat16 --prompt-ids "$ids" \
-      --decode-steps 4 --backend "$backend" --json > "$OUT/crosscheck_slice6_$backend.json"
+    timeout 360 python3 -m ling_jax.cli crosscheck --hf-dir /tmp/slice6 --dtype "${CROSSCHECK_DTYPE:-bfloat16}" \
+      --prompt-ids "$ids" --decode-steps 4 --backend "$backend" --json \
+      > "$OUT/crosscheck_slice6_${CROSSCHECK_DTYPE:-bfloat16}_$backend.json"
     echo "-- crosscheck --backend $backend: exit $?"
   done
 }

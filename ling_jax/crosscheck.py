@@ -15,7 +15,7 @@ FFNs and the router tapped, so what is compared is what the model computes, not 
 transformers' values come from forward hooks. torch and transformers are imported only by the functions that need
 them; `import_reference_model` imports transformers' model with fla hidden (its Triton kernels fail on the CPU).
 
-`stream` is the same comparison at any model size (`ling-jax crosscheck`, ling_jax/crosscheck_cli.py): it never
+`stream` is the same comparison at any model size (`ling-jax crosscheck`, ling_jax/cli.py): it never
 builds either whole model. Layer by layer it loads that layer's weights into each side (ling-jax: the layer's params
 leaves, from the HF checkpoint or an orbax one; transformers: one `BailingHybridDecoderLayer` built from the config
 and filled from the safetensors), pushes each side's own hidden state through, compares, and frees both before the
@@ -900,7 +900,7 @@ def _layer_row(i: int, cfg, ours: dict, theirs: dict, theirs_low: dict | None, n
     if experts is not None:
         spread["experts"] = expert_agreement(theirs_low["ids"], theirs["ids"])
         # At least one token may flip: a selection on a near-tie flips under any rounding.
-        experts_min = 1.0 - max(BF16_SPREAD_MULTIPLE * (1.0 - spread["experts"]), 1.0 / n_tokens)
+        experts_min = max(0.0, 1.0 - max(BF16_SPREAD_MULTIPLE * (1.0 - spread["experts"]), 1.0 / n_tokens))
     return LayerRow(i, f"{mixer}+{ffn}", errors, {q: BF16_SPREAD_MULTIPLE * spread[q] for q in STREAM_QUANTITIES},
                     experts, experts_min, spread)
 

@@ -1,4 +1,4 @@
-"""`ling-jax crosscheck` (ling_jax/crosscheck_cli.py, ling_jax.crosscheck.stream): ling-jax against transformers,
+"""`ling-jax crosscheck` (ling_jax/cli.py, ling_jax.crosscheck.stream): ling-jax against transformers,
 streamed layer by layer.
 
 On transformers-written checkpoints every layer's hidden state after the mixer and after the FFN, in float32, is
@@ -21,7 +21,7 @@ from conversion.load import load_hf
 from conversion.orbax_io import save_params
 from ling_jax import crosscheck
 from ling_jax.config import MOE
-from ling_jax.crosscheck_cli import main
+from ling_jax import cli
 
 from tests.cli_run import REPO
 from tests.hf_ref import CONFIGS, SCHEDULE_CONFIGS, saved_checkpoint
@@ -39,6 +39,10 @@ def case(request, tmp_path_factory):
     _, _, hf_dir = saved_checkpoint(small, tmp_path_factory)
     ids = np.random.default_rng(input_seed(CONFIGS.index(small))).integers(2, small.vocab_size, size=T_PROMPT)
     return dict(small=small, hf_dir=hf_dir, ids=",".join(map(str, ids)))
+
+
+def main(argv: list[str]) -> int:
+    return cli.main(["crosscheck", *argv])
 
 
 def _run(capsys, *argv) -> tuple[int, str]:
@@ -59,6 +63,22 @@ def test_every_layer_within_float32_tolerance(case, capsys):
         assert (row["experts"] == 1.0) if row["kind"].endswith(MOE) else row["experts"] is None, row
     assert report["logits"]["error"] <= TOL_F32 and report["logits"]["top1"] == 1.0
     assert report["ok"] and report["first_failure"] is None and code == 0
+
+
+def test_bfloat16_is_held_to_transformers_own_bf16_spread(capsys):
+    """--dtype bfloat16: each row carries transformers' own bf16 error (the spread) and a tolerance of 3x it;
+    ling-jax's bf16 stays within it (measured 0.8-1.0x the spread) and the command exits 0."""
+    small = CONFIGS[0]
+    ids = np.random.default_rng(input_seed(0)).integers(2, small.vocab_size, size=T_PROMPT)
+    code, out = _run(capsys, "--hf-dir", _checkpoint(small), "--prompt-ids", ",".join(map(str, ids)),
+                     "--dtype", "bfloat16", "--decode-steps", 1, "--json")
+    report = json.loads(out)
+    for row in report["rows"]:
+        for q in ("mixer", "ffn"):
+            assert 1e-4 < row["spread"][q] < 5e-2, row  # bf16 rounding, neither absent nor chaotic
+            assert row[f"{q}_tolerance"] == pytest.approx(3 * row["spread"][q]) and row[q] <= row[f"{q}_tolerance"]
+        assert (row["experts_min"] is None) == (row["experts"] is None) and (row["experts_min"] or 0) >= 0
+    assert report["ok"] and code == 0
 
 
 def test_greedy_agreement_over_32_decode_steps(capsys):
@@ -124,9 +144,10 @@ def test_window_checks_only_its_layers(capsys):
 
 
 def test_without_torch_says_what_to_install(monkeypatch, capsys):
+    hf_dir = _checkpoint(CONFIGS[0])  # written with torch, before it goes
     monkeypatch.setitem(sys.modules, "torch", None)
     with pytest.raises(SystemExit) as stop:
-        main(["--hf-dir", str(_checkpoint(CONFIGS[0])), "--prompt-ids", "2,3"])
+        main(["--hf-dir", str(hf_dir), "--prompt-ids", "2,3"])
     assert stop.value.code == 2
     err = capsys.readouterr().err
     assert 'pip install "ling-jax[crosscheck]"' in err and "Traceback" not in err
@@ -170,7 +191,7 @@ _MEMORY_SCRIPT = textwrap.dedent("""
                  num_mtp_layers=0, expert_swiglu_limits=(), shared_swiglu_limits=())
     write_synthetic(sys.argv[1], cfg, dtype="float32", progress=False)
 
-    import ling_jax.crosscheck, ling_jax.crosscheck_cli, torch, transformers  # noqa: the baseline holds the imports
+    import ling_jax.cli, ling_jax.crosscheck, torch, transformers  # noqa: the baseline holds the imports
     ling_jax.crosscheck.import_reference_model()
     import jax.numpy
     jax.numpy.zeros(1).block_until_ready()
@@ -181,8 +202,8 @@ _MEMORY_SCRIPT = textwrap.dedent("""
     import gc; gc.collect()
     import ctypes; ctypes.CDLL(None).malloc_trim(0)
     base = status("VmRSS:")
-    code = ling_jax.crosscheck_cli.main(["--hf-dir", sys.argv[1], "--prompt-ids", "5,6,7,8,9,10,11,12",
-                                         "--decode-steps", "1", "--json"])
+    code = ling_jax.cli.main(["crosscheck", "--hf-dir", sys.argv[1], "--prompt-ids", "5,6,7,8,9,10,11,12",
+                              "--decode-steps", "1", "--json"])
     print(json.dumps(dict(code=code, base=base, peak=status("VmHWM:"))), file=sys.stderr)
 """)
 
@@ -223,16 +244,6 @@ def _cpu_env() -> dict:
     import os
 
     return {**os.environ, "JAX_PLATFORMS": "cpu"}
-
-
-def test_through_ling_jax_cli(capsys):
-    """The `ling-jax crosscheck` subcommand runs the same command."""
-    from ling_jax import cli
-
-    code = cli.main(["crosscheck", "--hf-dir", str(_checkpoint(CONFIGS[0])), "--prompt-ids", "2,3,4,5",
-                     "--decode-steps", "1", "--json"])
-    assert code == 0 and json.loads(capsys.readouterr().out)["ok"]
-
 
 
 def test_shared_expert_transformers_cannot_build_is_refused(tmp_path, capsys):
