@@ -893,7 +893,7 @@ def _crosscheck(args, parser) -> int:
     # JAX would otherwise take most of an accelerator's memory up front, leaving none to torch.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     cfg = _hf_config(args.hf_dir, parser, orbax_fix=f"pass it as --checkpoint {args.hf_dir} and the HF "
-                                                          "checkpoint it came from as --hf-dir")
+                                                     "checkpoint it came from as --hf-dir")
     if args.checkpoint:
         _check_same_model(cfg, _checkpoint_config(args.checkpoint, parser), args, parser)
     window = _layer_window(args.layers, cfg.num_layers, parser)
