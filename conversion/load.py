@@ -72,13 +72,14 @@ def read_catalog(hf_dir: str | Path) -> tuple[dict[str, TensorInfo], list[str]]:
         weight_map, files = {}, [SINGLE_NAME]
     else:
         raise CheckpointError(f"no {INDEX_NAME} or {SINGLE_NAME} in {hf_dir}: not a safetensors checkpoint")
+    absent = [file for file in files if not (hf_dir / file).is_file()]
+    if absent:  # a copy problem, not a config one: named before any header is read
+        raise CheckpointError(f"{len(absent)} shard file(s) named in {INDEX_NAME} are missing from {hf_dir}:\n  "
+                              + "\n  ".join(absent) + "\n  re-download or re-copy them")
     catalog: dict[str, TensorInfo] = {}
     duplicates: dict[str, list[str]] = {}
     corrupt: list[str] = []
     for file in files:
-        if not (hf_dir / file).is_file():
-            problems.append(f"shard file {file} named in {INDEX_NAME} does not exist")
-            continue
         try:
             with safe_open(hf_dir / file, framework="numpy") as f:
                 for name in f.keys():

@@ -21,6 +21,7 @@ import ctypes
 import gc
 import json
 import logging
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -105,14 +106,34 @@ def load_params(path: str | Path, *, shardings: Any = None, dtype=None) -> tuple
                                         sharding=sharding_of(p) or default)
                    for p, spec in hf.array_paths(specs).items()]
         target = jax.tree.unflatten(jax.tree.structure(specs, is_leaf=is_spec), targets)
-        try:
-            with _absl_quiet():  # orbax warns that v1's pytree directory lacks a v0 _CHECKPOINT_METADATA
-                params = ckptr.restore(tree_dir, target)
-        except ValueError as e:  # tensorstore's report of a missing or damaged array file
-            raise CheckpointError(f"{path / PARAMS_DIR}: orbax cannot restore it ({_first_line(e)}); the copy is "
-                                  "incomplete or damaged: copy it again, or convert the HF checkpoint again "
-                                  "(`ling-jax convert ... --force`)") from e
+        with _absl_quiet(), explain_read_errors(path / PARAMS_DIR):  # orbax warns that v1's pytree directory
+            params = ckptr.restore(tree_dir, target)                   # lacks a v0 _CHECKPOINT_METADATA
     return cfg, params
+
+
+@contextlib.contextmanager
+def explain_read_errors(params_dir: Path):
+    """A failed restore as one CheckpointError naming the array that could not be read. tensorstore reports a
+    truncated or missing data file from its read threads, wrapped (orbax raises a bare Exception around it); the
+    reads still in flight then report into orbax's closed event loop, which `_quiet_abandoned_reads` silences."""
+    try:
+        yield
+    except Exception as e:
+        _quiet_abandoned_reads()
+        cause = e
+        while cause.__cause__ is not None:
+            cause = cause.__cause__
+        array = re.search(r'in "([^"/]+)/', str(cause))
+        what = f"the stored array {array.group(1)}" if array else "it"
+        raise CheckpointError(f"{params_dir}: orbax cannot restore {what} ({_read_failure(cause)}); its data files "
+                              "are truncated or damaged: copy the checkpoint again, or convert the HF checkpoint "
+                              "again (`ling-jax convert ... --force`)") from None
+
+
+def _read_failure(e: Exception) -> str:
+    """tensorstore's reason for a failed read, without the paths and offsets that lead up to it."""
+    line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return line.rpartition(": ")[2] or line
 
 
 def read_config(path: str | Path) -> LingConfig:
@@ -243,6 +264,7 @@ def _tree_dir(params_dir: Path) -> Path:
 def _stored_shapes(ckptr: ocp.StandardCheckpointer, tree_dir: Path, params_dir: Path) -> Any:
     """The stored tree of (shape, dtype) pairs; CheckpointError (naming `params_dir`) when orbax finds no readable
     checkpoint there."""
+    _check_store(tree_dir, params_dir)
     with _absl_quiet():  # orbax logs each failed read itself; the error below says it once
         try:
             tree = ckptr.metadata(tree_dir).item_metadata
@@ -250,11 +272,44 @@ def _stored_shapes(ckptr: ocp.StandardCheckpointer, tree_dir: Path, params_dir: 
         except (ValueError, OSError) as e:
             tree, reason = None, _first_line(e)
     if tree is None:
+        _quiet_abandoned_reads()
         raise CheckpointError(f"{params_dir}: orbax cannot read it ({reason}); it was not written by "
                               "`ling-jax convert` or the copy is incomplete: copy it again, or convert the HF "
                               "checkpoint again (`ling-jax convert ... --force`)")
     return jax.tree.map(lambda m: (tuple(m.shape), jnp.dtype(m.dtype)), tree.tree,
                         is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
+
+
+def _check_store(tree_dir: Path, params_dir: Path) -> None:
+    """The OCDBT database under `tree_dir` (its manifest and index files) listed directly. orbax's own metadata
+    read swallows a damaged index file and reports missing metadata instead, then leaves reads running into its
+    closed event loop; listing first names the file and starts nothing."""
+    if not (tree_dir / "manifest.ocdbt").is_file():
+        return
+    import tensorstore as ts
+
+    try:
+        ts.KvStore.open({"driver": "ocdbt", "base": f"file://{tree_dir}/"}).result().list().result()
+    except ValueError as e:
+        file = re.search(r'local file "([^"]+)"', str(e))
+        name = Path(file.group(1)).relative_to(params_dir.parent) if file else tree_dir.relative_to(params_dir.parent)
+        raise CheckpointError(f"{params_dir}: its file {name} is truncated or damaged ({_read_failure(e)}): copy "
+                              "the checkpoint again, or convert the HF checkpoint again (`ling-jax convert ... "
+                              "--force`)") from None
+
+
+def _quiet_abandoned_reads() -> None:
+    """After a failed restore, the reads orbax abandoned finish into its closed event loop: each prints `RuntimeError:
+    Event loop is closed` (as an unraisable exception) or `Future exception was never retrieved`. Those lines only
+    repeat the error already raised, so they are dropped from then on; every other report passes."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if not (isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(unraisable.exc_value)):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    logging.getLogger("asyncio").addFilter(lambda record: "exception was never retrieved" not in record.getMessage())
 
 
 @contextlib.contextmanager

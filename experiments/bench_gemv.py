@@ -30,6 +30,20 @@ read. The shapes default to the four projections (the -fp8 checkpoint keeps the 
 it); no greedy rows. `--fp8 --sweep` runs FP8_SWEEP plus the K-split counts next to the default's
 (`kernel.fp8_splits`), 53 rows at T = 1, 4 (estimated ~100 s on the H200, not yet run). Results go to
 bench_gemv_fp8.json.
+`--fp8 --levers`: the FP8 levers side by side (`fp8_levers`), on Flash's fused FP8 decode shapes (`LEVER_SHAPES`:
+KDA w_in and o_proj, MLA w_qg and kv_a, the dense MLP's gate|up and down, each with the model's norm prologue or
+residual) at T = 1, 4, 16: `before` (kernel.py's default: IN_OUT, FMAs at T = 1, the hand-pipelined dot above),
+`a_inout_dot` (IN_OUT, every T through the dot with Triton's num_stages pipelining instead of the hand's),
+`d_rows_fma` (rows.py over the ROWS layout, T = 1, the unrolled FMA loop), `d_rows_dot` (rows.py, the unrolled
+dot), `a_rows_dot` (rows.py, the dot in a loop Triton pipelines); then a sweep of the rows kernel's tunings around
+its defaults (`ROWS_FMA_SWEEP` at T = 1, `ROWS_DOT_SWEEP` above, the K-split counts either side) at --sweep-ts,
+while the --budget lasts (a row past --hard-limit is listed as skipped, to rerun with --shapes / --ts). One
+executable per row calls the op on NW cold weight copies (the rotation above; the ROWS copies are
+`fp8.convert_layout` of the IN_OUT ones, the same weights); a row's µs is the profiler's median device time per
+call (the timeline span / NW of 3 traced runs: kernels, K-split sums and an XLA norm included), checked against
+`reference.gemv` (op by op) within FP8_REL_ERR_MAX on the first call's output. Prints every row and a table of the
+levers per shape and T (µs, % of 4.3 TB/s, the best); results go to bench_gemv_levers.json.
+`bash experiments/gpu.sh gemv_levers` runs it (under 330 s on the H200, not yet run).
 """
 
 from __future__ import annotations
@@ -45,10 +59,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from common import (HBM_BYTES_PER_S, finish, parse_tunings, print_table, rel_err, run_header, slope_per_call,
+from common import (HBM_BYTES_PER_S, finish, parse_tunings, print_table, rel_err, run_header, short, slope_per_call,
                     write_results)
 from pallas_kernels.common import fp8
-from pallas_kernels.gemv import kernel, reference
+from pallas_kernels.gemv import kernel, reference, rows
 
 # (name, K, N, with residual): the decode projections of Flash (D 2560, KDA 32 heads x 128, MLA kv_lora 512 + rope
 # 64, MLA q 32 heads x 192, vocab 157184).
@@ -71,6 +85,48 @@ FP8_SWEEP = "one_token_dot=true;num_warps=8;block_n=64;block_n=128;block_k=256"
 # The FP8 kernel equals the fp32-dequantising reference up to fp32 rounding order before its one rounding to bf16
 # (tests/ops/test_gemv.py's bound); a kernel rounding the dequantised weight to bf16 would be ~2e-3 off.
 FP8_REL_ERR_MAX = 1e-3
+
+
+# (name, K, N, residual, norm): the fused FP8 decode projections of Flash (ling_jax/params.py, docs/model.md):
+# KDA's w_in (32 heads x q|k|v|f|g|b = 641) and o_proj (32·128 -> 2560, + residual), MLA's w_qg (32 heads x q|gate
+# = 193) and kv_a (512 + 64), the dense MLP's gate|up (two [2560, 6144] side by side; params.py keeps them apart
+# today) and down (+ residual). MLA's o_proj is KDA's shape.
+LEVER_SHAPES = [("kda_in", 2560, 32 * 641, False, True), ("kda_o", 4096, 2560, True, False),
+                ("mla_qg", 2560, 32 * 193, False, True), ("mla_kv_a", 2560, 576, False, True),
+                ("mlp_gate_up", 2560, 2 * 6144, False, True), ("mlp_down", 6144, 2560, True, False)]
+LEVER_TS = "1,4,16"
+# The rows kernel's sweep around its default (items replace its fields; the K-split counts either side are added):
+# T = 1 FMAs wider and narrower per thread, the loop instead of the unrolled blocks, the norm by XLA; the dot's
+# block and warps (16 rows on one warp, 32 on two, 128 on eight), pipelining depth, the norm in the kernel.
+ROWS_FMA_SWEEP = "block_n=32;num_warps=2;num_warps=8;unroll=false;norm_in_kernel=false"
+ROWS_DOT_SWEEP = ("block_n=16,num_warps=1;block_n=32,num_warps=2;block_n=128,num_warps=8;num_stages=2;num_stages=4;"
+                  "num_stages=5;norm_in_kernel=true")
+# Seconds from the start after which the sweep stops, and after which every row is skipped (written as skipped):
+# both leave the suite's 330 s timeout room for the last row and the tables.
+LEVERS_BUDGET_S = 200
+LEVERS_HARD_S = 290
+
+
+def fp8_levers(t, k, n):
+    """[(lever, layout, tuning)] of one shape and T, side by side (module docstring, --levers): each lever with its
+    own heuristic default."""
+    staged = dataclasses.replace(kernel.default_tuning(max(t, 2), k, n, 1), one_token_dot=True,
+                                 hand_pipelined=False)
+    out = [("before", fp8.IN_OUT, kernel.default_tuning(t, k, n, 1)), ("a_inout_dot", fp8.IN_OUT, staged)]
+    if t == 1:
+        out.append(("d_rows_fma", fp8.ROWS, rows.default_tuning(1, k, n)))
+    return out + [("d_rows_dot", fp8.ROWS, rows.default_tuning(t, k, n, one_token_dot=True, unroll=True)),
+                  ("a_rows_dot", fp8.ROWS, rows.default_tuning(t, k, n, one_token_dot=True, unroll=False))]
+
+
+def rows_sweep(base, k, t, spec=None):
+    """The rows kernel's sweep around `base` (ROWS_FMA_SWEEP at T = 1, ROWS_DOT_SWEEP above), with the K-split
+    counts of whole 128-column blocks either side of base's; base itself left out."""
+    splits = kernel.fp8_splits(k, fp8.BLOCK)
+    i = splits.index(base.k_splits) if base.k_splits in splits else 0
+    near = [f"k_splits={d}" for d in splits[max(i - 1, 0):i + 2] if d != base.k_splits]
+    spec = spec or (ROWS_FMA_SWEEP if t == 1 else ROWS_DOT_SWEEP)
+    return [tu for tu in _distinct(parse_tunings(base, ";".join([spec] + near))) if tu != base]
 
 
 def label(tuning, default, t):
@@ -113,14 +169,14 @@ def weight_bytes(k, n, fp8_weights):
     return k * n + -(-k // fp8.BLOCK) * n * 4 if fp8_weights else k * n * 2
 
 
-def device_times(run, n_calls):
-    """(timeline span, kernel time sum) per call in µs from the profiler, medians over 5 traced runs of `run` (one
-    executable of n_calls calls); (None, None) off the GPU."""
+def device_times(run, n_calls, n_traced=5):
+    """(timeline span, kernel time sum) per call in µs from the profiler, medians over n_traced traced runs of
+    `run` (one executable of n_calls calls); (None, None) off the GPU."""
     if jax.default_backend() != "gpu":
         return None, None
     from ling_jax.profiling import call_span_us, split_calls, trace_kernels
 
-    calls = split_calls(trace_kernels(run, 5))
+    calls = split_calls(trace_kernels(run, n_traced))
     if not calls:
         return None, None
     kernel_sum = statistics.median(sum(dur for _, _, dur in c) for c in calls)
@@ -145,6 +201,158 @@ def time_op(op, ws, xs, rs, reps, iters):
     return wall, spread, dev, kern
 
 
+def lever_time(op, ws, xs, rs, want, iters):
+    """op(w, x, r) over the NW weight copies, one executable: (µs per call: the profiler's median device time on a
+    GPU, else the median wall time; kernel µs per call or None; the first call's relative error against want),
+    or no timing (None, None, err) when the error exceeds FP8_REL_ERR_MAX."""
+    nw = len(ws)
+    fn = jax.jit(lambda ws, xs, rs: [op(ws[i], xs[i], None if rs is None else rs[i]) for i in range(nw)])
+    run = functools.partial(fn, ws, xs[:nw], None if rs is None else rs[:nw])
+    err = rel_err(jax.block_until_ready(run())[0], want)
+    if not err <= FP8_REL_ERR_MAX:
+        return None, None, err
+    dev, kern = device_times(run, nw, n_traced=3)
+    if dev is None:
+        ts = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            jax.block_until_ready(run())
+            ts.append(time.perf_counter() - t0)
+        dev = round(statistics.median(ts) / nw * 1e6, 2)
+    return dev, kern, err
+
+
+def _lever_inputs(shape, t, nw, rng):
+    """(xs, rs or None, norm or None) of one shape and T: NW distinct bf16 inputs and residuals, the norm weight
+    near ones."""
+    _, k, n, with_res, with_norm = shape
+    xs = [jnp.asarray(rng.standard_normal((t, k)), jnp.bfloat16) for _ in range(nw)]
+    rs = [jnp.asarray(rng.standard_normal((t, n)), jnp.bfloat16) for _ in range(nw)] if with_res else None
+    norm = (jnp.asarray(1.0 + 0.1 * rng.standard_normal(k), jnp.bfloat16), 1e-6) if with_norm else None
+    return xs, rs, norm
+
+
+def lever_summary(rows_out, names):
+    """[{shape, T, <lever>: µs, <lever>_pct, best, best_pct}] of the lever rows (the sweep's best as
+    `rows_sweep_best`)."""
+    table = {}
+    for r in rows_out:
+        if r.get("us") is None:
+            continue
+        cell = table.setdefault((r["shape"], r["T"]), {"shape": r["shape"], "T": r["T"]})
+        key = r["lever"] if r["lever"] in names else "rows_sweep_best"
+        if key not in cell or r["us"] < cell[key]:
+            cell[key], cell[f"{key}_pct"] = r["us"], r["pct_of_4p3TBps"]
+            if key == "rows_sweep_best":
+                cell["sweep_tuning"] = r["tuning"]
+        best = cell.get("best_us")
+        if best is None or r["us"] < best:
+            cell.update(best_us=r["us"], best=f"{r['lever']} {r['tuning']}", best_pct=r["pct_of_4p3TBps"])
+    return list(table.values())
+
+
+@dataclasses.dataclass
+class _LeverRun:
+    """The state of one --levers run: the results so far, the weight copies per shape and layout, the clock."""
+    results: dict
+    data: dict
+    iters: int
+    smoke: bool
+    t_start: float  # the run's start, before the weights are made: the limits count from it
+
+    def measure(self, shape, t, lever, layout, tu, inputs, limit):
+        """One timed and checked row (skipped past `limit` seconds; a compile or launch failure is a row)."""
+        name, k, n, with_res, _ = shape
+        if time.time() - self.t_start > limit:
+            self.results.setdefault("skipped", []).append(f"{name} T={t} {lever} {short(tu)}")
+            return
+        xs, rs, norm, want = inputs
+        mod = kernel if layout == fp8.IN_OUT else rows
+        nbytes = weight_bytes(k, n, True) + t * k * 2 + t * n * 2 * (2 if with_res else 1)
+        row = dict(shape=name, K=k, N=n, T=t, lever=lever, layout=layout, tuning=short(tu), bytes=int(nbytes),
+                   floor_us=round(nbytes / HBM_BYTES_PER_S * 1e6, 2), programs=-(-n // tu.block_n) * tu.k_splits)
+        try:
+            us, kern, err = lever_time(lambda w, x, r: mod.gemv(x, w, r, norm=norm, tuning=tu), self.data[name][layout],
+                                       xs, rs, want, self.iters)
+            row.update(rel_err=float(f"{err:.2e}"), kernel_us=kern)
+            if us is None:
+                self.results["failed"].append(f"{name} T={t} {lever} {short(tu)}: rel err {err:.2e} > "
+                                              f"{FP8_REL_ERR_MAX}")
+            else:
+                gbs = nbytes / (us * 1e-6) / 1e9
+                row.update(us=us, GBps=round(gbs, 1), pct_of_4p3TBps=round(100 * gbs * 1e9 / HBM_BYTES_PER_S, 1))
+        except Exception as exc:  # a tuning that does not compile or launch is a row, not a crash
+            if self.smoke:
+                raise
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            self.results["errors"].append(f"{name} T={t} {lever} {short(tu)}: {row['error']}")
+        self.results["rows"].append(row)
+        state = (f"{row['us']:8.2f} µs {row['pct_of_4p3TBps']:5.1f}%" if "us" in row
+                 else f"FAILED {row.get('error', '')}")
+        print(f"{name:11s} T={t:<2d} {lever:18s} {state}  floor {row['floor_us']:.2f} µs  {short(tu)}  "
+              f"[{time.time() - self.t_start:.0f}s]", flush=True)
+
+
+def _lever_weights(shapes, min_copies, cold_bytes):
+    """{shape: {layout: NW cold copies}}: the IN_OUT quantisations and their exact ROWS conversions."""
+    data = {}
+    for si, (name, k, n, _, _) in enumerate(shapes):
+        nw = max(min_copies, -(-int(cold_bytes) // weight_bytes(k, n, True)))
+        ws = make_weights(k, n, nw, jax.random.key(si), fp8_weights=True)
+        data[name] = {fp8.IN_OUT: ws, fp8.ROWS: [jax.block_until_ready(fp8.convert_layout(w, fp8.ROWS)) for w in ws]}
+        print(f"{name}: [{k}, {n}] fp8, {nw} copies per layout", flush=True)
+    return data
+
+
+def _print_levers(results, budget, hard):
+    lever_names = [lv for lv, _, _ in fp8_levers(1, 256, 256)]
+    print_table(results["rows"], ["shape", "T", "lever", "us", "floor_us", "pct_of_4p3TBps", "GBps", "programs",
+                                  "tuning", "error"])
+    cols = lever_names + ["rows_sweep_best"]
+    shown = [{**c, **{lv: f"{c[lv]} ({c[lv + '_pct']} %)" for lv in cols if lv in c}} for c in results["summary"]]
+    print("\nµs (% of 4.3 TB/s) per lever:")
+    print_table(shown, ["shape", "T"] + cols + ["sweep_tuning", "best_pct", "best"])
+    if results.get("skipped"):
+        print(f"{len(results['skipped'])} rows skipped past the --budget of {budget:.0f}s (sweep) or the "
+              f"--hard-limit of {hard:.0f}s: run them with --shapes / --ts")
+
+
+def run_levers(args):
+    """--fp8 --levers (module docstring): the lever rows of every T and shape, then the rows sweep while the budget
+    lasts; results to bench_gemv_levers.json, the exit code 1 on a wrong result."""
+    t_start = time.time()
+    shapes = [s for s in LEVER_SHAPES if not args.shapes or s[0] in args.shapes.split(",")]
+    ts, sweep_ts = [int(v) for v in (args.ts or LEVER_TS).split(",")], [int(v) for v in args.sweep_ts.split(",")]
+    min_copies, cold_bytes, iters, budget, hard = MIN_COPIES, COLD_BYTES, args.iters, args.budget, args.hard_limit
+    if args.smoke:  # K = 256: two scale blocks; N = 88 ragged at every block width
+        shapes, ts, sweep_ts = [("kda_in", 256, 88, False, True), ("kda_o", 256, 96, True, False)], [1, 3], [1, 3]
+        min_copies, cold_bytes, iters = 2, 0, 1
+    results = {**run_header(), "hbm_bytes_per_s": HBM_BYTES_PER_S, "cold_bytes": cold_bytes, "rows": [],
+               "errors": [], "failed": [], "method": "one executable of NW calls on cold weight copies; device: the "
+                                                     "profiler's median span / NW"}
+    run = _LeverRun(results, _lever_weights(shapes, min_copies, cold_bytes), iters, args.smoke, t_start)
+    rng, inputs = np.random.default_rng(0), {}
+    for t in ts:  # T-major: past the hard limit the last T is what goes missing, at every shape alike
+        for shape in shapes:
+            xs, rs, norm = _lever_inputs(shape, t, len(run.data[shape[0]][fp8.IN_OUT]), rng)
+            # Op by op: under jit XLA's excess precision may skip rms_norm's bf16 rounding inside a fusion.
+            want = reference.gemv(xs[0], run.data[shape[0]][fp8.IN_OUT][0], None if rs is None else rs[0], norm=norm)
+            inputs[shape[0], t] = (xs, rs, norm, want)
+            for lever, layout, tu in fp8_levers(t, shape[1], shape[2]):
+                run.measure(shape, t, lever, layout, tu, inputs[shape[0], t], hard)
+            write_results("bench_gemv_levers.json", results, to_repo=not args.smoke)
+    for t in [t for t in sweep_ts if t in ts]:
+        for shape in shapes:
+            base = rows.default_tuning(t, shape[1], shape[2])
+            for tu in rows_sweep(base, shape[1], t, "block_n=32;num_stages=2" if args.smoke else None):
+                run.measure(shape, t, "rows_sweep", fp8.ROWS, tu, inputs[shape[0], t], min(budget, hard))
+        write_results("bench_gemv_levers.json", results, to_repo=not args.smoke)
+    results["summary"] = lever_summary(results["rows"], {lv for lv, _, _ in fp8_levers(1, 256, 256)})
+    write_results("bench_gemv_levers.json", results, to_repo=not args.smoke)
+    _print_levers(results, budget, hard)
+    return finish(results, run.t_start)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="the --gemv-tunings / --greedy-tunings variants too")
@@ -152,16 +360,25 @@ def main(argv=None):
                                                         "(default GEMV_SWEEP, FP8_SWEEP with --fp8)")
     ap.add_argument("--greedy-tunings", default=GREEDY_SWEEP)
     ap.add_argument("--shapes", default=None, help="default: all of SHAPES (no lm_head with --fp8)")
-    ap.add_argument("--ts", default="1,4")
+    ap.add_argument("--ts", default=None, help=f"default 1,4 ({LEVER_TS} with --levers)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--fp8", action="store_true", help="block-FP8 weights (E4M3 + fp32 scale per 128 rows and "
                                                        "column); no greedy rows")
     ap.add_argument("--smoke", action="store_true", help="toy sizes on CPU (interpret mode); writes nothing under "
                                                          "experiments/results")
+    ap.add_argument("--levers", action="store_true", help="the FP8 levers side by side (implies --fp8; "
+                                                          "module docstring)")
+    ap.add_argument("--sweep-ts", default="1,16", help="--levers: the T values of the rows kernel's sweep")
+    ap.add_argument("--budget", type=float, default=LEVERS_BUDGET_S, help="--levers: seconds after which the "
+                                                                          "sweep stops")
+    ap.add_argument("--hard-limit", type=float, default=LEVERS_HARD_S, help="--levers: seconds after which every "
+                                                                            "row is skipped")
     args = ap.parse_args(argv)
+    if args.levers:
+        return run_levers(args)
     names = args.shapes.split(",") if args.shapes else [s[0] for s in SHAPES if not (args.fp8 and s[0] == LM_HEAD)]
     shapes = [s for s in SHAPES if s[0] in names]
-    ts = [int(v) for v in args.ts.split(",")]
+    ts = [int(v) for v in (args.ts or "1,4").split(",")]
     reps, iters, min_copies, cold_bytes = (1, 3), args.iters, MIN_COPIES, COLD_BYTES
     gemv_sweep = args.gemv_tunings or (FP8_SWEEP if args.fp8 else GEMV_SWEEP)
     greedy_sweep = args.greedy_tunings

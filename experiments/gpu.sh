@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The benchmarks and the compiled kernel tests on a GPU machine, by suite (wheels the machine lacks, fla-core and
-# einops for the fla comparisons, go in .whl/):   bash experiments/gpu.sh SUITE [SUITE...]   (tests engine decode moe kda mla spec prefill prefill_check fp8 fp8_ops slices full flax crosscheck all)
+# einops for the fla comparisons, go in .whl/):   bash experiments/gpu.sh SUITE [SUITE...]   (tests engine decode moe kda mla spec prefill prefill_check fp8 fp8_ops gemv_levers slices full flax crosscheck all)
 # Each suite writes its log and results JSON into $OUT (default /tmp/out) and the JSON under its canonical name into
 # experiments/results/ (what plot_results.py reads); the tail of every log is printed at the end. Every suite has
 # its own timeout under the 600 s a device command may run; with several GPUs the suites run side by side, one
@@ -52,22 +52,28 @@ suite_prefill_check() {  # the MoE layer and the slice with the tuned defaults, 
     python3 -m pytest -q -rf --tb=short -p no:cacheprovider \
     tests/ops/test_moe_grouped.py tests/ops/test_mla_prefill.py tests/test_prefill_chunked.py -k "not cli"
 }
-suite_fp8() {  # the FP8 kernels compiled (GEMV, MoE decode / verify / grouped prefill)
-  XLA_FLAGS="--xla_allow_excess_precision=false" timeout 170 python3 -m pytest -q -rf --tb=short \
-    -p no:cacheprovider tests/ops/test_gemv.py tests/ops/test_moe.py tests/ops/test_moe_grouped.py -k "fp8"
+suite_fp8() {  # the FP8 kernels compiled (GEMV in both layouts, MoE decode / verify / grouped prefill)
+  XLA_FLAGS="--xla_allow_excess_precision=false" timeout 230 python3 -m pytest -q -rf --tb=short \
+    -p no:cacheprovider tests/ops/test_gemv.py tests/ops/test_gemv_rows.py tests/ops/test_moe.py \
+    tests/ops/test_moe_grouped.py -k "fp8 or rows"
+}
+suite_gemv_levers() {  # the FP8 GEMV levers side by side on every fused shape at T = 1, 4, 16, then the rows sweep
+  timeout 330 python3 experiments/bench_gemv.py --fp8 --levers
 }
 suite_fp8_ops() {  # the FP8 GEMV shapes with their tuning sweep, then the FP8 MoE layer's T = 1 sweep
   timeout 230 python3 experiments/bench_gemv.py --fp8 --sweep
   timeout 300 python3 experiments/bench_moe.py --fp8 --no-ts --chain norm --layers 8 --router-dtype bfloat16 --iters 1
 }
 suite_slices() {  # `ling-jax bench` on SGLang's workload, the 6-layer exact-width slice in FP8 and in bf16
-  timeout 200 python3 -m ling_jax.cli bench --preset ling-3.0-flash --random-weights --dtype fp8 --layers 6 --profile
+  timeout 200 python3 -m ling_jax.cli bench --preset ling-3.0-flash --random-weights --dtype fp8 --layers 6 --profile \
+    --results experiments/results/
   timeout 200 python3 -m ling_jax.cli bench --preset ling-3.0-flash --random-weights --dtype bfloat16 --layers 6 \
-    --profile
+    --profile --results experiments/results/
   cp experiments/results/bench_ling-3.0-flash-6layers_*.json "$OUT"/
 }
 suite_full() {  # `ling-jax bench` on SGLang's workload: all 42 layers in FP8 on one GPU, the MTP layer loaded
-  timeout 540 python3 -m ling_jax.cli bench --preset ling-3.0-flash --random-weights --dtype fp8 --profile
+  timeout 540 python3 -m ling_jax.cli bench --preset ling-3.0-flash --random-weights --dtype fp8 --profile \
+    --results experiments/results/
   cp experiments/results/bench_ling-3.0-flash_fp8.json "$OUT"/
 }
 suite_flax() {  # the slice decoding through the Flax NNX module and through params, alternating in one run
@@ -98,8 +104,8 @@ suites=()
 for s in "$@"; do
   case "$s" in
     all) suites+=(tests engine decode moe kda mla spec prefill) ;;
-    tests|engine|decode|moe|kda|mla|spec|prefill|prefill_check|fp8|fp8_ops|slices|full|flax|crosscheck) suites+=("$s") ;;
-    *) echo "unknown suite '$s' (tests engine decode moe kda mla spec prefill prefill_check fp8 fp8_ops slices full flax crosscheck all)"; exit 2 ;;
+    tests|engine|decode|moe|kda|mla|spec|prefill|prefill_check|fp8|fp8_ops|gemv_levers|slices|full|flax|crosscheck) suites+=("$s") ;;
+    *) echo "unknown suite '$s' (tests engine decode moe kda mla spec prefill prefill_check fp8 fp8_ops gemv_levers slices full flax crosscheck all)"; exit 2 ;;
   esac
 done
 [ ${#suites[@]} -gt 0 ] || { sed -n 2,7p "$0"; exit 2; }

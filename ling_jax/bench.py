@@ -51,25 +51,41 @@ def slice_config(layers: int, base: str = "ling-3.0-flash"):
                          shared_swiglu_limits=flash.shared_swiglu_limits[start:])
 
 
-def step_bytes(cfg, context: int, dtype_bytes: int = 2) -> dict[str, float]:
-    """HBM bytes one decode step must move: weights read once, KDA state read + written, MLA cache read."""
+def step_bytes(cfg, context: int, dtype_bytes: int = 2, positions: int = 1,
+               routed_experts: float | None = None) -> dict[str, float]:
+    """HBM bytes one batch-1 forward over `positions` new tokens must move: the plain decode step (1) or the verify
+    step of k drafts (k + 1). `context`: the sequence's length after the step.
+
+    Weights are read once whatever `positions` (the final norm with lm_head, which the greedy head fuses). An MoE
+    layer reads its router, its shared expert and `routed_experts` distinct routed experts: by default
+    min(E, positions * top_k), the most the positions can select (experiments/bench_moe.py measures the mean that
+    routing gives; pass it for that floor). The KDA delta state (fp32) is read once and each position's post-state
+    written (a verify step keeps every one for the commit to choose from); its conv window's W - 1 rows are read and
+    each position's pre-conv row written. The MLA latent cache's `context` rows: the earlier rows read, the
+    positions' own written. The embedding's rows of the positions. Activations are not counted."""
     specs = param_specs(cfg, with_mtp=False)
     item = lambda s: dtype_bytes if s.dtype_class == COMPUTE else jnp.dtype(s.dtype(None)).itemsize  # noqa: E731
     size = lambda tree: sum(int(np.prod(s.shape)) * item(s)  # noqa: E731
                             for s in jax.tree.leaves(tree, is_leaf=is_spec))
-    out = {"lm_head": size(specs["lm_head"]), "embed_row": cfg.hidden_size * dtype_bytes, "kda_state": 0,
-           "mla_cache": 0, "mixers": 0, "ffn": 0}
+    if routed_experts is None:
+        routed_experts = min(cfg.num_experts, positions * cfg.num_experts_per_tok)
+    H, K = cfg.num_heads, cfg.head_dim
+    conv_row = 3 * H * K * dtype_bytes  # one position's pre-conv q | k | v
+    out = {"lm_head": size(specs["lm_head"]) + size(specs["final_norm"]),
+           "embed_row": positions * cfg.hidden_size * dtype_bytes, "kda_state": 0, "mla_cache": 0, "mixers": 0,
+           "ffn": 0}
     for i, layer in enumerate(specs["layers"]):
         out["mixers"] += size(layer["mixer"]) + size(layer["input_norm"]) + size(layer["post_norm"])
         ffn = layer["ffn"]
         if cfg.ffn_kind(i) == MOE:
             per_expert = size(ffn["we_gate"]) // cfg.num_experts * 3
             shared = sum(size(ffn[k]) for k in ("ws_gate", "ws_up", "ws_down") if k in ffn)
-            out["ffn"] += size(ffn["router"]) + size(ffn["expert_bias"]) + cfg.num_experts_per_tok * per_expert + shared
+            out["ffn"] += size(ffn["router"]) + size(ffn["expert_bias"]) + routed_experts * per_expert + shared
         else:
             out["ffn"] += size(ffn)
         if cfg.mixer_kind(i) == KDA:
-            out["kda_state"] += 2 * cfg.num_heads * cfg.head_dim * cfg.head_dim * 4
+            out["kda_state"] += ((1 + positions) * H * K * K * 4
+                                 + (cfg.conv_kernel_size - 1 + positions) * conv_row)
         else:
             out["mla_cache"] += context * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * dtype_bytes
     return out
@@ -240,9 +256,7 @@ def timed_generations(run, *, warmup: int, repeats: int, progress: bool = True) 
 def sglang_metrics(results: list, output_len: int) -> dict:
     """TTFT and TPOT as SGLang reports them (TPOT = (latency - TTFT) / (output - 1)), over the timed runs."""
     ttft = [r.ttft_s * 1e3 for r in results]
-    # Plain decode: decode_s covers `steps` steps, one per token (a last block may run past the output); a
-    # speculative run's decode_s produced the output's other output - 1 tokens.
-    tpot = [r.decode_s * 1e3 / (output_len - 1 if hasattr(r, "accept_length") else r.steps) for r in results]
+    tpot = [r.tpot_s * 1e3 for r in results]  # over the output's tokens after the first, as SGLang counts them
     latency = [t + p * (output_len - 1) for t, p in zip(ttft, tpot)]
     return dict(ttft_ms=float(np.median(ttft)), tpot_ms_mean=float(np.mean(tpot)),
                 tpot_ms_median=float(np.median(tpot)), latency_ms=float(np.median(latency)),
@@ -355,6 +369,7 @@ def bench(params, cfg, *, prompt_len: int, output_len: int, backend: str, block_
         enable_compilation_cache()
 
     prompt = np.random.default_rng(seed).integers(0, cfg.vocab_size, size=(1, prompt_len))
+    block_size = min(block_size, output_len - 1)  # as the generators cap it: the kernel count compiles that block
     if spec == "none":
         run = functools.partial(G.generate, params, cfg, prompt, max_new_tokens=output_len, sampler=Greedy(),
                                 backend=backend, block_size=block_size, ignore_eos=True, prefill_chunk=prefill_chunk)
@@ -401,7 +416,7 @@ def print_row(row: dict) -> None:
              else ""))
     if "breakdown" in row:
         print_breakdown(row["breakdown"])
-    print(f"  beside SGLang ({SGLANG_HARDWARE}; ours: {jax.devices()[0].device_kind} x {jax.device_count()}):")
+    print(f"  beside SGLang ({SGLANG_HARDWARE}; ours: {jax.devices()[0].device_kind} x {row.get('tp', 1)}):")
     for r in SGLANG_ROWS:
         accept = f", accept length {r['accept_length']}" if r["accept_length"] else ""
         print(f"    {r['config']:42s} TPOT {r['tpot_ms']:.2f} ms{accept}")

@@ -9,14 +9,17 @@
                       [--coordinator HOST:PORT --num-processes P --process-id I]
     ling-jax bench (--preset NAME --random-weights | --checkpoint DIR | --hf-dir DIR) [--layers N]
                    [--dtype bfloat16|float32|fp8] [--prompt-len 8192] [--output-len 1024] [--profile] [--json]
-                   [--tp N] [--coordinator HOST:PORT --num-processes P --process-id I]
+                   [--results PATH] [--tp N] [--coordinator HOST:PORT --num-processes P --process-id I]
     ling-jax crosscheck --hf-dir DIR [--checkpoint ORBAX] [--prompt-ids 1,2,3 | --prompt TEXT --tokenizer FILE]
                         [--dtype float32|bfloat16] [--layers A:B] [--decode-steps N] [--backend SPEC]
                         [--torch-device auto|cpu|cuda] [--json]
 
+`bench` lives in ling_jax/bench_cli.py, what the subcommands share in ling_jax/cli_common.py.
+
 `crosscheck` runs transformers' model and ling-jax side by side, layer by layer (ling_jax.crosscheck.stream):
-transformers always reads --hf-dir, ling-jax --checkpoint when given, else --hf-dir. Exit status 0 when every check
-is within its tolerance, 1 when one is not, 2 for a bad option or checkpoint.
+transformers always reads --hf-dir, ling-jax --checkpoint when given (checked to hold --hf-dir's weights: its config
+and norm scales), else --hf-dir. Exit status 0 when every check is within its tolerance, 1 when one is not, 2 for a
+bad option or checkpoint.
 
 `--tp N` shards the model over N devices (ling_jax.sharding: heads, intermediate dims and the vocabulary split).
 With `--coordinator`, one process runs per host, `jax.distributed` joins them, and the mesh spans every process's
@@ -32,50 +35,24 @@ the model's config first (preset, config.json), checks the prompt against it, an
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
-import socket
 import sys
-import time
 from pathlib import Path
 
+from ling_jax.bench_cli import _add_bench, _bench
+from ling_jax.cli_common import (DEFAULT_DRAFTS, DTYPES, FP8, HF_DIR_HELP, MAX_DRAFTS, PREFILL_CHUNK, _add_processes,
+                                 _add_tp, _bad_input_errors, _check_backend, _check_backend_fits,
+                                 _check_checkpoint_fp8, _check_memory, _check_processes, _check_tp,
+                                 _checkpoint_config, _DefaultsFormatter, _hf_config, _in_mesh, _is_main_process,
+                                 _mesh, _model_config, _param_shardings, _Parser, _start_processes)
+
 DEFAULT_PROMPT_IDS = "7,41,3,99,12,250,18,5,77,301,64,9"
-DTYPES = ("float32", "bfloat16")
-FP8 = "fp8"  # block-FP8 weights (E4M3, 128x128 scales), bf16 activations
 # Warm-ups added when the timed run after --warmup still compiled (a cache key that changed after the first call).
 EXTRA_WARMUPS = 3
-HF_DIR_HELP = "the HF checkpoint directory (config.json + *.safetensors)"
 SPEC_CHOICES = ("none", "oracle", "mtp", "suffix", "model")
-MAX_DRAFTS = 16  # engine.speculative.MAX_DRAFTS, restated so option errors need no JAX import
-DEFAULT_DRAFTS = 3
-PREFILL_CHUNK = 8192  # model.PREFILL_CHUNK, restated for the same reason
-COORDINATOR_TIMEOUT_S = 300  # jax.distributed.initialize's own default
 CROSSCHECK_DECODE_STEPS = 32
-
-
-class _Parser(argparse.ArgumentParser):
-    """Errors print one short usage line instead of argparse's synopsis of every option."""
-
-    def error(self, message: str):
-        if message.endswith(": expected one argument"):
-            option = message.removeprefix("argument ").split(":")[0].split("/")[-1]
-            message += f" (a value that starts with '-' goes as {option}=VALUE)"
-        commands = self._subparsers._group_actions[0].choices if self._subparsers else None
-        synopsis = f"{self.prog} {{{','.join(commands)}}}" if commands else self.prog
-        self.exit(2, f"usage: {synopsis} [options]  ({self.prog} --help lists them)\n"
-                     f"{self.prog}: error: {message}\n")
-
-
-class _DefaultsFormatter(argparse.HelpFormatter):
-    """Every option's help ends with its default, unless the help already says it (flags have none to show)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if "default" in text or action.required or action.nargs == 0 or action.default in (None, argparse.SUPPRESS):
-            return text
-        return f"{text} (default: %(default)s)"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -107,21 +84,6 @@ def _add_convert(conv: argparse.ArgumentParser) -> None:
                            "default they stay as stored")
     _add_tp(conv, "convert into the shards of an N-device mesh, so no device holds the whole model (the "
                   "checkpoint loads at any --tp)")
-
-
-def _add_tp(p: argparse.ArgumentParser, help_text: str) -> None:
-    p.add_argument("--tp", type=int, default=1, metavar="N", help=f"tensor parallelism over N devices: {help_text}")
-
-
-def _add_processes(p: argparse.ArgumentParser) -> None:
-    group = p.add_argument_group("several hosts (one process each, joined by jax.distributed; all three or none)")
-    group.add_argument("--coordinator", metavar="HOST:PORT", default=None,
-                       help="process 0's address, the same on every host (default: none, one process)")
-    group.add_argument("--num-processes", type=int, default=None, metavar="P", help="processes in all (default: none)")
-    group.add_argument("--process-id", type=int, default=None, metavar="I",
-                       help="this process's index, 0..P-1; process 0 prints the results (default: none)")
-    group.add_argument("--coordinator-timeout", type=int, default=COORDINATOR_TIMEOUT_S, metavar="S",
-                       help="seconds to wait for the coordinator and the other processes")
 
 
 def _add_generate(gen: argparse.ArgumentParser) -> None:
@@ -160,9 +122,13 @@ def _add_generate(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--warmup", type=int, default=1, metavar="N",
                      help="untimed runs first, so the reported times exclude compilation (should the timed run "
                           f"still compile, up to {EXTRA_WARMUPS} more follow, and stderr says if it never settles)")
-    gen.add_argument("--json", action="store_true", help="print one JSON object: tokens, ttft_ms, tpot_ms, "
-                     "tokens_per_s (with --spec also accept_length, verify_steps, drafted, accepted)")
-    spec = gen.add_argument_group("speculative decoding (lossless: greedy output equals plain greedy)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object: tokens, ttft_ms, tpot_ms (SGLang's "
+                     "(latency - TTFT) / (tokens - 1); null for one token), tokens_per_s (with --spec also "
+                     "accept_length, verify_steps, drafted, accepted)")
+    spec = gen.add_argument_group(
+        "speculative decoding", "Lossless: greedy output equals plain greedy token for token in float32. In bfloat16 "
+        "the verify and decode programs round differently, so a near-tie can resolve differently and the tokens "
+        "can drift from plain greedy after a few steps (XLA_FLAGS=--xla_allow_excess_precision=false narrows it).")
     spec.add_argument("--spec", choices=SPEC_CHOICES, default="none",
                       help="drafter: none (plain decode), oracle (replays --oracle-ids), mtp (the checkpoint's NextN "
                            "layer), suffix (model-free, from the prompt and output), model (--draft-checkpoint)")
@@ -178,48 +144,6 @@ def _add_generate(gen: argparse.ArgumentParser) -> None:
     _add_processes(gen)
 
 
-def _add_bench(b: argparse.ArgumentParser) -> None:
-    src = b.add_mutually_exclusive_group()
-    src.add_argument("--preset", metavar="NAME", default=None,
-                     help="a preset's exact widths with random weights (needs --random-weights): ling-3.0-flash, "
-                          "ling-3.0-tiny, toy (default: ling-3.0-flash, when no checkpoint is given)")
-    src.add_argument("--checkpoint", metavar="DIR", help="ling-jax (orbax) checkpoint (default: none)")
-    src.add_argument("--hf-dir", metavar="DIR", help=f"{HF_DIR_HELP} (default: none)")
-    b.add_argument("--random-weights", action="store_true",
-                   help="with --preset: weights drawn leaf by leaf on the device (nothing on the host)")
-    b.add_argument("--layers", type=int, default=None, metavar="N",
-                   help="the preset's last N layers only, at its exact widths, no MTP layer (default: all, MTP "
-                        "layer included)")
-    b.add_argument("--dtype", choices=DTYPES + (FP8,), default="bfloat16",
-                   help="weights and compute: bfloat16, float32, or fp8 (block-FP8 weights, bf16 activations)")
-    b.add_argument("--prompt-len", type=int, default=8192, metavar="N", help="random prompt tokens (SGLang's 8192)")
-    b.add_argument("--output-len", type=int, default=1024, metavar="N", help="output tokens, EOS ignored")
-    b.add_argument("--backend", default="fast", metavar="SPEC", help="as `generate --backend`")
-    b.add_argument("--block-size", type=int, default=16, metavar="N", help="decode steps per jitted block")
-    b.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="C", help="as `generate`'s")
-    b.add_argument("--warmup", type=int, default=1, metavar="N", help="untimed generations first (excluded)")
-    b.add_argument("--repeats", type=int, default=3, metavar="N", help="timed generations")
-    b.add_argument("--profile", action="store_true", help="device time per op family (JAX profiler)")
-    b.add_argument("--no-kernel-count", action="store_true",
-                   help="skip counting the kernels of a step (one more compilation, served by a cache)")
-    b.add_argument("--device-memory-gb", type=float, default=None, metavar="G",
-                   help="the usable device memory the plan checks against (default: what the runtime reports "
-                        "JAX may allocate; the CPU reports none, so no check)")
-    b.add_argument("--seed", type=int, default=0, metavar="S", help="prompt and weight seed")
-    b.add_argument("--spec", choices=("none", "oracle", "mtp", "suffix"), default="none",
-                   help="speculative decoding: oracle (the model's own greedy output as drafts, at --accept-length), "
-                        "mtp (the NextN layer), suffix (model-free)")
-    b.add_argument("--num-draft", type=int, default=DEFAULT_DRAFTS, metavar="K", help="drafts per verify step")
-    b.add_argument("--accept-length", type=float, default=None, metavar="A",
-                   help="--spec oracle: the mean accept length to plan, 1..K+1 (default: every draft accepted)")
-    b.add_argument("--json", action="store_true", help="print the result row as one JSON object")
-    b.add_argument("--results", metavar="FILE", default=None,
-                   help="also write the row as JSON here (default: experiments/results/bench_<model>.json when "
-                        "that directory exists)")
-    _add_tp(b, "as `generate --tp`; the memory plan counts each device's share")
-    _add_processes(b)
-
-
 def _check_numbers(args, parser) -> None:
     for option, value, least in (("--max-new-tokens", args.max_new_tokens, 1), ("--block-size", args.block_size, 1),
                                  ("--prefill-chunk", args.prefill_chunk, 1), ("--warmup", args.warmup, 0)):
@@ -232,15 +156,6 @@ def _check_numbers(args, parser) -> None:
     if args.temperature == 0 and args.top_p != 1:
         parser.error(f"--top-p {args.top_p} has no effect with --temperature 0 (greedy): drop --top-p or pass "
                      "--temperature > 0")
-
-
-def _check_backend(spec: str, parser) -> None:
-    from ling_jax.backends import resolve
-
-    try:
-        resolve(spec)
-    except ValueError as e:
-        parser.error(f"--backend: {e}")
 
 
 def _load_tokenizer(path, parser):
@@ -276,179 +191,6 @@ def _prompt_ids(args, parser, tokenizer) -> list[int]:
     return ids
 
 
-def _model_config(args, parser):
-    """The chosen model's config, read before any weight, so every check that needs it runs before loading."""
-    if args.checkpoint:
-        return _checkpoint_config(args.checkpoint, parser)
-    if args.hf_dir:
-        return _hf_config(args.hf_dir, parser, orbax_fix=f"pass --checkpoint {args.hf_dir}")
-    from ling_jax.config import ConfigError, preset
-
-    try:
-        return preset(args.preset or "toy")
-    except ConfigError as e:
-        parser.error(f"--preset: {e}")
-
-
-def _checkpoint_config(path: str, parser):
-    from conversion.load import CheckpointError
-    from conversion.orbax_io import is_hf_checkpoint, read_config
-    from ling_jax.config import ConfigError
-
-    if is_hf_checkpoint(path):
-        parser.error(f"--checkpoint {path} is an HF safetensors checkpoint, not a ling-jax (orbax) one: pass "
-                     f"--hf-dir {path}, or convert it with `ling-jax convert --hf-dir {path} --out OUT`")
-    try:
-        return read_config(path)
-    except (CheckpointError, ConfigError, json.JSONDecodeError) as e:
-        parser.error(f"--checkpoint: {e}")
-
-
-def _hf_config(path: str, parser, *, orbax_fix: str):
-    """--hf-dir checked to be an HF checkpoint directory and its config.json read; `orbax_fix` is what to do
-    when it is a ling-jax checkpoint instead."""
-    from conversion.load import INDEX_NAME, SINGLE_NAME
-    from conversion.orbax_io import PARAMS_DIR
-    from ling_jax.config import ConfigError, from_hf
-
-    where = Path(path)
-    if not where.is_dir():
-        parser.error(f"--hf-dir {path} {'is not a directory' if where.exists() else 'does not exist'}: pass "
-                     f"{HF_DIR_HELP}")
-    if (where / PARAMS_DIR).is_dir() and not any(where.glob("*.safetensors")):
-        parser.error(f"--hf-dir {path} is a ling-jax (orbax) checkpoint, not an HF one: {orbax_fix}")
-    if not (where / "config.json").is_file():
-        parser.error(f"--hf-dir {path} has no config.json: pass {HF_DIR_HELP}")
-    try:
-        cfg = from_hf(where)
-    except (ConfigError, json.JSONDecodeError) as e:
-        parser.error(f"--hf-dir {path}: {e}")
-    if not ((where / INDEX_NAME).is_file() or (where / SINGLE_NAME).is_file()):
-        parser.error(f"--hf-dir {path} has config.json but no {INDEX_NAME} or {SINGLE_NAME}: pass the directory "
-                     "that also holds the weights")
-    return cfg
-
-
-def _check_backend_fits(spec: str, cfg, parser) -> None:
-    from ling_jax.backends import check_config
-    from ling_jax.config import ConfigError
-
-    try:
-        check_config(cfg, spec)
-    except ConfigError as e:
-        parser.error(f"--backend: {e}")
-
-
-def _check_tp(args, parser) -> None:
-    if args.tp < 1:
-        parser.error(f"--tp {args.tp} must be >= 1 (1: one device)")
-
-
-def _check_processes(args, parser) -> None:
-    """--coordinator, --num-processes and --process-id: all three or none, the id in range, the address well formed.
-    Checked with the other options, before any device is touched."""
-    flags = {"--coordinator": args.coordinator, "--num-processes": args.num_processes,
-             "--process-id": args.process_id}
-    given = [flag for flag, value in flags.items() if value is not None]
-    if not given:
-        return
-    if len(given) < len(flags):
-        missing = [flag for flag in flags if flag not in given]
-        parser.error(f"{' and '.join(given)} needs --coordinator HOST:PORT, --num-processes P and --process-id I "
-                     f"together: pass {' and '.join(missing)} too, or drop {' and '.join(given)} for one process")
-    if args.num_processes < 1:
-        parser.error(f"--num-processes {args.num_processes} must be >= 1")
-    if not 0 <= args.process_id < args.num_processes:
-        parser.error(f"--process-id {args.process_id} must lie in 0..{args.num_processes - 1} (--num-processes "
-                     f"{args.num_processes}); process 0 serves the coordinator")
-    if args.coordinator_timeout < 1:
-        parser.error(f"--coordinator-timeout {args.coordinator_timeout} must be >= 1 second")
-    _coordinator_address(args.coordinator, parser)
-
-
-def _coordinator_address(text: str, parser) -> tuple[str, int]:
-    host, _, port = text.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        parser.error(f"--coordinator {text!r} must be HOST:PORT, e.g. 10.0.0.1:8476 (process 0's host and a free "
-                     "port there)")
-    return host.strip("[]"), int(port)
-
-
-def _start_processes(args, parser) -> None:
-    """jax.distributed joins the processes, before JAX starts its devices. Process 0 serves the coordinator: its port
-    must be free. The others first wait (up to --coordinator-timeout) until it listens, so an unreachable address is
-    one message, not the runtime's abort."""
-    if getattr(args, "coordinator", None) is None:
-        return
-    host, port = _coordinator_address(args.coordinator, parser)
-    deadline = time.monotonic() + args.coordinator_timeout
-    if args.process_id == 0:
-        try:
-            socket.create_server(("", port)).close()
-        except OSError as e:
-            parser.error(f"--coordinator {args.coordinator}: process 0 serves the coordinator on port {port} and "
-                         f"cannot bind it ({e.strerror}): choose a free port, the same on every process")
-    else:
-        while True:
-            try:
-                socket.create_connection((host, port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    parser.error(f"--coordinator {args.coordinator} cannot be reached within "
-                                 f"{args.coordinator_timeout} s: start process 0 (--process-id 0) with the same "
-                                 "--coordinator, check the host and port, or raise --coordinator-timeout")
-                time.sleep(0.2)
-    import jax
-
-    jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id,
-                               initialization_timeout=max(int(deadline - time.monotonic()), 1))
-
-
-def _mesh(args, parser, *cfgs):
-    """The --tp mesh, the sizes of each config in `cfgs` checked against it; None for --tp 1 on one process (the
-    single-device run). With several processes it must span all their devices."""
-    several = getattr(args, "coordinator", None) is not None
-    if args.tp == 1 and not several:
-        return None
-    import jax
-
-    from ling_jax.sharding import check_divisible, make_mesh
-
-    if several and args.tp != jax.device_count():
-        parser.error(f"--tp {args.tp} must span the devices of all {args.num_processes} processes, "
-                     f"{jax.device_count()} in all ({jax.local_device_count()} here): pass --tp {jax.device_count()}")
-    try:
-        mesh = make_mesh(args.tp)
-        for cfg in cfgs:
-            check_divisible(cfg, args.tp)
-    except ValueError as e:
-        parser.error(f"--tp {args.tp}: {e}")
-    return mesh
-
-
-def _param_shardings(mesh, cfg, *, with_mtp: bool = True):
-    """The params' shardings on `mesh` (None without a mesh: the default device)."""
-    if mesh is None:
-        return None
-    from ling_jax.sharding import param_shardings
-    return param_shardings(cfg, mesh, with_mtp=with_mtp)
-
-
-def _in_mesh(mesh):
-    """The sharded run's context: the Pallas kernels run per shard under it (ling_jax.sharding.per_shard)."""
-    if mesh is None:
-        return contextlib.nullcontext()
-    import jax
-    return jax.set_mesh(mesh)
-
-
-def _is_main_process() -> bool:
-    """Process 0 prints and writes the results (every process computes them)."""
-    import jax
-    return jax.process_index() == 0
-
-
 def _check_prompt_fits(ids: list[int], args, cfg, parser) -> None:
     option = "--prompt" if args.prompt is not None else "--prompt-ids"
     bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
@@ -457,11 +199,14 @@ def _check_prompt_fits(ids: list[int], args, cfg, parser) -> None:
                else f"pass ids in [0, {cfg.vocab_size})")
         parser.error(f"{option}: token ids {bad[:5]} lie outside the model's vocabulary [0, {cfg.vocab_size}): {fix}")
     limit = cfg.max_position_embeddings
-    if len(ids) + args.max_new_tokens > limit:
-        room = limit - len(ids)
+    # A verify step runs K + 1 positions past the last committed token, so speculation needs that much room.
+    extra = args.num_draft + 1 if args.spec != "none" else 0
+    if len(ids) + args.max_new_tokens + extra > limit:
+        room = limit - len(ids) - extra
         fix = f"pass --max-new-tokens {room} or fewer" if room >= 1 else f"shorten {option}"
-        parser.error(f"the prompt ({len(ids)} tokens) + --max-new-tokens {args.max_new_tokens} exceeds the model's "
-                     f"max_position_embeddings={limit}: {fix}")
+        plus = f" + --num-draft {args.num_draft} + 1" if extra else ""
+        parser.error(f"the prompt ({len(ids)} tokens) + --max-new-tokens {args.max_new_tokens}{plus} exceeds the "
+                     f"model's max_position_embeddings={limit}: {fix}")
 
 
 def _load_weights(args, cfg, mesh):
@@ -535,20 +280,30 @@ def _generate(args, parser) -> int:
     if result.compiles:
         print(f"ling-jax generate: the timed run compiled {result.compiles} executable(s), so its times include "
               "compilation" + ("; pass --warmup 1 or more" if not args.warmup else ""), file=sys.stderr)
+    _print_generation(args, result, tokenizer)
+    return 0
+
+
+def _print_generation(args, result, tokenizer) -> None:
+    """The tokens and their times: one JSON object, or the text (or ids) on stdout and the times on stderr. A
+    single token has no decode step, so no TPOT (and no accept length): null in JSON, n/a in the text."""
     tokens = result.tokens[0]
-    timing = dict(ttft_ms=1e3 * result.ttft_s, tpot_ms=1e3 * result.tpot_s, tokens_per_s=result.tokens_per_s)
+    tpot = None if result.tpot_s is None else 1e3 * result.tpot_s
+    timing = dict(ttft_ms=1e3 * result.ttft_s, tpot_ms=tpot, tokens_per_s=result.tokens_per_s)
     if args.spec != "none":
         timing |= dict(accept_length=result.accept_length, verify_steps=result.verify_steps, drafted=result.drafted,
                        accepted=result.accepted)
     if args.json:
         print(json.dumps(dict(tokens=tokens, **timing)))
-    else:
-        print(tokenizer.decode(tokens) if tokenizer is not None else " ".join(map(str, tokens)))
-        print(f"[{len(tokens)} tokens | TTFT {timing['ttft_ms']:.1f} ms | "
-              f"TPOT {timing['tpot_ms']:.2f} ms | {timing['tokens_per_s']:.1f} tok/s | backend {args.backend}"
-              + (f" | spec {args.spec} k={args.num_draft}: accept length {result.accept_length:.2f}"
-                 if args.spec != "none" else "") + "]", file=sys.stderr)
-    return 0
+        return
+    print(tokenizer.decode(tokens) if tokenizer is not None else " ".join(map(str, tokens)))
+    spec = ""
+    if args.spec != "none":
+        accept = timing["accept_length"]
+        spec = f" | spec {args.spec} k={args.num_draft}: accept length {'n/a' if accept is None else f'{accept:.2f}'}"
+    print(f"[{len(tokens)} tokens | TTFT {timing['ttft_ms']:.1f} ms | TPOT "
+          f"{'n/a' if tpot is None else f'{tpot:.2f} ms'} | {timing['tokens_per_s']:.1f} tok/s | backend {args.backend}"
+          f"{spec}]", file=sys.stderr)
 
 
 def _timed_run(run, warmup: int):
@@ -700,169 +455,12 @@ def _convert(args, parser) -> int:
     return 0
 
 
-def _bench(args, parser) -> int:
-    for option, value, least in (("--prompt-len", args.prompt_len, 1), ("--output-len", args.output_len, 2),
-                                 ("--block-size", args.block_size, 1), ("--prefill-chunk", args.prefill_chunk, 1),
-                                 ("--warmup", args.warmup, 0), ("--repeats", args.repeats, 1),
-                                 ("--layers", args.layers if args.layers is not None else 1, 1)):
-        if value < least:
-            parser.error(f"{option} {value} must be >= {least}")
-    _check_tp(args, parser)
-    _check_processes(args, parser)
-    if not 1 <= args.num_draft <= MAX_DRAFTS:
-        parser.error(f"--num-draft {args.num_draft} must lie in 1..{MAX_DRAFTS}")
-    if args.accept_length is not None and (args.spec != "oracle" or not 1 <= args.accept_length <= args.num_draft + 1):
-        parser.error(f"--accept-length {args.accept_length} goes with --spec oracle and lies in 1..--num-draft + 1 = "
-                     f"{args.num_draft + 1}")
-    from_checkpoint = args.checkpoint or args.hf_dir
-    if from_checkpoint and (args.random_weights or args.layers is not None):
-        parser.error("--random-weights and --layers go with --preset; a checkpoint benches its own weights")
-    if not from_checkpoint and not args.random_weights:
-        parser.error("--preset benches random weights: pass --random-weights to say so (or --checkpoint DIR / "
-                     "--hf-dir DIR for real ones)")
-    _check_backend(args.backend, parser)
-    import os
-
-    # Before JAX starts: the full FP8 model does not fit in JAX's default 75 % of an H200.
-    from ling_jax.memory import BENCH_MEM_FRACTION
-    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(BENCH_MEM_FRACTION))
-    from ling_jax import bench
-
-    cfg = _bench_config(args, parser)
-    if args.spec == "mtp" and not cfg.num_mtp_layers:
-        parser.error("--spec mtp drafts with the MTP layer, which this model has not (a --layers slice drops it): "
-                     "bench all layers, or use --spec oracle or suffix")
-    _check_backend_fits(args.backend, cfg, parser)
-    _start_processes(args, parser)
-    mesh = _mesh(args, parser, cfg)
-    _check_bench_memory(args, cfg)
-    with _in_mesh(mesh):
-        cfg, params = _bench_weights(args, cfg, mesh)
-        row = bench.bench(params, cfg, prompt_len=args.prompt_len, output_len=args.output_len, backend=args.backend,
-                          block_size=args.block_size, warmup=args.warmup, repeats=args.repeats,
-                          prefill_chunk=args.prefill_chunk, count_kernels=not args.no_kernel_count,
-                          profile=args.profile, seed=args.seed, progress=not args.json and _is_main_process(),
-                          spec=args.spec, num_draft=args.num_draft, accept_length=args.accept_length)
-    row = dict(model=_bench_name(args, cfg), dtype=args.dtype, tp=args.tp, **row, **bench.run_header())
-    if not _is_main_process():
-        return 0
-    _write_bench(args, row)
-    if args.json:
-        print(json.dumps({k: v for k, v in row.items() if k != "profile"}, default=str))
-    else:
-        bench.print_row(row)
-    return 0
-
-
-def _bench_config(args, parser):
-    from ling_jax import bench
-    from ling_jax.config import ConfigError
-
-    if args.checkpoint or args.hf_dir:
-        cfg = _model_config(args, parser)
-        _check_checkpoint_fp8(args, cfg, parser)
-        return cfg.replace(quantization="fp8") if args.dtype == FP8 else cfg
-    try:
-        return bench.bench_config(args.preset or "ling-3.0-flash", args.layers, args.dtype)
-    except ConfigError as e:
-        parser.error(f"--preset: {e}")
-
-
-def _check_checkpoint_fp8(args, cfg, parser) -> None:
-    """--dtype fp8 on an unquantised orbax checkpoint, refused from its config before anything loads (orbax
-    restores what it stores; an HF directory is quantised while it loads)."""
-    if args.dtype == FP8 and args.checkpoint and cfg.quantization != "fp8":
-        parser.error(f"--checkpoint {args.checkpoint} holds unquantised weights: convert the HF checkpoint with "
-                     "`ling-jax convert --dtype fp8`, or run this one with --dtype bfloat16")
-
-
-def _check_bench_memory(args, cfg) -> None:
-    _check_memory(cfg, args.dtype, args.prompt_len, args.output_len, args.prefill_chunk,
-                  with_mtp=bool(cfg.num_mtp_layers), device_gb=args.device_memory_gb, devices=args.tp)
-
-
-def _check_memory(cfg, dtype: str, prompt_len: int, new_tokens: int, chunk: int, *, with_mtp: bool,
-                  device_gb: float | None = None, devices: int = 1) -> None:
-    """The memory plan (ling_jax/memory.py) of each of `devices` against this process's first device, before any
-    weight exists; skipped where the runtime reports no limit (the CPU) unless `device_gb` gives one."""
-    import jax
-
-    from ling_jax import memory
-
-    capacity = memory.usable_bytes(jax.local_devices()[0], None if device_gb is None else int(device_gb * 1e9))
-    if capacity is None:
-        return
-    compute = "bfloat16" if dtype == FP8 else dtype
-    plan = memory.plan(cfg, dtype=compute, prompt_len=prompt_len, max_new_tokens=new_tokens, chunk=chunk,
-                       capacity=capacity, with_mtp=with_mtp, devices=devices)
-    memory.check(plan, cfg, compute, with_mtp=with_mtp)
-
-
-def _bench_weights(args, cfg, mesh):
-    import jax
-
-    from ling_jax import bench
-
-    dtype = bench.compute_dtype(args.dtype)
-    shardings = _param_shardings(mesh, cfg)
-    if args.checkpoint:
-        from conversion.orbax_io import load_params
-        return load_params(args.checkpoint, dtype=dtype, shardings=shardings)
-    if args.hf_dir:
-        from conversion.load import load_hf
-        return load_hf(args.hf_dir, dtype=dtype, fp8=True if args.dtype == FP8 else None, shardings=shardings,
-                       progress=_is_main_process())
-    from ling_jax.params import init_params
-
-    if shardings is None:  # drawn on the device, leaf by leaf: the host never holds the model
-        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        shardings = jax.tree.map(lambda _: device, _abstract(cfg, dtype))
-    params = init_params(cfg, jax.random.key(args.seed), dtype, with_mtp=bool(cfg.num_mtp_layers),
-                         shardings=shardings)
-    return cfg, jax.block_until_ready(params)
-
-
-def _abstract(cfg, dtype):
-    from ling_jax.params import abstract_params
-    return abstract_params(cfg, dtype, with_mtp=bool(cfg.num_mtp_layers))
-
-
-def _bench_name(args, cfg) -> str:
-    if args.checkpoint or args.hf_dir:
-        return Path(args.checkpoint or args.hf_dir).name
-    return (args.preset or "ling-3.0-flash") + (f"-{cfg.num_layers}layers" if args.layers else "")
-
-
-def _write_bench(args, row: dict) -> None:
-    target = args.results
-    if target is None:
-        results = Path(__file__).resolve().parent.parent / "experiments" / "results"
-        if not results.is_dir():
-            return
-        spec = "" if args.spec == "none" else f"_{args.spec}{args.num_draft}"
-        tp = "" if args.tp == 1 else f"_tp{args.tp}"
-        target = results / f"bench_{row['model']}_{row['quantization'] or args.dtype}{spec}{tp}.json"
-    Path(target).parent.mkdir(parents=True, exist_ok=True)
-    Path(target).write_text(json.dumps(row, indent=1, default=str) + "\n")
-
-
-def _bad_input_errors() -> tuple[type[Exception], ...]:
-    """The exception types our code raises for bad input. CheckpointError's module imports JAX, so it is named only
-    once loaded (it cannot have been raised otherwise) and option errors stay quick."""
-    from ling_jax.config import ConfigError, DeviceMemoryError
-
-    loaded = sys.modules.get("conversion.load")
-    plan = sys.modules.get("ling_jax.memory")
-    return (ConfigError, DeviceMemoryError, FileNotFoundError, FileExistsError) + (
-        (plan.MemoryPlanError,) if plan else ()) + (
-        (loaded.CheckpointError,) if loaded else ())
-
-
 def _add_crosscheck(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-dir", required=True, metavar="DIR",
                    help="the HF checkpoint (config.json + *.safetensors); transformers always reads it")
     p.add_argument("--checkpoint", metavar="DIR",
-                   help="a ling-jax (orbax) checkpoint of the same model for the ling-jax side (default: --hf-dir)")
+                   help="a ling-jax (orbax) checkpoint converted from --hf-dir, for the ling-jax side; its config "
+                        "and its norm weights are compared with --hf-dir's first (default: --hf-dir)")
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--prompt-ids", metavar="IDS", help="comma-separated token ids (default: a fixed 12-token "
                         "prompt)")
@@ -927,8 +525,10 @@ def _crosscheck_stream(args, window, ids, parser):
     try:
         ling = (crosscheck.LingFromOrbax(args.checkpoint, dtype) if args.checkpoint
                 else crosscheck.LingFromHF(args.hf_dir, dtype))
-        # transformers ignores the SwiGLU clamps (docs/model.md §6): ling-jax leaves them out to compare.
-        cfg = ling.cfg.replace(apply_swiglu_clamps=False)
+        if args.checkpoint:
+            crosscheck.check_same_weights(ling, args.hf_dir, dtype)
+        # transformers 5.24 ignores the SwiGLU clamps, 5.25 on applies them (docs/model.md §6): ling-jax follows.
+        cfg = ling.cfg.replace(apply_swiglu_clamps=crosscheck.reference_applies_swiglu_clamps())
         side = crosscheck.TorchFromHF(args.hf_dir, cfg, device)
     except CheckpointError as e:
         parser.error(str(e))

@@ -70,7 +70,8 @@ class LingConfig:
     shared_swiglu_limits: tuple[float, ...]
     eos_token_ids: tuple[int, ...]
     pad_token_id: int | None
-    # Off reproduces transformers' BailingHybrid (which ignores the limit lists); on is SGLang's serving numerics.
+    # On is SGLang's serving numerics and transformers >= 5.25's BailingHybrid; off reproduces transformers 5.24,
+    # which ignores the limit lists (docs/model.md §6).
     apply_swiglu_clamps: bool = True
     # The dtype the MoE routers (`mlp.gate.weight`) are held in: the checkpoint's own, "bfloat16" or "float32"
     # (conversion's loaders read it from the stored tensors; config.json does not say). The router GEMV multiplies
@@ -92,6 +93,10 @@ class LingConfig:
 
     def __post_init__(self):
         _validate(self)
+        # No clamp anywhere is stored as (), as transformers >= 5.25 writes zeros where older configs had null.
+        for name in ("expert_swiglu_limits", "shared_swiglu_limits"):
+            if not any(getattr(self, name)):
+                object.__setattr__(self, name, ())
         for name, rule in (("mixer_schedule", self.rule_mixer_kind), ("ffn_schedule", self.rule_ffn_kind)):
             if getattr(self, name) == tuple(rule(i) for i in range(self.num_layers)):
                 object.__setattr__(self, name, ())
@@ -151,6 +156,16 @@ class LingConfig:
     def replace(self, **changes: Any) -> "LingConfig":
         return dataclasses.replace(self, **changes)
 
+    def first_layers(self, n: int, **changes: Any) -> "LingConfig":
+        """This config cut to its first n decoder layers and no MTP layer: each kept layer keeps its kinds and
+        limits (the schedules are written out, since the rule's trailing partial group moves with num_layers);
+        `changes` as in `replace`."""
+        cut = {"num_layers": n, "num_mtp_layers": 0, "expert_swiglu_limits": self.expert_swiglu_limits[:n],
+               "shared_swiglu_limits": self.shared_swiglu_limits[:n],
+               "mixer_schedule": tuple(self.mixer_kind(i) for i in range(n)),
+               "ffn_schedule": tuple(self.ffn_kind(i) for i in range(n))}
+        return self.replace(**{**cut, **changes})
+
 
 def _validate(c: LingConfig) -> None:
     def need(ok: bool, msg: str):
@@ -189,9 +204,7 @@ def _validate(c: LingConfig) -> None:
         need(isinstance(getattr(c, name), tuple), f"config field {name} must be a tuple (LingConfig is hashed)")
     for name in ("expert_swiglu_limits", "shared_swiglu_limits"):
         limits = getattr(c, name)
-        need(len(limits) in (0, c.num_layers, c.total_layers),
-             f"config field {name} has {len(limits)} entries; expected num_hidden_layers={c.num_layers} "
-             f"(or {c.total_layers} with the MTP layer)")
+        need(len(limits) in (0, c.num_layers, c.total_layers), _limit_list_message(c, name, len(limits)))
         need(all(v >= 0 for v in limits), f"config field {name} has a negative limit; 0 means no clamp")
     for name, kinds in (("mixer_schedule", (KDA, MLA)), ("ffn_schedule", (DENSE, MOE))):
         schedule = getattr(c, name)
@@ -207,6 +220,19 @@ def _validate(c: LingConfig) -> None:
          f"{QUANTIZATIONS} (None: unquantised weights; 'fp8': block-FP8 E4M3 with 128x128 scales)")
     for t in c.eos_token_ids + ((c.pad_token_id,) if c.pad_token_id is not None else ()):
         need(0 <= t < c.vocab_size, f"config eos/pad token id {t} lies outside vocab_size={c.vocab_size}")
+
+
+def _limit_list_message(c: LingConfig, name: str, n: int) -> str:
+    """What a limit list of n entries should have been: one limit per decoder layer, optionally the MTP layer's."""
+    layers = f"num_hidden_layers={c.num_layers}"
+    if c.num_mtp_layers:
+        takes = f"{c.num_layers} (one per decoder layer), {c.total_layers} (the MTP layer's too) or none"
+        shape = f"{layers} and {c.num_mtp_layers} MTP layer"
+    else:
+        takes = f"{c.num_layers} (one per decoder layer) or none"
+        shape = f"{layers} and no MTP layer"
+    return (f"config field {name} has {n} entries, but a config of {shape} takes {takes}: a config cut to fewer "
+            "layers must cut its limit lists too (LingConfig.first_layers does both)")
 
 
 def _is_int(value: Any) -> bool:
@@ -250,8 +276,8 @@ _HF_NAMES: dict[str, tuple[str, ...]] = {
     "routed_scaling_factor": ("routed_scaling_factor",),
     "norm_topk_prob": ("moe_renormalize", "norm_topk_prob"),
     "num_mtp_layers": ("num_nextn_predict_layers", "num_mtp_layers"),
-    "expert_swiglu_limits": ("expert_swiglu_limit_list",),
-    "shared_swiglu_limits": ("share_expert_swiglu_limit_list",),
+    "expert_swiglu_limits": ("expert_swiglu_limit_list", "swiglu_limits"),
+    "shared_swiglu_limits": ("share_expert_swiglu_limit_list", "swiglu_limits_shared"),
     "pad_token_id": ("pad_token_id",),
 }
 _HF_DEFAULTS = {"conv_kernel_size": 4, "kda_lower_bound": -5.0, "q_lora_rank": None, "rope_theta": 6_000_000.0,
@@ -343,8 +369,9 @@ def _read_field(raw: dict, field: str, names: tuple[str, ...]) -> Any:
     if not found:
         if field in _HF_DEFAULTS:
             return _HF_DEFAULTS[field]
-        raise ConfigError(f"config.json lacks {names[0]!r} (also looked for {list(names[1:])}): every Ling-3 "
-                          "config.json has it; is this a Ling-3 checkpoint?")
+        aliases = f" (also looked for {', '.join(map(repr, names[1:]))})" if names[1:] else ""
+        raise ConfigError(f"config.json lacks {names[0]!r}{aliases}: every Ling-3 config.json has it; is this a "
+                          "Ling-3 checkpoint?")
     typed = [(n, _typed(n, v, _HF_TYPES[field])) for n, v in found]
     if field not in _ALIASES_MAY_DIFFER and any(v != typed[0][1] for _, v in typed[1:]):
         given = ", ".join(f"{n}={_json(v)}" for n, v in found)
@@ -513,6 +540,14 @@ def _check_derived(raw: dict, values: dict) -> None:
                               f"{want} or remove it")
 
 
+def _hf_limit_list(cfg: LingConfig, limits: tuple[float, ...]) -> list[float]:
+    """A limit list as transformers >= 5.25 reads it back, one entry per decoder layer (it refuses other lengths):
+    none means zeros, and the MTP layer's entry, which transformers never runs, is written only when it clamps."""
+    if not limits:
+        return [0.0] * cfg.num_layers
+    return list(limits if any(limits[cfg.num_layers:]) else limits[:cfg.num_layers])
+
+
 def to_hf_dict(cfg: LingConfig) -> dict:
     """The official config.json for `cfg` (what conversion.synthetic writes), with the schedule spelled out in
     `layer_types` / `mlp_layer_types` so that transformers reads the same layers as ling-jax."""
@@ -537,8 +572,8 @@ def to_hf_dict(cfg: LingConfig) -> dict:
         "n_group": cfg.n_group, "topk_group": cfg.topk_group, "score_function": "sigmoid",
         "moe_router_enable_expert_bias": True, "norm_topk_prob": cfg.norm_topk_prob,
         "routed_scaling_factor": cfg.routed_scaling_factor, "router_dtype": "fp32",
-        "expert_swiglu_limit_list": list(cfg.expert_swiglu_limits),
-        "share_expert_swiglu_limit_list": list(cfg.shared_swiglu_limits),
+        "expert_swiglu_limit_list": _hf_limit_list(cfg, cfg.expert_swiglu_limits),
+        "share_expert_swiglu_limit_list": _hf_limit_list(cfg, cfg.shared_swiglu_limits),
         "tie_word_embeddings": False, "num_nextn_predict_layers": cfg.num_mtp_layers,
         "eos_token_id": cfg.eos_token_ids[0] if len(cfg.eos_token_ids) == 1 else list(cfg.eos_token_ids),
         "pad_token_id": cfg.pad_token_id, "torch_dtype": "bfloat16",

@@ -336,6 +336,28 @@ def import_reference_model():
     return mod
 
 
+def reference_applies_swiglu_clamps(mod=None) -> bool:
+    """Whether transformers' BailingHybrid clamps its SwiGLUs by the limit lists (5.25 on) or ignores them (5.24),
+    asked of its shared-expert MLP built with a limit set (docs/model.md §6)."""
+    mod = mod or import_reference_model()
+    config = mod.BailingHybridConfig(num_hidden_layers=1, num_mtp_layers=0, hidden_size=8, intermediate_size=8,
+                                     expert_swiglu_limit_list=[1.0], share_expert_swiglu_limit_list=[1.0])
+    try:
+        mlp = mod.BailingHybridMLP(config, intermediate_size=8, layer_idx=0)
+    except TypeError:  # an MLP that takes no layer index has no per-layer limit
+        return False
+    return getattr(mlp, "limit", None) is not None
+
+
+def hf_config_dict(raw: dict) -> dict:
+    """config.json as transformers' BailingHybridConfig takes it: limit lists cut to the decoder layers (>= 5.25
+    refuses an MTP layer's entry, and transformers never runs that layer)."""
+    n = raw.get("num_hidden_layers")
+    cut = {k: raw[k][:n] for k in ("expert_swiglu_limit_list", "share_expert_swiglu_limit_list")
+           if isinstance(raw.get(k), list) and isinstance(n, int)}
+    return {**raw, **cut}
+
+
 # ---- layer-streamed cross-check -----------------------------------------------------------------------------
 
 STREAM_QUANTITIES = ("mixer", "ffn")  # the hidden state after the mixer's residual add, and after the FFN's
@@ -377,14 +399,10 @@ class LingFromHF:
 
     def part(self, key):
         from conversion import hf
-        from conversion.load import stream_hf
         from ling_jax.params import is_leaf_spec, param_specs
 
         root = _part_root(key)
-        entries = [e for e in self.plan.entries if e.paths[0][:len(root)] == root]
-        placed: dict = {}
-        for _, leaves in stream_hf(dataclasses.replace(self.plan, entries=entries), progress=False):
-            placed.update(leaves)
+        placed = self._stream(lambda path: path[:len(root)] == root)
         import jax
 
         specs = _subtree(param_specs(self.cfg, with_mtp=False), root)
@@ -392,6 +410,21 @@ class LingFromHF:
             return placed[root]
         return jax.tree.unflatten(jax.tree.structure(specs, is_leaf=is_leaf_spec),
                                   [placed[root + p] for p in hf.spec_paths(specs)])
+
+    def leaves(self, paths) -> dict:
+        """{params path: array} of the leaves at `paths` only."""
+        placed = self._stream(lambda path: path in paths)
+        return {p: placed[p] for p in paths}
+
+    def _stream(self, wanted) -> dict:
+        """The leaves of the plan's entries that produce a leaf `wanted(path)` accepts, by path."""
+        from conversion.load import stream_hf
+
+        entries = [e for e in self.plan.entries if any(wanted(p) for p in e.paths)]
+        placed: dict = {}
+        for _, leaves in stream_hf(dataclasses.replace(self.plan, entries=entries), progress=False):
+            placed.update(leaves)
+        return placed
 
 
 class LingFromOrbax:
@@ -405,7 +438,7 @@ class LingFromOrbax:
         from conversion import orbax_io
         from conversion.load import router_dtype_of, without_mtp
 
-        path = Path(path).absolute()
+        path = self.path = Path(path).absolute()
         cfg = orbax_io.read_config(path)
         self.tree_dir = orbax_io._tree_dir(path / orbax_io.PARAMS_DIR)
         with ocp.StandardCheckpointer() as ckptr:
@@ -417,25 +450,58 @@ class LingFromOrbax:
         self.dtype = dtype
 
     def part(self, key):
+        root = _part_root(key)
+        return _subtree(self._restore(lambda path: path[:len(root)] == root), root)
+
+    def leaves(self, paths) -> dict:
+        """{params path: array} of the leaves at `paths` only."""
+        restored = self._restore(lambda path: path in paths)
+        return {p: _subtree(restored, p) for p in paths}
+
+    def _restore(self, wanted):
+        """The params tree with the leaves `wanted(path)` accepts read, every other one a placeholder."""
         import jax
         import orbax.checkpoint as ocp
 
         from conversion import hf
+        from conversion.orbax_io import explain_read_errors
         from ling_jax.params import is_spec, param_specs
 
-        root = _part_root(key)
         specs = param_specs(self.full_cfg)
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         targets = [jax.ShapeDtypeStruct(spec.shape, spec.dtype(self.dtype), sharding=device)
-                   if path[:len(root)] == root else ocp.PLACEHOLDER for path, spec in hf.array_paths(specs).items()]
+                   if wanted(path) else ocp.PLACEHOLDER for path, spec in hf.array_paths(specs).items()]
         target = jax.tree.unflatten(jax.tree.structure(specs, is_leaf=is_spec), targets)
         restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape,
                                                                    dtype=x.dtype)
                                     if isinstance(x, jax.ShapeDtypeStruct) else x, target)
-        with ocp.PyTreeCheckpointer() as ckptr:
-            restored = ckptr.restore(self.tree_dir, args=ocp.args.PyTreeRestore(item=target,
-                                                                                restore_args=restore_args))
-        return _subtree(restored, root)
+        with ocp.PyTreeCheckpointer() as ckptr, explain_read_errors(self.tree_dir.parent):
+            return ckptr.restore(self.tree_dir, args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args))
+
+
+# Leaves that tell one model's weights from another's with the same config: the norm scales, trained (or drawn)
+# per model and only a hidden size long, so comparing them costs nothing at any model size.
+FINGERPRINT = (("final_norm",), ("layers", 0, "input_norm"), ("layers", 0, "post_norm"))
+# Relative to the leaf's largest value: one side rounded to bf16 (2^-8) passes, another model's scales do not.
+FINGERPRINT_TOLERANCE = 1e-2
+
+
+def check_same_weights(ling: LingFromOrbax, hf_dir, dtype) -> None:
+    """`ling` (an orbax checkpoint) must hold the HF checkpoint's weights, not another model's of the same config:
+    the FINGERPRINT leaves of both compared; a CheckpointError names the first that differs."""
+    from conversion import hf
+    from conversion.load import CheckpointError
+
+    ours, theirs = ling.leaves(FINGERPRINT), LingFromHF(hf_dir, dtype).leaves(FINGERPRINT)
+    for path in FINGERPRINT:
+        a, b = (np.asarray(x, np.float32) for x in (ours[path], theirs[path]))
+        scale = max(float(np.abs(b).max()), 1e-30)
+        if float(np.abs(a - b).max()) > FINGERPRINT_TOLERANCE * scale:
+            raise CheckpointError(
+                f"--checkpoint {ling.path} holds other weights than --hf-dir {hf_dir}: their configs agree but "
+                f"{hf.path_str(path)} differs (max |difference| {float(np.abs(a - b).max()):.3g} against values up "
+                f"to {scale:.3g}), so it was converted from another checkpoint: pass the orbax checkpoint "
+                f"`ling-jax convert --hf-dir {hf_dir}` wrote, or omit --checkpoint to read --hf-dir on both sides")
 
 
 # transformers' `_keep_in_fp32_modules_strict`: these stay float32 in a bf16 model.
@@ -457,7 +523,8 @@ class TorchFromHF:
         self.mod = import_reference_model()
         self.hf_dir = Path(hf_dir)
         self.catalog = plan_hf(hf_dir, with_mtp=False, stacklevel=4).catalog
-        config = self.mod.BailingHybridConfig.from_dict(json.loads((self.hf_dir / "config.json").read_text()))
+        config = self.mod.BailingHybridConfig.from_dict(
+            hf_config_dict(json.loads((self.hf_dir / "config.json").read_text())))
         config.layer_types = [HF_MIXER_NAMES[cfg.mixer_kind(i)] for i in range(cfg.num_layers)]
         config.mlp_layer_types = [HF_FFN_NAMES[cfg.ffn_kind(i)] for i in range(cfg.num_layers)]
         config._attn_implementation = "eager"
@@ -801,7 +868,8 @@ def stream(ling, torch_side: TorchFromHF, prompt: list[int], cfg, *, dtype: str 
     """Cross-check ling-jax (`ling`: LingFromHF or LingFromOrbax) against transformers layer by layer.
 
     Args:
-      cfg: ling-jax's config of `ling` (apply_swiglu_clamps False to match transformers, which ignores them).
+      cfg: ling-jax's config of `ling`, its apply_swiglu_clamps what transformers does
+        (`reference_applies_swiglu_clamps`).
       dtype: "float32": both sides compute in float32 and every layer's error must be within F32_TOLERANCE, expert
         sets equal. "bfloat16": ling-jax in bf16 against transformers in float32, each error within
         BF16_SPREAD_MULTIPLE times transformers' own bf16 run's error at the same place.
@@ -917,5 +985,6 @@ def _notes(cfg, dtype: str) -> list[str]:
         notes.append(f"bfloat16: ling-jax bf16 against transformers float32; each tolerance is "
                      f"{BF16_SPREAD_MULTIPLE:g}x transformers' own bf16 error there")
     if any(cfg.expert_swiglu_limits) or any(cfg.shared_swiglu_limits):
-        notes.append("the config's SwiGLU clamps are off on both sides (transformers ignores them)")
+        notes.append("the config's SwiGLU clamps are on on both sides" if cfg.apply_swiglu_clamps else
+                     "the config's SwiGLU clamps are off on both sides (this transformers ignores them)")
     return notes

@@ -35,7 +35,8 @@ def make_mesh(n: int | None = None, devices=None) -> Mesh:
     n = len(devices) if n is None else n
     if n < 1 or n > len(devices):
         raise ValueError(f"tensor parallelism over {n} devices needs {n} devices; {len(devices)} are visible "
-                         f"({jax.default_backend()}). On CPU set --xla_force_host_platform_device_count={n}")
+                         f"({jax.default_backend()}). On a CPU, start with the environment variable "
+                         f"XLA_FLAGS=--xla_force_host_platform_device_count={n} to get {n} devices")
     return Mesh(np.asarray(devices[:n]), ("tp",))
 
 

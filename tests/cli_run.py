@@ -10,11 +10,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_ling_jax(*args, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    """`ling-jax ARGS...` on the CPU; `env` adds to (or overrides) the current environment."""
+def run_ling_jax(*args, env: dict[str, str] | None = None, timeout: float = 120,
+                 cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """`ling-jax ARGS...` on the CPU, run in `cwd` (the package imported from this checkout wherever that is);
+    `env` adds to (or overrides) the current environment."""
     full_env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full_env.get("PYTHONPATH")]))
     return subprocess.run([sys.executable, "-m", "ling_jax.cli", *map(str, args)], capture_output=True, text=True,
-                          env=full_env, timeout=timeout, cwd=REPO)
+                          env=full_env, timeout=timeout, cwd=cwd)
 
 
 def assert_refused(result: subprocess.CompletedProcess, *fragments: str, code: int = 2) -> str:

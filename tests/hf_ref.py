@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib.util
 import math
+import sys
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -23,12 +26,24 @@ MOD = import_reference_model()
 
 
 def assert_torch_paths():
-    """The reference must run transformers' own torch code for KDA, not a kernel package."""
+    """The reference must run transformers' own torch code for KDA, not a kernel package: each KDA entry point is
+    called on small CPU tensors while a profile hook records the code that runs. (Watching what runs rather than
+    how the entry is bound: transformers wraps these functions differently from release to release.)"""
+    fla_dir = str(Path(importlib.util.find_spec("fla").origin).parent) if importlib.util.find_spec("fla") else None
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 5, 2, 8, generator=g) for _ in range(3))
+    gate, beta = -torch.rand(1, 5, 2, 8, generator=g), torch.rand(1, 5, 2, generator=g)
     for name in ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention"):
-        fn = getattr(MOD, name)
-        impl = [c.cell_contents for c in (fn.__closure__ or ()) if callable(c.cell_contents)]
-        mods = {getattr(f, "__module__", "") for f in impl}
-        assert not any(m.startswith("fla") for m in mods), f"{name} is bound to {mods}: fla leaked into transformers"
+        ran = set()
+        sys.setprofile(lambda frame, event, arg: ran.add((frame.f_code.co_filename, frame.f_code.co_name))
+                       if event == "call" else None)
+        try:
+            getattr(MOD, name)(q, k, v, gate, beta, initial_state=None, output_final_state=True)
+        finally:
+            sys.setprofile(None)
+        assert (MOD.__file__, name) in ran, f"{name} did not run transformers' own torch code"
+        leaked = sorted({f for f, _ in ran if fla_dir and f.startswith(fla_dir)})
+        assert not leaked, f"{name} ran fla's code ({leaked[:3]}): fla leaked into transformers"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +77,7 @@ class SmallConfig:
     # None: transformers' own rule fills them in (and writes them into config.json either way).
     layer_types: tuple[str, ...] | None = None
     mlp_layer_types: tuple[str, ...] | None = None
-    # None: not written. transformers keeps them in config.json but never applies them (ling-jax does).
+    # None: not given (transformers >= 5.25 writes zeros). 5.24 keeps them in config.json but never applies them.
     expert_swiglu_limit_list: tuple[float, ...] | None = None
     share_expert_swiglu_limit_list: tuple[float, ...] | None = None
 

@@ -97,6 +97,14 @@ MUTATIONS = (
     Mutation("sharding_drops_the_expert_psum", "sharding", "ling_jax/sharding.py",
              "body = (lambda *args: jax.lax.psum(fn(*args), TP)) if sum_outputs else fn", "body = fn",
              ("tests/test_sharding.py",)),
+    Mutation("step_bytes_kda_state_once", "floors", "ling_jax/bench.py",
+             "((1 + positions) * H * K * K * 4", "(positions * H * K * K * 4", ("tests/test_step_bytes.py",)),
+    Mutation("fp8_host_scale_amax_over_240", "fp8", "conversion/fp8_blocks.py",
+             "np.where(amax > 0, amax / FP8_MAX, 1.0)", "np.where(amax > 0, amax / 240.0, 1.0)",
+             ("tests/test_fp8_convention.py",)),
+    Mutation("fp8_device_scale_amax_over_240", "fp8", "pallas_kernels/common/fp8.py",
+             "jnp.where(amax > 0, amax / FP8_MAX, 1.0)", "jnp.where(amax > 0, amax / 240.0, 1.0)",
+             ("tests/test_fp8_convention.py",)),
 )
 
 

@@ -8,6 +8,7 @@ import contextlib
 import io
 import json
 import re
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -16,7 +17,7 @@ import pytest
 from conversion.load import CheckpointError
 from ling_jax.cli import main
 from ling_jax.config import preset, to_hf_dict
-from tests.cli_run import assert_refused, run_ling_jax
+from tests.cli_run import REPO, assert_refused, run_ling_jax
 
 TOY_VOCAB = preset("toy").vocab_size
 
@@ -236,8 +237,31 @@ BAD_INPUTS = [
      ["vocab_size=1024 but the target has 512", "share the target's tokenizer"]),
     (["generate", "--hf-dir", "{files}/no-mtp", "--spec", "mtp"], ["--spec mtp", "NextN", "--spec suffix"]),
     (["generate", "--spec", "bogus"], ["--spec", "invalid choice: 'bogus'"]),
+    (["generate", "--spec", "suffix", "--max-new-tokens", "4084"],
+     ["--max-new-tokens 4084 + --num-draft 3 + 1 exceeds", "max_position_embeddings=4096",
+      "--max-new-tokens 4080 or fewer"]),
+    # bench: SGLang's 8192 + 1024 against a small model's positions, --layers against the preset, where rows go
+    (["bench", "--preset", "toy", "--random-weights"],
+     ["--prompt-len 8192 + --output-len 1024 exceeds the model's max_position_embeddings=4096",
+      "pass --prompt-len 3072 or less"]),
+    (["bench", "--hf-dir", "{files}/hf"], ["--prompt-len 8192 + --output-len 1024 exceeds",
+                                           "pass --prompt-len 3072 or less"]),
+    (["bench", "--preset", "toy", "--random-weights", "--prompt-len", "3072", "--spec", "suffix"],
+     ["--prompt-len 3072 + --output-len 1024 + --num-draft 3 + 1 exceeds", "pass --prompt-len 3068 or less"]),
+    (["bench", "--preset", "toy", "--random-weights", "--output-len", "5000"],
+     ["--output-len 5000 exceeds", "pass --output-len 4095 or less"]),
+    (["bench", "--preset", "toy", "--random-weights", "--layers", "100"],
+     ["--layers 100 must lie in 1..6", "preset toy has 6 layers", "leave --layers out"]),
+    (["bench", "--preset", "ling-3.0-tiny", "--random-weights", "--layers", "30"],
+     ["--layers 30 must lie in 1..24", "preset ling-3.0-tiny has 24 layers"]),
+    (["bench", "--preset", "toy", "--random-weights", "--layers", "0"], ["--layers 0 must lie in 1..6"]),
+    (["bench", "--preset", "toy", "--random-weights", "--prompt-len", "16", "--output-len", "4", "--results",
+      "{files}/tokenizer.json/row.json"], ["--results {files}/tokenizer.json/row.json",
+                                           "{files}/tokenizer.json cannot hold it", "writable directory"]),
     # tensor parallelism and several processes (the counts that need devices: TP_BAD_INPUTS)
     (["generate", "--tp", "0"], ["--tp 0 must be >= 1"]),
+    (["generate", "--tp", "2"], ["--tp 2", "needs 2 devices; 1 are visible",
+                                 "XLA_FLAGS=--xla_force_host_platform_device_count=2"]),
     (["bench", "--preset", "toy", "--random-weights", "--tp", "-2"], ["--tp -2 must be >= 1"]),
     (["convert", "--hf-dir", "{files}/hf", "--out", "{files}/new", "--tp", "0"], ["--tp 0 must be >= 1"]),
     (["generate", "--coordinator", "localhost:8476"], ["--coordinator needs", "--num-processes P and --process-id I",
@@ -303,6 +327,11 @@ def test_help_shows_every_default(command):
         dtype = dict(entries)["--dtype {float32,bfloat16,fp8}"]
         assert "float32 for --preset" in dtype and "stored in the safetensors for --hf-dir" in dtype
         assert "stored in the checkpoint for --checkpoint" in dtype
+        text = " ".join(result.stdout.split())
+        assert "equals plain greedy token for token in float32" in text and "In bfloat16" in text and "drift" in text
+    if command == "bench":
+        assert "bench_<model>_<dtype>[_<spec><K>][_tp<N>].json in the current directory" in dict(entries)[
+            "--results PATH"]
 
 
 def _option_entries(help_text: str) -> list[tuple[str, str]]:
@@ -341,6 +370,77 @@ def test_speculative_generate_reports_acceptance_and_equals_plain_greedy():
         assert {"accept_length", "verify_steps", "drafted", "accepted"} <= set(got)
         assert got["accept_length"] == (got["accepted"] + got["verify_steps"]) / got["verify_steps"]
     assert got["accept_length"] == 4  # the oracle with the true continuation: k + 1 every step
+
+
+def test_tpot_counts_kept_tokens_and_is_none_without_a_decode_step(capsys):
+    """TPOT is SGLang's, over the tokens kept: tokens/s and TPOT agree with each other, however large the block
+    (capped at the tokens asked for); a single token has no decode step, so no TPOT and no accept length."""
+    from ling_jax.engine.generate import generate
+    from ling_jax.engine.sampling import Greedy
+    from ling_jax.params import init_params
+
+    common = ["generate", "--warmup", "0", "--ignore-eos"]
+    code, out, _ = run_cli([*common, "--max-new-tokens", "4", "--block-size", "1000", "--json"], capsys)
+    got, n = json.loads(out), 4
+    assert code == 0 and len(got["tokens"]) == n
+    assert got["tokens_per_s"] == pytest.approx(n / ((got["ttft_ms"] + (n - 1) * got["tpot_ms"]) / 1e3), rel=1e-6)
+    cfg = preset("toy")
+    params = init_params(cfg, jax.random.key(0), jax.numpy.float32, with_mtp=False)
+    assert generate(params, cfg, [[1, 2, 3]], max_new_tokens=n, sampler=Greedy(), block_size=1000).steps == n - 1
+    code, out, _ = run_cli([*common, "--max-new-tokens", "1", "--json"], capsys)
+    assert code == 0 and json.loads(out)["tpot_ms"] is None
+    code, out, _ = run_cli([*common, "--max-new-tokens", "1", "--spec", "suffix", "--json"], capsys)
+    assert code == 0 and json.loads(out)["tpot_ms"] is None and json.loads(out)["accept_length"] is None
+    code, _, err = run_cli([*common, "--max-new-tokens", "1", "--spec", "suffix"], capsys)
+    assert code == 0 and "TPOT n/a" in err and "accept length n/a" in err
+
+
+def test_bench_writes_its_row_where_it_runs_not_in_the_source_tree(tmp_path):
+    """Run from another directory, `bench` writes its row there, under the name its help gives, and says so; nothing
+    lands in the source tree. Its TPOT, latency and tokens/s agree with each other."""
+    def rows_in_tree():
+        return {f: f.stat().st_mtime_ns for d in (REPO, REPO / "experiments" / "results", REPO / "ling_jax")
+                for f in d.glob("bench_*.json")}
+
+    before = rows_in_tree()
+    result = run_ling_jax("bench", "--preset", "toy", "--random-weights", "--prompt-len", "16", "--output-len", "5",
+                          "--block-size", "4", "--warmup", "0", "--repeats", "1", "--backend", "reference",
+                          "--no-kernel-count", "--json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    wrote = [line for line in result.stderr.splitlines() if line.startswith("ling-jax bench: wrote ")]
+    target = tmp_path / "bench_toy_bfloat16.json"
+    assert len(wrote) == 1 and Path(wrote[0].split("wrote ", 1)[1]).resolve() == target.resolve()
+    row = json.loads(target.read_text())
+    assert row == json.loads(result.stdout.strip().splitlines()[-1])
+    assert rows_in_tree() == before
+    assert row["latency_ms"] == pytest.approx(row["ttft_ms"] + 4 * row["tpot_ms_median"], rel=1e-9)
+    assert row["output_tokens_per_s"] == pytest.approx(5 / (row["latency_ms"] / 1e3), rel=1e-9)
+
+
+def test_bench_results_option_takes_a_file_or_a_directory(tmp_path):
+    from ling_jax import bench_cli
+    from ling_jax.cli import _parser
+
+    parser = _parser()
+    base = ["bench", "--preset", "toy", "--random-weights", "--dtype", "fp8", "--tp", "2", "--results"]
+    cfg = preset("toy", quantization="fp8")
+    for given, want in ((f"{tmp_path}/rows/", tmp_path / "rows" / "bench_toy_fp8_tp2.json"),
+                        (str(tmp_path / "row.json"), tmp_path / "row.json")):
+        assert bench_cli._results_path(parser.parse_args([*base, given]), cfg, parser) == want
+    assert (tmp_path / "rows").is_dir()  # made before the run, so a bad path fails before it
+
+
+def test_crosscheck_refuses_a_conversion_of_other_weights(files, tmp_path, capsys):
+    """An orbax checkpoint converted from another checkpoint of the same config: refused by its fingerprint
+    before anything is compared, not reported as a layer-0 error."""
+    from conversion.synthetic import write_synthetic
+
+    write_synthetic(tmp_path / "other", preset("toy"), seed=2, dtype="float32", progress=False)
+    assert main(["convert", "--hf-dir", str(tmp_path / "other"), "--out", str(tmp_path / "ck")]) == 0
+    capsys.readouterr()
+    result = run_ling_jax("crosscheck", "--hf-dir", files / "hf", "--checkpoint", tmp_path / "ck", timeout=300)
+    assert_refused(result, f"--checkpoint {tmp_path / 'ck'} holds other weights than --hf-dir {files / 'hf'}",
+                   "final_norm differs", "converted from another checkpoint", "ling-jax convert --hf-dir")
 
 
 # --tp N: the CLI's sharded runs give the single-device greedy tokens (float32, so the all-reduces' summation order
@@ -423,14 +523,15 @@ def test_tp4_mtp_speculation_equals_plain_greedy(tmp_path, capsys):
 
 @pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices (tests/conftest.py sets jax_num_cpu_devices)")
 def test_bench_tp2_runs_and_reports(tmp_path, capsys):
+    """On 4 visible devices, --tp 2 runs on 2, and the table says 2."""
     code, out, _ = run_cli(["bench", "--preset", "toy", "--layers", "2", "--random-weights", "--tp", "2",
                             "--prompt-len", "16", "--output-len", "5", "--block-size", "4", "--warmup", "0",
-                            "--repeats", "1", "--backend", "reference", "--no-kernel-count", "--json",
+                            "--repeats", "1", "--backend", "reference", "--no-kernel-count",
                             "--results", str(tmp_path / "row.json")], capsys)
     assert code == 0
-    row = json.loads(out.strip().splitlines()[-1])
+    row = json.loads((tmp_path / "row.json").read_text())
     assert row["tp"] == 2 and row["layers"] == 2 and row["tpot_ms_median"] > 0 and row["ttft_ms"] > 0
-    assert json.loads((tmp_path / "row.json").read_text())["tp"] == 2
+    assert f"ours: {jax.devices()[0].device_kind} x 2)" in out
 
 
 TP_BAD_INPUTS = [
@@ -439,7 +540,7 @@ TP_BAD_INPUTS = [
     (["generate", "--tp", "8"], ["--tp 8", "needs 8 devices; 4 are visible"]),
     (["generate", "--preset", "ling-3.0-flash", "--dtype", "fp8", "--tp", "4"],
      ["--tp 4", "whole 128-row scale blocks", "'moe_intermediate_size / tp': 192"]),
-    (["bench", "--preset", "toy", "--random-weights", "--tp", "3"], ["--tp 3", "divisible by 3"]),
+    (["bench", "--preset", "toy", "--random-weights", "--prompt-len", "16", "--tp", "3"], ["--tp 3", "divisible by 3"]),
     (["convert", "--hf-dir", "{files}/hf", "--out", "{files}/tp3", "--tp", "3"], ["--tp 3", "divisible by 3"]),
 ]
 

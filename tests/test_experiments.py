@@ -56,6 +56,28 @@ def test_benchmark_smoke(name):
     assert results_state() == before, f"{name} --smoke wrote under experiments/results"
 
 
+def test_gemv_levers_smoke():
+    """bench_gemv's FP8 levers side by side (`--fp8 --levers`): every lever row timed and checked at the toy
+    shapes, the sweep after them, the summary table; nothing under experiments/results."""
+    before = results_state()
+    out = run_script("bench_gemv", "--fp8", "--levers", "--smoke")
+    for lever in ("before", "a_inout_dot", "d_rows_fma", "d_rows_dot", "a_rows_dot", "rows_sweep"):
+        assert re.search(rf"^kda_o\s+T=1\s+{lever}\s+[\d.]+ µs", out, re.M), f"no timed {lever} row:\n{out[-3000:]}"
+    assert re.search(r"^\| shape \| T \| before \| a_inout_dot \| d_rows_fma \|", out, re.M), out[-3000:]
+    assert results_state() == before, "bench_gemv --levers --smoke wrote under experiments/results"
+
+
+def test_triton_resources_reports_the_gemv_levers():
+    """The sm_90 SASS report of the FP8 GEMV levers: registers, spills and SASS instructions per weight."""
+    out = run_script("triton_resources", "--gemv", "--shapes", "kda_o", "--ts", "1",
+                     "--levers", "before,d_rows_fma")
+    rows_found = re.findall(r"^kda_o\s+T=1\s+(\w+)\s+grid .* regs (\d+) stack (\d+) B .* SASS/weight ([\d.]+) ", out,
+                            re.M)
+    assert [r[0] for r in rows_found] == ["before", "d_rows_fma"], out
+    for _, regs, stack, per_weight in rows_found:
+        assert 0 < int(regs) <= 255 and int(stack) == 0 and 1 < float(per_weight) < 20, out
+
+
 def test_triton_resources_reports_the_default_mla_kernel():
     """The sm_90 resource report (registers, spill stack, shared memory) of the MLA decode kernel, on the CPU."""
     out = run_script("triton_resources", "--t", "1", "--length", "1024", "--tunings", "default")

@@ -125,7 +125,10 @@ ROWS = [
     ("config-string-int", _config(num_attention_heads="4"), ConfigError, ["num_attention_heads"]),
     ("config-bool-int", _config(num_experts=True), ConfigError, ["num_experts"]),
     ("config-list-float", _config(rms_norm_eps=[1e-6]), ConfigError, ["rms_norm_eps"]),
-    ("config-missing-field", _config(hidden_size="<drop>"), ConfigError, ["hidden_size", "Ling-3"]),
+    ("config-missing-field", _config(hidden_size="<drop>"), ConfigError,
+     ["config.json lacks 'hidden_size': every", "Ling-3"]),
+    ("config-missing-aliased-field", _config(linear_head_dim="<drop>", head_dim="<drop>"), ConfigError,
+     ["config.json lacks 'linear_head_dim' (also looked for 'head_dim'): every"]),
     ("config-zero-heads", _config(num_attention_heads=0), ConfigError, ["num_attention_heads", "positive"]),
     ("config-gate-bound", _config(kda_lower_bound=-7.0), ConfigError, ["kda_lower_bound", "[-5, 0)"]),
     ("config-groups", _config(n_group=5), ConfigError, ["n_group"]),
@@ -253,3 +256,39 @@ def test_malformed_input_stops_with_one_clear_message(name, action, error, fragm
         assert fragment in message, f"{fragment!r} not in the message:\n{message}"
     if error is not CheckpointError:  # a checkpoint's problems come as one headed list; everything else is a line
         assert len(message.splitlines()) == 1, f"not one line:\n{message}"
+
+
+def test_missing_shard_is_named_as_a_missing_file(checkpoint, tmp_path, capsys):
+    """A shard the index names but the directory lacks is a copy problem: named with the fix, not listed as a
+    mismatch between the checkpoint and its config.json."""
+    ck = _copy(checkpoint, tmp_path / "ck")
+    gone = sorted(ck.glob("*.safetensors"))[1]
+    gone.unlink()
+    with pytest.raises(CheckpointError) as raised:
+        load_hf(ck, progress=False)
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--hf-dir", str(ck)])
+    err = capsys.readouterr().err
+    for message in (str(raised.value), err):
+        assert f"1 shard file(s) named in {INDEX_NAME} are missing from {ck}" in message
+        assert gone.name in message and "re-download or re-copy them" in message
+        assert "config.json" not in message and "missing (" not in message
+    assert exit_.value.code == 2 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("part, fragments", [
+    ("state/d", ["its file params/state/d/", "is truncated or damaged"]),
+    ("state/ocdbt.process_*/d", ["orbax cannot restore the stored array", "data files are truncated or damaged"]),
+], ids=["index-file", "data-file"])
+def test_truncated_orbax_file_is_one_message(part, fragments, toy, tmp_path):
+    """A truncated file of an orbax checkpoint (its OCDBT index under params/state/d/, or the data beside it): one
+    message naming it and the fix, and none of the reads orbax abandons reports after it."""
+    from tests.cli_run import assert_refused, run_ling_jax
+
+    cfg, params = toy
+    ck = save_params(tmp_path / "orbax", cfg.replace(num_mtp_layers=0), params)
+    victim = sorted((ck / "params").glob(f"{part}/*"))[0]
+    victim.write_bytes(victim.read_bytes()[:victim.stat().st_size // 2])
+    result = run_ling_jax("generate", "--checkpoint", ck, "--max-new-tokens", "2", "--warmup", "0")
+    assert_refused(result, f"{ck / 'params'}: ", *fragments, "copy the checkpoint again", "ling-jax convert")
+    assert "Event loop is closed" not in result.stderr and "never retrieved" not in result.stderr, result.stderr

@@ -229,7 +229,7 @@ def transformers_ckpt(tmp_path_factory):
         out = main_model.generate(torch.as_tensor(prompt), max_new_tokens=N_NEW, do_sample=False,
                                   eos_token_id=None, pad_token_id=0)
     want = out[0, prompt.shape[1]:].tolist()
-    draft_cfg = cfg.replace(num_layers=2, layer_group_size=2, num_mtp_layers=0, first_k_dense_replace=1)
+    draft_cfg = cfg.first_layers(2)
     draft = init_params(draft_cfg, jax.random.key(3), jnp.float32, with_mtp=False)
     return dict(cfg=cfg, params=params, prompt=prompt, want=want, draft=(draft_cfg, draft))
 

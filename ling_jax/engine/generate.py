@@ -53,9 +53,11 @@ class GenerateResult:
     compiles: int = 0  # executables compiled inside the timed region: 0 means the times exclude compilation
 
     @property
-    def tpot_s(self) -> float:
-        """Time per decode step (SGLang's TPOT when every step yields a kept token)."""
-        return self.decode_s / max(self.steps, 1)
+    def tpot_s(self) -> float | None:
+        """SGLang's TPOT, (latency - TTFT) / (output tokens - 1), over the first sequence's kept tokens; None
+        for a single token (no decode step)."""
+        n = len(self.tokens[0])
+        return self.decode_s / (n - 1) if n > 1 else None
 
     @property
     def tokens_per_s(self) -> float:
@@ -125,6 +127,8 @@ def generate(params, cfg: LingConfig, prompt, *, max_new_tokens: int, sampler, s
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
     if block_size < 1:
         raise ValueError(f"block_size={block_size} must be >= 1")
+    # Steps past the last token asked for would only be discarded; the prefill gives the first token.
+    block_size = min(block_size, max(max_new_tokens - 1, 1))
     if prompt.shape[1] + max_new_tokens > cfg.max_position_embeddings:
         raise ValueError(f"prompt length {prompt.shape[1]} + max_new_tokens={max_new_tokens} exceeds the model's "
                          f"max_position_embeddings={cfg.max_position_embeddings}; shorten one of them")

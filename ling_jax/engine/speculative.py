@@ -74,14 +74,16 @@ class SpecResult:
     compiles: int = 0  # executables compiled inside the timed region
 
     @property
-    def accept_length(self) -> float:
-        """Committed tokens per verify step, the target's own token included (SGLang's accept length)."""
-        return (self.accepted + self.verify_steps) / max(self.verify_steps, 1)
+    def accept_length(self) -> float | None:
+        """Committed tokens per verify step, the target's own token included (SGLang's accept length); None when
+        no step ran (a single output token comes from the prefill)."""
+        return (self.accepted + self.verify_steps) / self.verify_steps if self.verify_steps else None
 
     @property
-    def tpot_s(self) -> float:
-        """Decode time per emitted token after the first (SGLang's TPOT)."""
-        return self.decode_s / max(len(self.tokens[0]) - 1, 1)
+    def tpot_s(self) -> float | None:
+        """Decode time per emitted token after the first (SGLang's TPOT); None for a single token."""
+        n = len(self.tokens[0])
+        return self.decode_s / (n - 1) if n > 1 else None
 
     @property
     def tokens_per_s(self) -> float:
@@ -177,6 +179,7 @@ def generate_speculative(params, cfg: LingConfig, prompt, *, max_new_tokens: int
     prompt = host_prompt(prompt, cfg)
     if max_new_tokens < 1 or block_size < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} and block_size={block_size} must be >= 1")
+    block_size = min(block_size, max(max_new_tokens - 1, 1))  # a step emits >= 1 token: more would be discarded
     # The last useful step may run k + 1 positions past the output's end; later steps' tokens are discarded.
     needed = prompt.shape[1] + max_new_tokens + k + 1
     if needed > cfg.max_position_embeddings:

@@ -6,13 +6,18 @@ definition, rounded to the dtype it is asked for. The kernels keep the dequantis
 references take `dequantize(w, float32)`); XLA's GEMMs (prefill, the reference backend) take it rounded to the
 compute dtype.
 
-Two layouts, following how ling-jax stores the weight (ling_jax/params.py):
+Three layouts, following how ling-jax stores the weight (ling_jax/params.py):
     IN_OUT  q [*in, *out] (projections, n_in input axes; In = prod(in)): scale [ceil(In/128), *out], one scale
             per 128 input rows and output column. A checkpoint's 128x128 block scale is repeated over the block's
             128 output columns, so any packing of output columns (fused per-head projections) stays exact; it
             costs 4 bytes per 128 weight bytes (3 %).
     OUT_IN  q [..., O, I] (the MoE experts, kept as torch stores them): scale [..., ceil(O/128), ceil(I/128)],
             the checkpoint's own 128x128 blocks.
+    ROWS    q [*out, *in] (projections as torch stores them, each output row contiguous along its inputs; the last
+            n_in axes are inputs, In = prod(in)): scale [*out, ceil(In/128)], one scale per output row and 128
+            input columns: IN_OUT's scales transposed, so packing stays exact here too (pallas_kernels/gemv/rows.py
+            streams it). `convert_layout` turns an IN_OUT or OUT_IN weight into it exactly (a transpose, or the
+            block scale repeated over its rows) and a ROWS weight back into IN_OUT.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ import jax.numpy as jnp
 BLOCK = 128
 FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
 FP8_MAX = 448.0  # the largest finite E4M3 value
-IN_OUT, OUT_IN = "in_out", "out_in"
+IN_OUT, OUT_IN, ROWS = "in_out", "out_in", "rows"
+LAYOUTS = (IN_OUT, OUT_IN, ROWS)
 
 
 @jax.tree_util.register_dataclass
@@ -35,7 +41,8 @@ class Fp8Weight:
     q: jax.Array  # float8_e4m3fn, the weight's shape
     scale: jax.Array  # float32, see the module docstring
     layout: str = dataclasses.field(default=IN_OUT, metadata=dict(static=True))
-    n_in: int = dataclasses.field(default=1, metadata=dict(static=True))  # IN_OUT: the leading input axes
+    # IN_OUT: the leading input axes; ROWS: the trailing ones
+    n_in: int = dataclasses.field(default=1, metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -58,15 +65,23 @@ def scale_shape(shape: tuple[int, ...], layout: str, n_in: int = 1) -> tuple[int
         return (math.ceil(math.prod(shape[:n_in]) / BLOCK),) + tuple(shape[n_in:])
     if layout == OUT_IN:
         return tuple(shape[:-2]) + (math.ceil(shape[-2] / BLOCK), math.ceil(shape[-1] / BLOCK))
-    raise ValueError(f"FP8 layout {layout!r} must be {IN_OUT!r} or {OUT_IN!r}")
+    if layout == ROWS:
+        return tuple(shape[:-n_in]) + (math.ceil(math.prod(shape[-n_in:]) / BLOCK),)
+    raise ValueError(f"FP8 layout {layout!r} must be one of {LAYOUTS}")
 
 
-def check_fp8(name: str, w: Fp8Weight, layout: str | None = None) -> None:
-    """A clear error for a mistyped or mis-shaped FP8 weight or scale."""
+def check_fp8(name: str, w: Fp8Weight, layout: str | tuple[str, ...] | None = None) -> None:
+    """A clear error for a mistyped or mis-shaped FP8 weight or scale (`layout`: the one, or the ones, an op takes)."""
     if not isinstance(w, Fp8Weight):
         raise ValueError(f"{name} is {type(w).__name__}; expected an Fp8Weight")
-    if layout is not None and w.layout != layout:
-        raise ValueError(f"{name} has FP8 layout {w.layout!r}; this op needs {layout!r} (pallas_kernels/common/fp8.py)")
+    allowed = (layout,) if isinstance(layout, str) else layout
+    if allowed is not None and w.layout not in allowed:
+        raise ValueError(f"{name} has FP8 layout {w.layout!r}; this op needs {' or '.join(map(repr, allowed))} "
+                         "(pallas_kernels/common/fp8.py)")
+    if w.layout not in LAYOUTS:
+        raise ValueError(f"{name} has FP8 layout {w.layout!r}; must be one of {LAYOUTS}")
+    if w.layout == ROWS and not 1 <= w.n_in < w.ndim:
+        raise ValueError(f"{name}.n_in={w.n_in} must leave an output and an input axis in the {ROWS} shape {w.shape}")
     if jnp.dtype(w.q.dtype) != FP8_DTYPE:
         raise ValueError(f"{name}.q.dtype={jnp.dtype(w.q.dtype)} must be {FP8_DTYPE}")
     if jnp.dtype(w.scale.dtype) != jnp.float32:
@@ -83,6 +98,10 @@ def expanded_scale(w: Fp8Weight) -> jax.Array:
     if w.layout == IN_OUT:
         rows = math.prod(w.shape[:w.n_in])
         s = jnp.repeat(w.scale.reshape(w.scale.shape[0], -1), BLOCK, axis=0)[:rows]
+        return s.reshape(w.shape)
+    if w.layout == ROWS:
+        cols = math.prod(w.shape[-w.n_in:])
+        s = jnp.repeat(w.scale, BLOCK, axis=-1)[..., :cols]
         return s.reshape(w.shape)
     o, i = w.shape[-2:]
     s = jnp.repeat(jnp.repeat(w.scale, BLOCK, axis=-2)[..., :o, :], BLOCK, axis=-1)
@@ -108,16 +127,43 @@ def _block_scales(w2: jax.Array, rows: int, cols: int) -> jax.Array:
 
 def quantize(w: jax.Array, layout: str = IN_OUT, n_in: int = 1) -> Fp8Weight:
     """Block-FP8 of a float weight: scale = block amax / 448 (stored as the checkpoint's scale_inv), q = w / scale
-    rounded to E4M3. IN_OUT blocks are 128 input rows x one output column, OUT_IN the checkpoint's 128x128."""
+    rounded to E4M3. IN_OUT blocks are 128 input rows x one output column, ROWS one output row x 128 input
+    columns (the same blocks of the transposed weight), OUT_IN the checkpoint's 128x128."""
     w32 = jnp.asarray(w, jnp.float32)
     if layout == IN_OUT:
         rows = math.prod(w.shape[:n_in])
         scale = _block_scales(w32.reshape(rows, -1), BLOCK, 1).reshape(scale_shape(w.shape, layout, n_in))
+    elif layout == ROWS:
+        cols = math.prod(w.shape[-n_in:])
+        scale = _block_scales(w32.reshape(-1, cols), 1, BLOCK).reshape(scale_shape(w.shape, layout, n_in))
     else:
         scale = _block_scales(w32, BLOCK, BLOCK)
     probe = Fp8Weight(jnp.zeros(w.shape, FP8_DTYPE), scale, layout, n_in)
     q = jnp.clip(w32 / expanded_scale(probe), -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
     return Fp8Weight(q, scale, layout, n_in)
+
+
+def convert_layout(w: Fp8Weight, layout: str) -> Fp8Weight:
+    """The same dequantised weight in another layout, exactly (no value or scale is recomputed): IN_OUT -> ROWS
+    transposes q [*in, *out] to [*out, *in] and moves the scale's block axis last; OUT_IN -> ROWS repeats each
+    128x128 block scale over its 128 rows (q stays); ROWS -> IN_OUT undoes the first. OUT_IN is only ever the
+    source: a ROWS or IN_OUT scale need not be uniform over 128 rows."""
+    check_fp8("w", w)
+    if w.layout == layout:
+        return w
+    n_in = w.n_in
+    if (w.layout, layout) == (IN_OUT, ROWS):
+        order = tuple(range(n_in, w.ndim)) + tuple(range(n_in))
+        return Fp8Weight(jnp.transpose(w.q, order), jnp.moveaxis(w.scale, 0, -1), ROWS, n_in)
+    if (w.layout, layout) == (ROWS, IN_OUT):
+        n_out = w.ndim - n_in
+        order = tuple(range(n_out, w.ndim)) + tuple(range(n_out))
+        return Fp8Weight(jnp.transpose(w.q, order), jnp.moveaxis(w.scale, -1, 0), IN_OUT, n_in)
+    if (w.layout, layout) == (OUT_IN, ROWS):
+        scale = jnp.repeat(w.scale, BLOCK, axis=-2)[..., :w.shape[-2], :]
+        return Fp8Weight(w.q, scale, ROWS, 1)
+    raise ValueError(f"convert_layout takes {IN_OUT!r} or {OUT_IN!r} to {ROWS!r} and {ROWS!r} to {IN_OUT!r}; got "
+                     f"{w.layout!r} -> {layout!r}")
 
 
 def weight_dtype(w):

@@ -2,8 +2,8 @@
 
 `backend="reference"` runs `reference.py` (pure jnp, any T). `backend="pallas"` runs the Pallas-Triton kernels of
 `kernel.py` (compiled on a GPU, interpreted on CPU) for 1 <= T <= kernel.MAX_TOKENS tokens and K divisible by 16;
-anything else is an error naming the limit. `gemv` also takes a block-FP8 weight (`fp8.Fp8Weight`, layout IN_OUT);
-`greedy_head` does not.
+anything else is an error naming the limit. `gemv` also takes a block-FP8 weight (`fp8.Fp8Weight`): layout IN_OUT
+(q [K, N], kernel.py) or ROWS (q [N, K], the rows kernel of rows.py); `greedy_head` does not.
 """
 
 from __future__ import annotations
@@ -16,13 +16,19 @@ from pallas_kernels.gemv import reference
 
 
 def _check_inputs(x, w, out_letter):
-    """x [T, K] compute dtype, w [K, out] in x's dtype or an IN_OUT Fp8Weight -> (T, K, out)."""
+    """x [T, K] compute dtype, w [K, out] in x's dtype or an IN_OUT Fp8Weight (or a ROWS one, [out, K]) -> (T, K,
+    out)."""
     check_rank("x", x, 2, "[T, K]")
     check_dtype("x", x, COMPUTE_DTYPES)
     is_fp8 = isinstance(w, fp8.Fp8Weight)
     if is_fp8:  # first: the shape hints below are for plain arrays
         _check_fp8_weight(w)
     t, k = x.shape
+    if is_fp8 and w.layout == fp8.ROWS:
+        if w.ndim != 2 or w.shape[1] != k:
+            raise ValueError(f"w.shape={tuple(w.shape)} must be [{out_letter}, K] (a {fp8.ROWS} weight: [out, in]) "
+                             f"with K = x.shape[1] = {k}")
+        return t, k, w.shape[0]
     layout = f"[K, {out_letter}]"
     if w.ndim != 2:
         raise ValueError(f"w.shape={tuple(w.shape)} must be {layout} (a [D, H, Dh] projection: reshape it to "
@@ -37,11 +43,13 @@ def _check_inputs(x, w, out_letter):
 
 
 def _check_fp8_weight(w):
-    """An IN_OUT Fp8Weight with one input axis, E4M3 values and its float32 [ceil(K/128), N] scales."""
-    if w.layout == fp8.IN_OUT and w.n_in != 1:
-        raise ValueError(f"w.n_in={w.n_in} must be 1: the GEMV takes an Fp8Weight of one input axis, q [K, N] "
-                         "(quantize the [K, N] weight with n_in=1)")
-    fp8.check_fp8("w", w, fp8.IN_OUT)
+    """An IN_OUT or ROWS Fp8Weight with one input axis, E4M3 values and its float32 scales ([ceil(K/128), N] or
+    [N, ceil(K/128)])."""
+    if w.layout in (fp8.IN_OUT, fp8.ROWS) and w.n_in != 1:
+        shape = "[K, N]" if w.layout == fp8.IN_OUT else "[N, K]"
+        raise ValueError(f"w.n_in={w.n_in} must be 1: the GEMV takes an Fp8Weight of one input axis, q {shape} "
+                         f"(quantize the {shape} weight with n_in=1)")
+    fp8.check_fp8("w", w, (fp8.IN_OUT, fp8.ROWS))
 
 
 def _check_norm(norm, k):
@@ -72,11 +80,13 @@ def _as_compute_dtype(dtype):
     return dt
 
 
-def _check_pallas(t, k, n):
-    from pallas_kernels.gemv import kernel
+def _check_pallas(t, k, n, w=None):
+    """The kernel module for w (rows.py for a ROWS weight, else kernel.py) after checking its size limits."""
+    from pallas_kernels.gemv import kernel, rows
 
-    kernel.check_sizes(t, k, n)
-    return kernel
+    is_rows = isinstance(w, fp8.Fp8Weight) and w.layout == fp8.ROWS
+    kernel.check_sizes(t, k, n, "w.shape[1]" if is_rows else "w.shape[0]")
+    return rows if is_rows else kernel
 
 
 def gemv(x, w, residual=None, *, norm=None, backend="reference"):
@@ -85,9 +95,10 @@ def gemv(x, w, residual=None, *, norm=None, backend="reference"):
     Args:
       x: [T, K] compute dtype (float32 or bfloat16).
       w: [K, N] in x's dtype: the [in, out] layout ling-jax stores projections in (ling_jax/params.py); or an
-        `fp8.Fp8Weight` (layout IN_OUT, n_in 1): q [K, N] float8_e4m3fn, scale [ceil(K/128), N] float32, dequantised
-        in float32 and multiplied by x in float32 (never rounded to x's dtype; the Pallas kernel applies each
-        128-row block's scale to its fp32 partial sums, reading half the weight bytes).
+        `fp8.Fp8Weight` (n_in 1) of layout IN_OUT: q [K, N] float8_e4m3fn, scale [ceil(K/128), N] float32, or of
+        layout ROWS: q [N, K], scale [N, ceil(K/128)] (rows.py's kernel); dequantised in float32 and multiplied by
+        x in float32 (never rounded to x's dtype; the Pallas kernels apply each 128-wide block's scale to its fp32
+        partial sums, reading half the weight bytes).
       residual: optional [T, N] in x's dtype, added last (a pre-norm block's h + proj(x)); the Pallas kernel adds it
         in its epilogue.
       norm: None, or (weight [K] any float dtype, eps a positive Python float): the input is first
@@ -106,7 +117,7 @@ def gemv(x, w, residual=None, *, norm=None, backend="reference"):
     _check_norm(norm, k)
     if backend == "reference":
         return reference.gemv(x, w, residual, norm=norm)
-    return _check_pallas(t, k, n).gemv(x, w, residual, norm=norm)
+    return _check_pallas(t, k, n, w).gemv(x, w, residual, norm=norm)
 
 
 def greedy_head(x, w, *, norm=None, logits_dtype=None, backend="reference"):

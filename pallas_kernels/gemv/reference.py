@@ -6,11 +6,12 @@ its [D, H·K] reshape, free on the contiguous array). `gemv` is `ling_jax.layers
 the weight cast to x's dtype, fp32 accumulation at full precision, rounded once to the compute dtype; the optional
 residual is added after that rounding, in the compute dtype, as a pre-norm block's `h + proj(x)`.
 
-An FP8 weight (`fp8.Fp8Weight`, layout IN_OUT: E4M3 q [K, N], fp32 scale [ceil(K/128), N]) is dequantised in
-float32 (`fp8.dequantize(w, float32)`: q·scale, never rounded to the compute dtype) and multiplied by x widened to
-float32, at full precision with fp32 accumulation; then the path above (one rounding of the output to x's dtype,
-the residual after it; a norm first, with its roundings in x's dtype). The Pallas kernel computes the same sums,
-scale[b, n] · (sum over block b of x[k]·q[k, n]), so it equals this up to fp32 rounding and summation order.
+An FP8 weight (`fp8.Fp8Weight`, layout IN_OUT: E4M3 q [K, N], fp32 scale [ceil(K/128), N]; or ROWS: q [N, K],
+scale [N, ceil(K/128)], transposed after dequantising) is dequantised in float32 (`fp8.dequantize(w, float32)`:
+q·scale, never rounded to the compute dtype) and multiplied by x widened to float32, at full precision with fp32
+accumulation; then the path above (one rounding of the output to x's dtype, the residual after it; a norm first,
+with its roundings in x's dtype). The Pallas kernels compute the same sums, scale · (sum over a 128-wide block of
+x[k]·q[k, n]), so they equal this up to fp32 rounding and summation order.
 
 `norm=(weight, eps)` makes the input `rms_norm(x, weight, eps)` first, with `ling_jax.layers.norms.rms_norm`'s
 roundings: normalised in fp32, rounded to x's dtype, then times the weight cast to x's dtype (a compute-dtype
@@ -50,11 +51,12 @@ def _logits_f32(x, w):
 
 
 def gemv(x, w, residual=None, *, norm=None):
-    """x [T, K], w [K, N] ([in, out]; or an IN_OUT Fp8Weight of that shape), residual None or [T, N], norm None or
-    (weight [K], eps) -> [T, N] in x's dtype."""
+    """x [T, K], w [K, N] ([in, out]; or an IN_OUT Fp8Weight of that shape, or a ROWS one [N, K]), residual None or
+    [T, N], norm None or (weight [K], eps) -> [T, N] in x's dtype."""
     xn = _normed(x, norm)
     if isinstance(w, fp8.Fp8Weight):
-        y = _logits_f32(xn.astype(jnp.float32), fp8.dequantize(w, jnp.float32)).astype(x.dtype)
+        w32 = fp8.dequantize(w, jnp.float32)
+        y = _logits_f32(xn.astype(jnp.float32), w32.T if w.layout == fp8.ROWS else w32).astype(x.dtype)
     else:
         y = _logits_f32(xn, w).astype(x.dtype)
     return y if residual is None else residual + y
