@@ -16,8 +16,8 @@ name feeds two leaves. Loading (`conversion.load`) and synthetic writing (`conve
 plan, one source tensor at a time, in opposite directions: `Entry.source_to_params` (official array -> params
 arrays, or the slice of the stacked or fused leaf it fills) and `Entry.source_to_hf` (the inverse).
 
-Transforms (official torch layout is [out, in]; ling-jax stores [in, out] with heads split out, except the MoE
-router and every expert matrix, kept [out, in]):
+Transforms (official torch layout is [out, in]; ling-jax stores float projections [in, out] with heads split out,
+block-FP8 ones [out, in] with heads split out (`fp8.ROWS`), and the MoE router and every expert matrix [out, in]):
     IDENTITY  norms, A_log, embed [V, D], router [E, D], expert_bias, routed and shared expert gate/up/down (already
               [out, in])
     LINEAR    [prod(out), prod(in)] -> [*in, *out]: the first `n_in` param axes are inputs
@@ -29,6 +29,10 @@ router and every expert matrix, kept [out, in]):
               KDA_IN   q k v f g [H*K, D], b [H, D] (LINEAR each) -> w_in [D, H, 5K+1], concatenated on the last axis
               MLA_QG   q [H*Dqk, D], gate g [H, D] (LINEAR each) -> w_qg [D, H, Dqk+1], concatenated on the last axis
               CONV_QKV q k v [H*K, 1, W] (CONV each) -> conv_qkv [W, 3, H, K], stacked on axis 1
+A block-FP8 projection's entry takes each rule's ROWS form (`rows_form`): LINEAR becomes ROWS_LINEAR, a reshape
+[prod(out), prod(in)] -> [*out, *in] (w_o [D, H, Dv]); KV_B gives w_k_b [H, Dn, R], w_v_b [H, Dv, R]; the fused
+leaves pack their parts on the last output axis (w_in [H, 5K+1, D], w_qg [H, Dqk+1, D]). Its scale
+[ceil(out/128), ceil(in/128)] is repeated over each block's 128 output rows and then moved as the weight is.
 Experts: `mlp.experts.{e}.*` for e = 0..E-1 are transformed one by one and stacked on a leading [E] axis.
 """
 
@@ -45,7 +49,7 @@ import numpy as np
 
 from ling_jax.config import DENSE, KDA, MLA, MOE, LingConfig
 from ling_jax.params import ParamSpec, is_fp8, is_leaf_spec, kda_in_parts, mla_qg_parts, param_specs, weight_spec
-from pallas_kernels.common.fp8 import BLOCK, IN_OUT, scale_shape
+from pallas_kernels.common.fp8 import BLOCK, OUT_IN, ROWS, scale_shape
 
 Path = tuple[Any, ...]  # a params path, e.g. ("layers", 3, "mixer", "w_in")
 Shape = tuple[int, ...]
@@ -92,6 +96,23 @@ class Linear(Transform):
     def to_hf(self, xs):
         s = xs[0].shape
         return xs[0].reshape(math.prod(s[:self.n_in]), math.prod(s[self.n_in:])).T
+
+
+@dataclasses.dataclass(frozen=True)
+class RowsLinear(Transform):
+    """torch nn.Linear weight [out, in] -> [*out, *in] (a block-FP8 projection, `fp8.ROWS`); the last `n_in`
+    params axes are the input. A reshape: each output row stays contiguous."""
+    n_in: int = 1
+
+    def hf_shape(self, shapes):
+        s = shapes[0]
+        return (math.prod(s[:len(s) - self.n_in]), math.prod(s[len(s) - self.n_in:]))
+
+    def to_params(self, x, shapes):
+        return (x.reshape(shapes[0]),)
+
+    def to_hf(self, xs):
+        return xs[0].reshape(self.hf_shape([xs[0].shape]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,17 +164,39 @@ class KvB(Transform):
         return z.reshape(-1, z.shape[-1])
 
 
+@dataclasses.dataclass(frozen=True)
+class KvBRows(Transform):
+    """kv_b_proj [H*(Dn+Dv), R] -> w_k_b [H, Dn, R], w_v_b [H, Dv, R] (block-FP8, `fp8.ROWS`): KV_B without the
+    transpose."""
+
+    def hf_shape(self, shapes):
+        (h, dn, r), (_, dv, _) = shapes
+        return (h * (dn + dv), r)
+
+    def to_params(self, x, shapes):
+        (h, dn, r), _ = shapes
+        z = x.reshape(h, -1, r)  # [H, Dn+Dv, R]
+        return z[:, :dn], z[:, dn:]
+
+    def to_hf(self, xs):
+        z = np.concatenate(xs, axis=1)  # [H, Dn+Dv, R]
+        return z.reshape(-1, z.shape[-1])
+
+
 IDENTITY, LINEAR, LINEAR_2IN, CONV, SPLIT_HEADS, KV_B = Identity(), Linear(1), Linear(2), Conv(), SplitHeads(), KvB()
+KV_B_ROWS = KvBRows()
 
 
 @dataclasses.dataclass(frozen=True)
 class Fused:
     """Several official tensors -> one params leaf: tensor i becomes piece i through `parts[i]`, and the pieces are
-    concatenated on the last axis, `widths(cfg)` wide each (the per-head column blocks of ling_jax.params), or, with
-    `widths` None, stacked on `stack_axis`. Shapes are the pieces' params shapes (`Entry.pieces`)."""
+    concatenated on axis `pack_axis` (negative: the last for [in, out], the one before the input axis for ROWS),
+    `widths(cfg)` wide each (the per-head blocks of ling_jax.params), or, with `widths` None, stacked on
+    `stack_axis`. Shapes are the pieces' params shapes (`Entry.pieces`)."""
     parts: tuple[Transform, ...]
     widths: Callable[[LingConfig], dict[str, int]] | None = None
     stack_axis: int = 1
+    pack_axis: int = -1
 
     def piece_specs(self, spec: ParamSpec, cfg: LingConfig) -> tuple[ParamSpec, ...]:
         """The spec of each piece of the leaf `spec`: its dtype and init, the packed axis cut to the piece's."""
@@ -163,19 +206,20 @@ class Fused:
             cut = lambda t: t[:a] + t[a + 1:]  # noqa: E731
             return (dataclasses.replace(spec, shape=cut(spec.shape), axes=cut(spec.axes)),) * len(self.parts)
         widths = tuple(self.widths(cfg).values())
-        assert len(widths) == len(self.parts) and sum(widths) == spec.shape[-1], (spec, widths)
-        return tuple(dataclasses.replace(spec, shape=spec.shape[:-1] + (w,)) for w in widths)
+        a = len(spec.shape) + self.pack_axis
+        assert len(widths) == len(self.parts) and sum(widths) == spec.shape[a], (spec, widths)
+        return tuple(dataclasses.replace(spec, shape=spec.shape[:a] + (w,) + spec.shape[a + 1:]) for w in widths)
 
     def slot(self, i: int, shapes: Sequence[Shape]) -> tuple:
         """The index of piece i in the leaf."""
         if self.widths is None:
             return (slice(None),) * self.stack_axis + (i,)
-        start = sum(s[-1] for s in shapes[:i])
-        return (Ellipsis, slice(start, start + shapes[i][-1]))
+        start = sum(s[self.pack_axis] for s in shapes[:i])
+        return (Ellipsis, slice(start, start + shapes[i][self.pack_axis])) + (slice(None),) * (-1 - self.pack_axis)
 
     def to_params(self, xs: Sequence[np.ndarray], shapes: Sequence[Shape]) -> np.ndarray:
         pieces = [t.to_params(x, [s])[0] for t, x, s in zip(self.parts, xs, shapes)]
-        return np.stack(pieces, self.stack_axis) if self.widths is None else np.concatenate(pieces, -1)
+        return np.stack(pieces, self.stack_axis) if self.widths is None else np.concatenate(pieces, self.pack_axis)
 
     def to_hf(self, x: np.ndarray, shapes: Sequence[Shape]) -> tuple[np.ndarray, ...]:
         return tuple(t.to_hf([x[self.slot(i, shapes)]]) for i, t in enumerate(self.parts))
@@ -184,6 +228,18 @@ class Fused:
 KDA_IN = Fused((LINEAR,) * 6, kda_in_parts)  # w_in: q k v f g b
 MLA_QG = Fused((LINEAR,) * 2, mla_qg_parts)  # w_qg: q, the head-wise gate
 CONV_QKV = Fused((CONV,) * 3)  # conv_qkv: q k v taps
+
+
+def rows_form(transform: Transform | Fused) -> Transform | Fused:
+    """The transform of a rule whose leaf is a block-FP8 projection (`fp8.ROWS`, [*out, *in])."""
+    if isinstance(transform, Linear):
+        return RowsLinear(transform.n_in)
+    if transform is KV_B:
+        return KV_B_ROWS
+    if isinstance(transform, Fused) and transform.widths is not None:
+        assert all(part == LINEAR for part in transform.parts), transform  # one input axis, so -2 is the last out
+        return dataclasses.replace(transform, parts=tuple(map(rows_form, transform.parts)), pack_axis=-2)
+    raise ValueError(f"{transform} has no form for a {ROWS} leaf")
 
 # Scopes: which names a layer carries. GLOBAL names are whole; the others sit under `model.layers.{l}.`.
 GLOBAL, LAYER, MTP = "global", "layer", "mtp"  # LAYER: every decoder layer, the MTP layer included
@@ -280,7 +336,8 @@ class Entry:
     transform: Transform | Fused
     stacked: bool
     pieces: tuple[ParamSpec, ...] = ()
-    # Block-FP8 leaves (cfg.quantization "fp8"): the leaf's layout and input axes, `specs` then being the values'.
+    # Block-FP8 leaves (cfg.quantization "fp8"): the leaf's layout and input axes, `specs` then being the values'
+    # and `transform` the rule's form for that layout.
     fp8: tuple[str, int] | None = None
 
     @property
@@ -294,9 +351,9 @@ class Entry:
 
     def scale_to_params(self, i: int, scale_inv: np.ndarray) -> tuple[np.ndarray, ...]:
         """Source i's checkpoint scale [ceil(out/128), ceil(in/128)] -> its params-layout scales
-        (pallas_kernels/common/fp8.py): IN_OUT repeats each block row over its 128 output rows, then moves the
-        rows as the weight's transform moves them; OUT_IN keeps the blocks."""
-        if self.fp8[0] == IN_OUT:
+        (pallas_kernels/common/fp8.py): a projection's (ROWS, or IN_OUT) repeats each block row over its 128 output
+        rows, then moves the rows as the weight's transform moves them; OUT_IN keeps the blocks."""
+        if self.fp8[0] != OUT_IN:
             scale_inv = np.repeat(scale_inv, BLOCK, axis=0)[:self.source_shape(i)[0]]
         return self._source_transform(i).to_params(scale_inv, self.scale_specs(i))
 
@@ -378,14 +435,15 @@ def plan(cfg: LingConfig, *, with_mtp: bool = True) -> list[Entry]:
         leaf_specs = [weight_spec(s) for s in declared]
         assert len({is_fp8(s) for s in declared}) == 1, rule
         fp8 = (declared[0].layout, declared[0].n_in) if is_fp8(declared[0]) else None
+        transform = rows_form(rule.transform) if fp8 and fp8[0] == ROWS else rule.transform
         stacked = "{e}" in rule.hf[0][0]
         if stacked:
             sources = tuple(tuple(prefix + n.format(e=e) for n in rule.hf[0]) for e in range(leaf_specs[0].shape[0]))
         else:
             sources = tuple(tuple(prefix + n for n in names) for names in rule.hf)
-        pieces = rule.transform.piece_specs(leaf_specs[0], cfg) if isinstance(rule.transform, Fused) else ()
+        pieces = transform.piece_specs(leaf_specs[0], cfg) if isinstance(transform, Fused) else ()
         paths = tuple(root + tuple(p.split(".")) for p in rule.params)
-        entry = Entry(sources, paths, tuple(leaf_specs), rule.transform, stacked, pieces, fp8)
+        entry = Entry(sources, paths, tuple(leaf_specs), transform, stacked, pieces, fp8)
         for p in paths:
             assert p not in by_path, f"two rules feed {path_str(p)}"
             by_path[p] = entry

@@ -8,7 +8,10 @@
 checkpoint with a partial save, frees it and goes on, so its host memory is about two groups (orbax copies the
 arrays it writes) plus one source tensor, however large the model. The groups leave no trace on disk: the
 finalised checkpoint is one tree. Checkpoints of older ling-jax versions, one StandardCheckpointer tree directly
-under params/, still load.
+under params/, still load; those whose leaves have an older layout are refused, naming it and the fix (convert
+again). Block-FP8 projections stored [in, out] (IN_OUT) before they became [out, in] (ROWS) are among them: every
+config has a one-input projection (w_kv_a, w_in, a dense MLP) whose two layouts differ in shape, so such a
+checkpoint never passes the shape check.
 
 `load_params` restores every leaf straight into its target sharding (orbax reads only each device's slice), so a
 checkpoint written from any mesh restores onto any other that divides the sizes.
@@ -36,7 +39,8 @@ from orbax.checkpoint.experimental.v1._src.partial.path import add_partial_save_
 from conversion import hf
 from conversion.load import INDEX_NAME, CheckpointError, _sharding_lookup, plan_hf, router_dtype_of, stream_hf
 from ling_jax.config import LingConfig, from_hf, to_hf_dict
-from ling_jax.params import COMPUTE, is_spec, param_specs
+from ling_jax.params import COMPUTE, is_fp8, is_spec, param_specs
+from pallas_kernels.common.fp8 import IN_OUT, ROWS, scale_shape
 
 PARAMS_DIR = "params"
 TREE_DIR = "state"  # where orbax's v1 layout keeps the pytree inside params/
@@ -349,13 +353,33 @@ def _check_structure(cfg: LingConfig, tree: Any, what: str) -> dict[hf.Path, tup
             hints.append("it holds the separate-projection layout of an older ling-jax (mixer.w_q, mixer.conv_q, ... "
                          "where ling-jax now packs them into mixer.w_in, mixer.conv_qkv and mixer.w_qg): run "
                          "`ling-jax convert` on the HF checkpoint again")
-        if shapes:
+        in_out = _in_out_projection(got, cfg)
+        if in_out:
+            hints.append(f"it holds the block-FP8 projections of an older ling-jax, stored [in, out] with one scale "
+                         f"per 128 input rows and output column ({in_out}); ling-jax now stores them [out, in], "
+                         "each output row contiguous for the FP8 GEMV: run `ling-jax convert` on the HF checkpoint "
+                         "again")
+        elif shapes:
             hints.append("a checkpoint written by an older ling-jax has older layouts, e.g. the MoE router [D, E] "
                          "before it became [E, D], or the expert down projections [E, Ie, D] before they became "
                          "[E, D, Ie]: run `ling-jax convert` on the HF checkpoint again")
         raise CheckpointError(f"{what} does not match param_specs of its config:\n  " + "\n  ".join(problems)
                               + "".join(f"\n  ({h})" for h in hints))
     return got
+
+
+def _in_out_projection(got: dict[hf.Path, tuple], cfg: LingConfig) -> str:
+    """'path [stored] where [out, in] is [declared]' of the first block-FP8 projection that `got` holds in the
+    older IN_OUT layout ([*in, *out], pallas_kernels/common/fp8.py) where param_specs declares ROWS; '' if none."""
+    for path, spec in hf.spec_paths(param_specs(cfg)).items():
+        if not (is_fp8(spec) and spec.layout == ROWS):
+            continue
+        n_out = len(spec.q.shape) - spec.n_in
+        old = spec.q.shape[n_out:] + spec.q.shape[:n_out]
+        stored = tuple(got.get(path + ("q",), ((),))[0]), tuple(got.get(path + ("scale",), ((),))[0])
+        if stored == (old, scale_shape(old, IN_OUT, spec.n_in)) != (spec.q.shape, spec.scale.shape):
+            return f"{hf.path_str(path + ('q',))} {list(old)} where [out, in] is {list(spec.q.shape)}"
+    return ""
 
 
 # The mixer leaves that ling-jax held before it packed the projections of one input into one fused leaf.

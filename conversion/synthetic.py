@@ -9,7 +9,8 @@ the shapes alone, then written tensor by tensor (header first, then the bytes), 
 time: the full `ling-3.0-flash` preset (~255 GB) only needs disk.
 
 Block-FP8 configs (`cfg.quantization` "fp8") get the `-fp8` release's layout: each quantised weight is drawn in
-float as above, then quantised per 128x128 block (conversion/fp8_blocks.py) and written as F8_E4M3 plus its
+float as above (a projection as its ROWS leaf, [*out, *in], with the fan-in of its input axes), then quantised per
+128x128 block (conversion/fp8_blocks.py) and written as F8_E4M3 plus its
 `weight_scale_inv` F32. COMPUTE params are written in `dtype`; FP32-class params (A_log, dt_bias, convs, expert_bias) in float32, as
 transformers writes them; the routers in `cfg.router_weight_dtype` (float32 by default, as transformers writes them;
 bfloat16 to mimic a checkpoint that stores them so).

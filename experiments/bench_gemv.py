@@ -33,9 +33,10 @@ bench_gemv_fp8.json.
 `--fp8 --levers`: the FP8 levers side by side (`fp8_levers`), on Flash's fused FP8 decode shapes (`LEVER_SHAPES`:
 KDA w_in and o_proj, MLA w_qg and kv_a, the dense MLP's gate|up and down, each with the model's norm prologue or
 residual) at T = 1, 4, 16: `before` (kernel.py's default: IN_OUT, FMAs at T = 1, the hand-pipelined dot above),
-`a_inout_dot` (IN_OUT, every T through the dot with Triton's num_stages pipelining instead of the hand's),
-`d_rows_fma` (rows.py over the ROWS layout, T = 1, the unrolled FMA loop), `d_rows_dot` (rows.py, the unrolled
-dot), `a_rows_dot` (rows.py, the dot in a loop Triton pipelines); then a sweep of the rows kernel's tunings around
+`d_rows_fma` (rows.py over the ROWS layout, T = 1, FMAs at `rows.default_tuning`: looped at KDA's w_in, unrolled
+elsewhere; results/bench_gemv_levers.json ran them unrolled on 4 warps everywhere), `d_rows_dot` (rows.py, the unrolled
+dot), `a_rows_dot` (rows.py, the dot in a loop Triton pipelines), `c_w8a8` (w8a8.py: E4M3 activations quantised
+by an XLA fusion, then an FP8 x FP8 dot; held to `w8a8.reference`, its own numerics); then a sweep of the rows kernel's tunings around
 its defaults (`ROWS_FMA_SWEEP` at T = 1, `ROWS_DOT_SWEEP` above, the K-split counts either side) at --sweep-ts,
 while the --budget lasts (a row past --hard-limit is listed as skipped, to rerun with --shapes / --ts). One
 executable per row calls the op on NW cold weight copies (the rotation above; the ROWS copies are
@@ -43,7 +44,7 @@ executable per row calls the op on NW cold weight copies (the rotation above; th
 call (the timeline span / NW of 3 traced runs: kernels, K-split sums and an XLA norm included), checked against
 `reference.gemv` (op by op) within FP8_REL_ERR_MAX on the first call's output. Prints every row and a table of the
 levers per shape and T (µs, % of 4.3 TB/s, the best); results go to bench_gemv_levers.json.
-`bash experiments/gpu.sh gemv_levers` runs it (under 330 s on the H200, not yet run).
+`bash experiments/gpu.sh gemv_levers` runs it (201 s on the H200 without c_w8a8).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ import numpy as np
 from common import (HBM_BYTES_PER_S, finish, parse_tunings, print_table, rel_err, run_header, short, slope_per_call,
                     write_results)
 from pallas_kernels.common import fp8
-from pallas_kernels.gemv import kernel, reference, rows
+from pallas_kernels.gemv import kernel, reference, rows, w8a8
 
 # (name, K, N, with residual): the decode projections of Flash (D 2560, KDA 32 heads x 128, MLA kv_lora 512 + rope
 # 64, MLA q 32 heads x 192, vocab 157184).
@@ -95,10 +96,12 @@ LEVER_SHAPES = [("kda_in", 2560, 32 * 641, False, True), ("kda_o", 4096, 2560, T
                 ("mla_qg", 2560, 32 * 193, False, True), ("mla_kv_a", 2560, 576, False, True),
                 ("mlp_gate_up", 2560, 2 * 6144, False, True), ("mlp_down", 6144, 2560, True, False)]
 LEVER_TS = "1,4,16"
+W8A8 = "c_w8a8"  # lever c: E4M3 activations (per token and 128 columns) x E4M3 weights on the tensor cores
 # The rows kernel's sweep around its default (items replace its fields; the K-split counts either side are added):
-# T = 1 FMAs wider and narrower per thread, the loop instead of the unrolled blocks, the norm by XLA; the dot's
-# block and warps (16 rows on one warp, 32 on two, 128 on eight), pipelining depth, the norm in the kernel.
-ROWS_FMA_SWEEP = "block_n=32;num_warps=2;num_warps=8;unroll=false;norm_in_kernel=false"
+# T = 1 FMAs wider and narrower per thread, the loop or the unrolled blocks (whichever the default is not), the norm
+# by XLA; the dot's block and warps (16 rows on one warp, 32 on two, 128 on eight), pipelining depth, the norm in the
+# kernel. Items equal to the default drop out.
+ROWS_FMA_SWEEP = "block_n=32;num_warps=2;num_warps=4;num_warps=8;unroll=false;unroll=true;norm_in_kernel=false"
 ROWS_DOT_SWEEP = ("block_n=16,num_warps=1;block_n=32,num_warps=2;block_n=128,num_warps=8;num_stages=2;num_stages=4;"
                   "num_stages=5;norm_in_kernel=true")
 # Seconds from the start after which the sweep stops, and after which every row is skipped (written as skipped):
@@ -110,13 +113,12 @@ LEVERS_HARD_S = 290
 def fp8_levers(t, k, n):
     """[(lever, layout, tuning)] of one shape and T, side by side (module docstring, --levers): each lever with its
     own heuristic default."""
-    staged = dataclasses.replace(kernel.default_tuning(max(t, 2), k, n, 1), one_token_dot=True,
-                                 hand_pipelined=False)
-    out = [("before", fp8.IN_OUT, kernel.default_tuning(t, k, n, 1)), ("a_inout_dot", fp8.IN_OUT, staged)]
+    out = [("before", fp8.IN_OUT, kernel.default_tuning(t, k, n, 1))]
     if t == 1:
         out.append(("d_rows_fma", fp8.ROWS, rows.default_tuning(1, k, n)))
     return out + [("d_rows_dot", fp8.ROWS, rows.default_tuning(t, k, n, one_token_dot=True, unroll=True)),
-                  ("a_rows_dot", fp8.ROWS, rows.default_tuning(t, k, n, one_token_dot=True, unroll=False))]
+                  ("a_rows_dot", fp8.ROWS, rows.default_tuning(t, k, n, one_token_dot=True, unroll=False)),
+                  (W8A8, fp8.ROWS, w8a8.default_tuning(t, k, n))]
 
 
 def rows_sweep(base, k, t, spec=None):
@@ -267,7 +269,9 @@ class _LeverRun:
             self.results.setdefault("skipped", []).append(f"{name} T={t} {lever} {short(tu)}")
             return
         xs, rs, norm, want = inputs
-        mod = kernel if layout == fp8.IN_OUT else rows
+        mod = w8a8 if lever == W8A8 else kernel if layout == fp8.IN_OUT else rows
+        if lever == W8A8:  # its own numerics (E4M3 activations): held to its own reference
+            want = w8a8.reference(xs[0], self.data[name][fp8.ROWS][0], None if rs is None else rs[0], norm=norm)
         nbytes = weight_bytes(k, n, True) + t * k * 2 + t * n * 2 * (2 if with_res else 1)
         row = dict(shape=name, K=k, N=n, T=t, lever=lever, layout=layout, tuning=short(tu), bytes=int(nbytes),
                    floor_us=round(nbytes / HBM_BYTES_PER_S * 1e6, 2), programs=-(-n // tu.block_n) * tu.k_splits)

@@ -86,6 +86,12 @@ def inputs(seed, B, T, H, K, dtype=jnp.float32, gate="strong"):
     return reference.layer_inputs(seed, B, T, H, K, dtype, gate)
 
 
+def packed(seed, B, T, H, K, dtype=jnp.float32, gate="strong"):
+    """inputs as decode and verify take them: the fused projection's packed x [B, T, H, 5K+1], then the rest."""
+    args = inputs(seed, B, T, H, K, dtype, gate)
+    return (reference.pack(*args[:4]), *args[4:])
+
+
 class Checks:
     """Records each compiled check (rel_err against its tolerance) and whether all passed."""
 
@@ -106,10 +112,10 @@ def bitwise(a, b):
 
 def check_verify(verdict, H, K, T, seed, cfg=None, label=""):
     """verify (T positions, B = 2) vs the reference; commit (n = 1 and T) and the next decode step from it."""
-    args = inputs(seed, 2, T + 1, H, K)
-    cur = [a[:, :T] for a in args[:4]]
-    nxt = [a[:, T:] for a in args[:4]]
-    rest = args[4:]
+    args = packed(seed, 2, T + 1, H, K)
+    cur = [args[0][:, :T]]
+    nxt = [args[0][:, T:]]
+    rest = args[1:]
     if cfg is None:
         y, rows, states = kda.kda_verify(*cur, *rest, backend="pallas")
     else:
@@ -124,8 +130,8 @@ def check_verify(verdict, H, K, T, seed, cfg=None, label=""):
     w_r, S_r = kda.kda_commit(rows_r, states_r, n)
     verdict(f"{name} commit state vs ref", rel_err(S, S_r), 1e-5)
     verdict(f"{name} commit window == ref", bitwise(w, w_r), 0.0)
-    y1 = kda.kda_decode(*nxt, w, S, *args[6:], backend="pallas")[0]
-    y1_r = kda.kda_decode(*nxt, w_r, S_r, *args[6:])[0]
+    y1 = kda.kda_decode(*nxt, w, S, *args[3:], backend="pallas")[0]
+    y1_r = kda.kda_decode(*nxt, w_r, S_r, *args[3:])[0]
     verdict(f"{name} next-step y vs ref", rel_err(y1, y1_r), 1e-5)
 
 
@@ -147,13 +153,13 @@ def check(H, K, smoke):
     verdict = Checks()
     RC = recurrent.RecurrentConfig
     for cfg in [RC(BV=16), RC(BV=32)] if smoke else [RC(BV=32), RC(BV=64), RC(BV=128, num_warps=8)]:
-        args = inputs(1, 1, 1, H, K)
+        args = packed(1, 1, 1, H, K)
         y, w, S = recurrent.decode(*args, cfg=cfg)
         yr, wr, Sr = kda.kda_decode(*args)
         verdict(f"decode f32 BV{cfg.BV} y", rel_err(y, yr), 1e-5)
         verdict(f"decode f32 BV{cfg.BV} state", rel_err(S, Sr), 1e-5)
         verdict(f"decode f32 BV{cfg.BV} window", rel_err(w, wr), 0.0)
-    args = inputs(2, 1, 1, H, K, jnp.bfloat16)
+    args = packed(2, 1, 1, H, K, jnp.bfloat16)
     verdict("decode bf16 y", rel_err(kda.kda_decode(*args, backend="pallas")[0], kda.kda_decode(*args)[0]), 2e-2)
     for T in (2,) if smoke else (2, 6, 9):
         check_verify(verdict, H, K, T, seed=3)
@@ -168,14 +174,14 @@ def check_default(H, K):
     """Compiled decode and verify/commit at the default configs, then every swept decode config and verify
     tiling (decode-sized references only)."""
     verdict = Checks()
-    args = inputs(11, 1, 1, H, K)
+    args = packed(11, 1, 1, H, K)
     y, w, S = kda.kda_decode(*args, backend="pallas")
     yr, wr, Sr = kda.kda_decode(*args)
     cfg = recurrent.DEFAULT_DECODE
     verdict(f"decode f32 default BV{cfg.BV} w{cfg.num_warps} y", rel_err(y, yr), 1e-5)
     verdict(f"decode f32 default BV{cfg.BV} w{cfg.num_warps} state", rel_err(S, Sr), 1e-5)
     check_verify(verdict, H, K, 6, seed=12, label="default")
-    args = inputs(13, 1, 1, H, K)
+    args = packed(13, 1, 1, H, K)
     yr, _, Sr = kda.kda_decode(*args)
     for BV, nw, ns in DECODE_CONFIGS:
         try:
@@ -225,18 +231,18 @@ def check_quick(H, K):
 
 def layer_stack(L, B, T, H, K, dtype):
     """L independent layers of inputs, plus their states (2 MiB each at H=32, K=V=128), as separate buffers."""
-    per = [inputs(100 + l, B, T, H, K, dtype) for l in range(L)]
-    xs = tuple(p[:4] for p in per)                      # qkv, f, b, z
-    windows = tuple(p[4] for p in per)
-    states = tuple(p[5] for p in per)
-    params = per[0][6:]                                 # conv_w, A_log, dt_bias, o_norm_w (shared)
+    per = [packed(100 + l, B, T, H, K, dtype) for l in range(L)]
+    xs = tuple(p[:1] for p in per)                      # the packed projection output x
+    windows = tuple(p[1] for p in per)
+    states = tuple(p[2] for p in per)
+    params = per[0][3:]                                 # conv_w, A_log, dt_bias, o_norm_w (shared)
     return xs, windows, states, params
 
 
 def decode_bytes(B, H, K, dtype):
     it = jnp.dtype(dtype).itemsize
     state = 2 * B * H * K * K * 4
-    ins = B * H * K * it * (3 + 1 + 1) + B * H * it          # qkv, f, z rows, b
+    ins = B * H * (5 * K + 1) * it                           # the packed q|k|v|f|g|b row
     window = 2 * B * 3 * 3 * H * K * it                     # read old, write new
     out = B * H * K * it
     params = (4 * 3 * H * K + H + H * K + K) * 4

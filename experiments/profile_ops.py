@@ -45,6 +45,8 @@ def kda_op(backend, T):
     args = (a((1, T, 3, H, K)), a((1, T, H, K)), a((1, T, H)), a((1, T, H, K)), a((1, W - 1, 3, H, K)),
             a((1, H, K, K), 0.1, jnp.float32), a((W, 3, H, K), 0.5, jnp.float32), a((H,), 0.5, jnp.float32),
             a((H, K), 0.5, jnp.float32), a((K,), 1.0))
+    if T <= 16:  # decode and verify take the fused projection's output packed
+        args = (kda.reference.pack(*args[:4]), *args[4:])
     op = kda.kda_decode if T == 1 else kda.kda_verify if T <= 16 else kda.kda_prefill
     return jax.jit(lambda *x: op(*x, backend=backend)), args
 

@@ -133,7 +133,7 @@ def count_launches(hlo: str) -> dict:
 # Which part of the step a kernel belongs to, by name (first match wins): the per-op breakdown of `--profile`.
 OP_FAMILIES = (
     ("lm_head", ("greedy_head",)),
-    ("projections", ("gemv_fwd", "input_reduce_fusion")),
+    ("projections", ("gemv_", "input_reduce_fusion")),  # the GEMV kernels of every layout, and K-split sums
     ("moe", ("router_fwd", "experts_fwd")),
     ("kda", ("kda_recurrent",)),
     ("mla", ("mla_decode",)),

@@ -3,10 +3,14 @@
 `param_specs(cfg)` returns the params pytree with a `ParamSpec` at every leaf. Random init, shardings, the
 checkpoint converter and the synthetic-checkpoint writer all derive from it, so nothing drifts.
 
-Layout (ling-jax names; weights stored [in, out], unlike torch's [out, in], except the MoE router and every
+Layout (ling-jax names; float weights stored [in, out], unlike torch's [out, in], except the MoE router and every
 expert matrix, stored [out, in] as in torch: the router [E, D], gate/up [.., Ie, D], down [.., D, Ie], so a
 batch-1 router, gate/up or down program streams contiguous rows or D-splits of rows (pallas_kernels/moe/router.py,
-experts.py)):
+experts.py)). Block-FP8 projections (cfg.quantization "fp8") are stored [out, in] too, the shapes below with their
+output axes first and their logical axes in that order (`fp8.ROWS`: w_in [H, 5K + 1, D], w_o [D, H, K], w_down
+[D, I], ...; each scale [*out, ceil(In/128)], on the output axes and the first input axis), because the FP8 GEMV
+streams each output row's contiguous inputs (pallas_kernels/gemv/rows.py; on the H200 it read KDA's w_in at
+T = 1 in 22.5 µs against 29.9 for [in, out], and at T = 16 in 22.7 against 66.1):
 
     embed [V, D] · final_norm [D] · lm_head [D, V]
     layers[i] = {input_norm, post_norm, mixer, ffn}
@@ -27,8 +31,8 @@ I/Ie/Is dense/expert/shared intermediate, E experts, V vocab.
 
 Fused projections (docs/model.md §4): the checkpoint's separate projections that read the same input are packed
 at load time into one weight, so a decode step reads them in one GEMV launch. Packing is per head (the parts of
-head h sit side by side) so that a shard of heads holds its heads' columns of every part. The MLA latent
-projection w_kv_a stays apart: it is replicated under tensor parallelism while q and the gate split by head.
+head h sit side by side) so that a shard of heads holds its heads' columns (block-FP8: rows) of every part. The MLA
+latent projection w_kv_a stays apart: it is replicated under tensor parallelism while q and the gate split by head.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ling_jax.config import KDA, MLA, MOE, LingConfig
-from pallas_kernels.common.fp8 import FP8_DTYPE, IN_OUT, OUT_IN, Fp8Weight, scale_shape
+from pallas_kernels.common.fp8 import FP8_DTYPE, IN_OUT, OUT_IN, ROWS, Fp8Weight, scale_shape
 
 # Parameters kept in float32 whatever the compute dtype: every implementation keeps them so (docs/model.md §4), and
 # transformers pins them with `_keep_in_fp32_modules_strict`.
@@ -62,7 +66,9 @@ class ParamSpec:
     dtype_class: str = COMPUTE
     # fan_in | fan_in_last ([out, in] weights) | norm | A_log | dt_bias | small | conv | embed | fp8_scale
     init: str = "fan_in"
-    fan_in: int = 0  # fp8_scale: the weight's input width, so that the dequantised weight keeps fan-in scaling
+    # The weight's input width where the shape does not say it: a ROWS projection's values (w_o [D, H, K] reads
+    # H·K), and an fp8_scale, so that the dequantised weight keeps fan-in scaling. 0: from the shape (`_fan_in`).
+    fan_in: int = 0
 
     def __post_init__(self):
         assert len(self.shape) == len(self.axes), (self.shape, self.axes)
@@ -92,25 +98,35 @@ def param_axes(specs: dict[str, Any]) -> dict[str, tuple]:
 
 
 def scale_axes(axes: tuple, layout: str, n_in: int = 1) -> tuple:
-    """The logical axes of an FP8 weight's scale (pallas_kernels/common/fp8.py): IN_OUT keeps the first input
-    axis (its 128-row blocks shard with it) and the output axes; OUT_IN blocks every axis in place."""
+    """The logical axes of an FP8 weight's scale (pallas_kernels/common/fp8.py) from its values' `axes`: ROWS keeps
+    the output axes and the first input axis (its 128-column blocks shard with it), IN_OUT the first input axis and
+    the output axes; OUT_IN blocks every axis in place."""
+    if layout == ROWS:
+        return tuple(axes[:len(axes) - n_in]) + (axes[len(axes) - n_in],)
     return (axes[0],) + tuple(axes[n_in:]) if layout == IN_OUT else tuple(axes)
 
 
 def _fp8(spec: ParamSpec, layout: str, n_in: int = 1) -> Fp8Weight:
-    """The declaration of `spec` stored block-FP8: its values, and the float32 scale per block."""
+    """The declaration of `spec` ([*in, *out] for a projection) stored block-FP8 in `layout`: its values (ROWS:
+    the output axes first), and the float32 scale per block."""
+    fan_in = _fan_in(spec)
+    if layout == ROWS:
+        order = tuple(range(n_in, len(spec.shape))) + tuple(range(n_in))
+        spec = dataclasses.replace(spec, shape=tuple(spec.shape[i] for i in order),
+                                   axes=tuple(spec.axes[i] for i in order), fan_in=fan_in)
     scale = ParamSpec(scale_shape(spec.shape, layout, n_in), scale_axes(spec.axes, layout, n_in), FP32,
-                      init="fp8_scale", fan_in=_fan_in(spec))
+                      init="fp8_scale", fan_in=fan_in)
     return Fp8Weight(dataclasses.replace(spec, dtype_class=FP8), scale, layout, n_in)
 
 
-def _quantised(c: LingConfig, specs: dict[str, Any], layout: str, two_in: tuple[str, ...] = ()) -> dict[str, Any]:
+def _quantised(c: LingConfig, specs: dict[str, Any], two_in: tuple[str, ...] = ()) -> dict[str, Any]:
     """`specs` with every linear weight in block-FP8 when the config says so (docs/model.md §4: the release
-    quantises the decoder layers' projections and experts; norms, convs, A_log, dt_bias and the router stay)."""
+    quantises the decoder layers' projections and experts; norms, convs, A_log, dt_bias and the router stay): the
+    projections ROWS (`two_in`: those with two input axes), the experts OUT_IN."""
     if c.quantization != "fp8":
         return specs
     keep = {"conv_qkv", "A_log", "dt_bias", "o_norm", "q_a_norm", "kv_a_norm", "router", "expert_bias"}
-    return {name: s if name in keep else _fp8(s, OUT_IN if name.startswith(("we_", "ws_")) else layout,
+    return {name: s if name in keep else _fp8(s, OUT_IN if name.startswith(("we_", "ws_")) else ROWS,
                                                2 if name in two_in else 1)
             for name, s in specs.items()}
 
@@ -139,7 +155,7 @@ def kda_specs(c: LingConfig) -> dict[str, ParamSpec]:
         "dt_bias": ParamSpec((H, K), ("heads", None), FP32, init="dt_bias"),
         "o_norm": _norm(K),
         "w_o": ParamSpec((H, K, D), ("heads", None, "embed")),
-    }, IN_OUT, two_in=("w_o",))
+    }, two_in=("w_o",))
 
 
 def mla_specs(c: LingConfig) -> dict[str, ParamSpec]:
@@ -159,13 +175,13 @@ def mla_specs(c: LingConfig) -> dict[str, ParamSpec]:
         "w_v_b": ParamSpec((R, H, c.v_head_dim), (None, "heads", None)),
         "w_o": ParamSpec((H, c.v_head_dim, D), ("heads", None, "embed")),
     })
-    return _quantised(c, specs, IN_OUT, two_in=("w_o",))
+    return _quantised(c, specs, two_in=("w_o",))
 
 
 def dense_specs(c: LingConfig) -> dict[str, ParamSpec]:
     D, I = c.hidden_size, c.intermediate_size
     return _quantised(c, {"w_gate": ParamSpec((D, I), ("embed", "ffn")), "w_up": ParamSpec((D, I), ("embed", "ffn")),
-                          "w_down": ParamSpec((I, D), ("ffn", "embed"))}, IN_OUT)
+                          "w_down": ParamSpec((I, D), ("ffn", "embed"))})
 
 
 def moe_specs(c: LingConfig) -> dict[str, ParamSpec]:
@@ -185,7 +201,7 @@ def moe_specs(c: LingConfig) -> dict[str, ParamSpec]:
         out_in = functools.partial(ParamSpec, init="fan_in_last")
         specs.update({"ws_gate": out_in((Is, D), ("ffn", "embed")), "ws_up": out_in((Is, D), ("ffn", "embed")),
                       "ws_down": out_in((D, Is), ("embed", "ffn"))})
-    return _quantised(c, specs, OUT_IN)
+    return _quantised(c, specs)
 
 
 def layer_specs(c: LingConfig, layer: int) -> dict[str, Any]:
@@ -267,9 +283,12 @@ _FP8_SPREAD = 32.0  # random FP8 values ~ N(0, 32²): most of E4M3's exponents, 
 
 
 def _fan_in(spec: ParamSpec) -> int:
-    """Input width of a weight: the dims before the first output-side axis ('heads' on w_o counts as input);
-    the last dim for the [out, in] router and expert weights (init="fan_in_last")."""
+    """Input width of a weight: `spec.fan_in` when declared (ROWS projections); the last dim for the [out, in]
+    router and expert weights (init="fan_in_last"); else the dims before the first output-side axis of an
+    [in, out] weight ('heads' on w_o counts as input)."""
     shape, axes = spec.shape, spec.axes
+    if spec.fan_in:
+        return spec.fan_in
     if spec.init == "fan_in_last":
         return shape[-1]
     if axes[0] == "heads":  # w_o [H, K, D]

@@ -61,9 +61,9 @@ def test_gemv_levers_smoke():
     shapes, the sweep after them, the summary table; nothing under experiments/results."""
     before = results_state()
     out = run_script("bench_gemv", "--fp8", "--levers", "--smoke")
-    for lever in ("before", "a_inout_dot", "d_rows_fma", "d_rows_dot", "a_rows_dot", "rows_sweep"):
+    for lever in ("before", "d_rows_fma", "d_rows_dot", "a_rows_dot", "c_w8a8", "rows_sweep"):
         assert re.search(rf"^kda_o\s+T=1\s+{lever}\s+[\d.]+ µs", out, re.M), f"no timed {lever} row:\n{out[-3000:]}"
-    assert re.search(r"^\| shape \| T \| before \| a_inout_dot \| d_rows_fma \|", out, re.M), out[-3000:]
+    assert re.search(r"^\| shape \| T \| before \| d_rows_fma \|", out, re.M), out[-3000:]
     assert results_state() == before, "bench_gemv --levers --smoke wrote under experiments/results"
 
 

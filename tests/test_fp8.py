@@ -1,4 +1,5 @@
 """Block-FP8 weights end to end: quantisation bounds, the -fp8 checkpoint layout (load, validate, convert, orbax),
+the ROWS projections against the IN_OUT leaves they replaced (bit for bit, and an older orbax checkpoint refused),
 the model on FP8 params against the model on their dequantised values, and the memory plan that refuses what does
 not fit.
 
@@ -36,7 +37,10 @@ PROMPT = np.array([[7, 41, 3, 99, 12, 250, 18, 5]], np.int32)
 
 
 def _dequantized(params):
-    return jax.tree.map(lambda w: fp8.dequantize(w, jnp.float32) if isinstance(w, fp8.Fp8Weight) else w, params,
+    """Every FP8 leaf as the float array the unquantised params hold there: [*in, *out] for a ROWS projection."""
+    def dense(w):
+        return fp8.dequantize(w, jnp.float32) if w.layout == fp8.OUT_IN else fp8.as_in_out(w, jnp.float32)
+    return jax.tree.map(lambda w: dense(w) if isinstance(w, fp8.Fp8Weight) else w, params,
                         is_leaf=lambda x: isinstance(x, fp8.Fp8Weight))
 
 
@@ -91,8 +95,13 @@ def test_config_reads_and_writes_the_release_quantization_config():
 def test_specs_quantise_the_decoder_projections_and_experts_only():
     specs = param_specs(TOY_FP8)
     layer = specs["layers"][1]
-    assert is_fp8(layer["mixer"]["w_o"]) and layer["mixer"]["w_o"].layout == fp8.IN_OUT
-    assert layer["mixer"]["w_o"].n_in == 2
+    w_o = layer["mixer"]["w_o"]  # ROWS: [D, H, K], its scale one per output row and 128 of the H·K inputs
+    assert is_fp8(w_o) and w_o.layout == fp8.ROWS and w_o.n_in == 2
+    assert (w_o.q.shape, w_o.q.axes) == ((TOY.hidden_size, TOY.num_heads, TOY.head_dim), ("embed", "heads", None))
+    assert (w_o.scale.shape, w_o.scale.axes) == ((TOY.hidden_size, 1), ("embed", "heads"))
+    assert w_o.q.fan_in == w_o.scale.fan_in == TOY.num_heads * TOY.head_dim
+    w_in = specs["layers"][0]["mixer"]["w_in"]
+    assert (w_in.layout, w_in.q.axes, w_in.scale.axes) == (fp8.ROWS, ("heads", None, "embed"), ("heads", None, "embed"))
     assert is_fp8(layer["ffn"]["we_down"]) and layer["ffn"]["we_down"].layout == fp8.OUT_IN
     for kept in (specs["embed"], specs["lm_head"], layer["ffn"]["router"], specs["layers"][2]["mixer"]["kv_a_norm"],
                  specs["mtp"]["eh_proj"]):
@@ -123,6 +132,131 @@ def test_fp8_greedy_through_the_kernels_equals_the_dequantised_reference(fp8_dir
     got = generate(params, cfg, PROMPT, backend="pallas", **kw).tokens
     want = generate(ref_params, cfg_f, PROMPT, backend="reference", **kw).tokens
     assert got == want
+
+
+def _official(hf_dir, quantise: bool):
+    """name -> (q [out, in] float32 of E4M3 values, scale_inv [ceil(out/128), ceil(in/128)]) of a checkpoint's
+    projections: as stored (F8_E4M3), or its float tensors quantised as the release does (`quantise`)."""
+    catalog, _ = read_catalog(hf_dir)
+
+    def read(name):
+        info = catalog[name]
+        dtype = fp8_blocks.FP8_NP if info.dtype == "F8_E4M3" else np.dtype(np.float32)
+        return fp8_blocks.read_raw(Path(hf_dir) / info.file, name, info.shape, dtype)
+
+    def one(name):
+        q, s = fp8_blocks.quantize(read(name)) if quantise else (read(name), read(fp8_blocks.scale_name(name)))
+        return q.astype(np.float32), s
+    return one
+
+
+def _in_out_leaves(cfg, official) -> dict[str, fp8.Fp8Weight]:
+    """Every block-FP8 projection of `cfg` in the layout ling-jax stored before ROWS (IN_OUT: q [*in, *out], the
+    checkpoint's block scale repeated over its 128 output rows then transposed, [ceil(In/128), *out]), written out
+    by hand from the official tensors (docs/model.md §4), independently of conversion/hf.py."""
+    D, H, K, R = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.kv_lora_rank
+    Dn, Dv = cfg.qk_nope_head_dim, cfg.v_head_dim
+
+    def io(name, in_shape, out_shape):  # [out, in] -> [*in, *out], its scale [ceil(In/128), *out]
+        q, s = official(name)
+        rows = np.repeat(s, fp8.BLOCK, axis=0)[:q.shape[0]]
+        return q.T.reshape(*in_shape, *out_shape), rows.T.reshape(s.shape[1], *out_shape)
+
+    def packed(names, widths):  # per head h the parts' columns side by side
+        parts = [io(n, (D,), (H, w)) for n, w in zip(names, widths)]
+        return tuple(np.concatenate([p[j] for p in parts], axis=-1) for j in range(2))
+
+    def kv_b(name, which):  # rows head-major, [k_nope | v] per head -> [R, H, Dn] or [R, H, Dv]
+        q, s = official(name)
+        cut = slice(0, Dn) if which == "k" else slice(Dn, Dn + Dv)
+        rows = np.repeat(s, fp8.BLOCK, axis=0)[:q.shape[0]]
+        return tuple(a.reshape(H, Dn + Dv, -1)[:, cut].transpose(2, 0, 1) for a in (q, rows))
+
+    out = {}
+    for layer in range(cfg.num_layers + cfg.num_mtp_layers):
+        src, dst = f"model.layers.{layer}.", "mtp.layer." if layer == cfg.num_layers else f"layers.{layer}."
+        a = src + "attention."
+        mtp = layer == cfg.num_layers
+        if not mtp and cfg.mixer_kind(layer) == "kda":
+            out[dst + "mixer.w_in"] = packed([a + f"{p}_proj.weight" for p in "qkvfgb"], [K] * 5 + [1]), 1
+            out[dst + "mixer.w_o"] = io(a + "o_proj.weight", (H, K), (D,)), 2
+        else:
+            out[dst + "mixer.w_qg"] = packed([a + "q_proj.weight", a + "g_proj.weight"], [cfg.qk_head_dim, 1]), 1
+            out[dst + "mixer.w_kv_a"] = io(a + "kv_a_proj_with_mqa.weight", (D,), (R + cfg.qk_rope_head_dim,)), 1
+            out[dst + "mixer.w_k_b"] = kv_b(a + "kv_b_proj.weight", "k"), 1
+            out[dst + "mixer.w_v_b"] = kv_b(a + "kv_b_proj.weight", "v"), 1
+            out[dst + "mixer.w_o"] = io(a + "dense.weight", (H, Dv), (D,)), 2
+        if not mtp and cfg.ffn_kind(layer) == "dense":
+            I = cfg.intermediate_size
+            for p, shapes in (("gate", ((D,), (I,))), ("up", ((D,), (I,))), ("down", ((I,), (D,)))):
+                out[dst + f"ffn.w_{p}"] = io(src + f"mlp.{p}_proj.weight", *shapes), 1
+    return {path: fp8.Fp8Weight(jnp.asarray(q.astype(ml_dtypes.float8_e4m3fn)), jnp.asarray(s, jnp.float32),
+                                fp8.IN_OUT, n_in) for path, ((q, s), n_in) in out.items()}
+
+
+@pytest.mark.parametrize("stored", ["fp8", "float"], ids=["fp8-as-stored", "quantised-at-load"])
+def test_every_rows_projection_is_the_older_in_out_leaf_converted(fp8_dir, float_dir, stored):
+    """Each block-FP8 projection ling-jax loads (ROWS) is, bit for bit, `fp8.convert_layout` of the IN_OUT leaf the
+    same checkpoint gave before the layout changed: the FP8 release's tensors as stored, and a float checkpoint
+    quantised at load (the same E4M3 values and block scales; only the order differs)."""
+    hf_dir = fp8_dir if stored == "fp8" else float_dir
+    cfg, params = load_hf(hf_dir, dtype=jnp.float32, fp8=True, progress=False)
+    flat, _ = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_fp8)
+    rows = {hf.path_str(tuple(hf._key(k) for k in kp)): w for kp, w in flat
+            if is_fp8(w) and w.layout == fp8.ROWS}
+    old = _in_out_leaves(cfg, _official(hf_dir, quantise=stored == "float"))
+    assert sorted(rows) == sorted(old)  # every projection, the MTP layer's included
+    for path, w in rows.items():
+        want = fp8.convert_layout(old[path], fp8.ROWS)
+        assert (w.n_in, w.q.shape, w.scale.shape) == (want.n_in, want.q.shape, want.scale.shape), path
+        assert np.array_equal(np.asarray(w.q).view(np.uint8), np.asarray(want.q).view(np.uint8)), path
+        assert np.array_equal(np.asarray(w.scale), np.asarray(want.scale)), path
+
+
+def test_synthetic_fp8_checkpoint_is_its_rows_leaves_in_the_official_layout(fp8_dir):
+    """The synthetic writer draws each FP8 projection as its ROWS leaf and writes it [out, in]: the loaded leaves
+    mapped back by each entry's inverse transforms give the stored E4M3 bytes and block scales exactly, and the
+    dequantised projections keep fan-in scaling (w_o reads H·K inputs, w_down I)."""
+    cfg, params = load_hf(fp8_dir, dtype=jnp.float32, progress=False)
+    flat, _ = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_fp8)
+    got = {tuple(hf._key(k) for k in kp): w for kp, w in flat}
+    official = _official(fp8_dir, quantise=False)
+    entries = [e for e in hf.plan(cfg) if e.fp8 and e.fp8[0] == fp8.ROWS]
+    assert {p for e in entries for p in e.paths} == {p for p, w in got.items() if is_fp8(w) and w.layout == fp8.ROWS}
+    for entry in entries:
+        ws = [got[p] for p in entry.paths]
+        for i, name in enumerate(entry.names):
+            q, s = official(name)
+            assert np.array_equal(entry.hf_tensor([np.asarray(w.q, np.float32) for w in ws], i), q), name
+            # The scale [*out, ceil(In/128)]: the block scale on each of its 128 rows (w_o's two input axes are one
+            # block axis in it, so it is [D, ceil(H·K/128)] already).
+            per_row = (entry.hf_tensor([np.asarray(w.scale) for w in ws], i) if entry.fp8[1] == 1
+                       else np.asarray(ws[0].scale))
+            assert np.array_equal(per_row, np.repeat(s, fp8.BLOCK, axis=0)[:q.shape[0]]), name
+    for path, fan_in in ((("layers", 0, "mixer", "w_o"), TOY.num_heads * TOY.head_dim),
+                         (("layers", 0, "ffn", "w_down"), TOY.intermediate_size)):
+        std = float(jnp.std(fp8.dequantize(got[path])))
+        assert abs(std * np.sqrt(fan_in) - 1.0) < 0.1, (path, std)
+
+
+def test_an_orbax_checkpoint_of_in_out_projections_is_refused_with_the_fix(fp8_dir, tmp_path, monkeypatch):
+    """An orbax checkpoint written while the FP8 projections were IN_OUT ([in, out]) does not load: one message
+    names a leaf, both layouts and the fix."""
+    from conversion import orbax_io
+
+    cfg, params = load_hf(fp8_dir, progress=False)
+    old = jax.tree.map(lambda w: fp8.convert_layout(w, fp8.IN_OUT) if is_fp8(w) and w.layout == fp8.ROWS else w,
+                       params, is_leaf=is_fp8)
+    with monkeypatch.context() as m:  # today's save_params refuses the old layout: write it as an old one did
+        m.setattr(orbax_io, "_check_structure", lambda *a: None)
+        save_params(tmp_path / "ck", cfg, old)
+    D, I = TOY.hidden_size, TOY.intermediate_size  # the first projection in params order: the dense down
+    with pytest.raises(CheckpointError, match=(
+            r"wrong shape(.|\n)*block-FP8 projections of an older ling-jax, stored \[in, out\](.|\n)*"
+            rf"layers\.0\.ffn\.w_down\.q \[{I}, {D}\] where \[out, in\] is \[{D}, {I}\](.|\n)*"
+            r"run `ling-jax convert` on the HF checkpoint again")) as info:
+        load_params(tmp_path / "ck")
+    assert "MoE router [D, E]" not in str(info.value)  # the generic older-layout hint would mislead
 
 
 def test_convert_quantises_a_float_checkpoint_like_the_release(float_dir, tmp_path):

@@ -5,8 +5,9 @@ The -fp8 release (docs/model.md §4, the DeepSeek-V3 format): E4M3 values, and p
 E4M3's largest finite value, ±448. The host quantiser (conversion/fp8_blocks.py, [out, in] in 128x128 blocks, as
 the release) returns that scale_inv; the device one (pallas_kernels/common/fp8.py `quantize`) stores the same
 quantity as `Fp8Weight.scale`, per 128x128 block for OUT_IN (the experts), per 128 input rows and output column
-for IN_OUT (projections [in, out]) and per output row and 128 input columns for ROWS (projections [out, in]). The round-trip bound of tests/test_fp8.py holds for any large enough scale
-(amax / 240 passes it on the device); these tests pin the scale itself.
+for IN_OUT ([in, out], kernel.py's) and per output row and 128 input columns for ROWS (ling-jax's projections
+[out, in]). The round-trip bound of tests/test_fp8.py holds for any large enough scale (amax / 240 passes it on
+the device); these tests pin the scale itself.
 
 Each block is built with a prescribed amax, reached at one element with + and at another with -, every other value
 below 0.9 · amax; the expected scale is the float32 quotient amax / 448, bit for bit on the host. On the device XLA

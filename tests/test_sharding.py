@@ -106,6 +106,53 @@ def test_tp2_chunked_prefill_with_the_kernels_matches_single_device(toy):
         assert rel(mine[:, :150] if mine.ndim == 3 else mine, ref[:, :150] if ref.ndim == 3 else ref) < 1e-5
 
 
+# The toy in block-FP8 at widths where every row split keeps whole 128-wide scale blocks on each of 4 devices
+# (sharding.check_divisible): 4 heads x 128, and 512 intermediate rows. Three layers: KDA + dense, KDA + MoE, MLA + MoE.
+_FP8_TOY = preset("toy", quantization="fp8", head_dim=128, v_head_dim=128, intermediate_size=512,
+                  moe_intermediate_size=512, shared_expert_intermediate_size=512)
+FP8_TP = _FP8_TOY.replace(num_layers=3, num_mtp_layers=0, expert_swiglu_limits=_FP8_TOY.expert_swiglu_limits[:3],
+                          shared_swiglu_limits=_FP8_TOY.shared_swiglu_limits[:3])
+
+
+@pytest.fixture(scope="module")
+def fp8_run():
+    """(params, tokens [1, 25], what one device gives with the Pallas kernels: prefill logits, the decode step's,
+    the verify's)."""
+    params = init_params(FP8_TP, jax.random.key(4), jnp.float32, with_mtp=False)
+    tokens = jax.random.randint(jax.random.key(5), (1, 25), 0, FP8_TP.vocab_size)
+    return params, tokens, _fp8_steps(params, tokens)
+
+
+def _fp8_steps(params, tokens):
+    """Prefill of 20 tokens (past the GEMV's 16: XLA GEMMs over the ROWS weights dequantised), then one decode step
+    and a verify of 4 through the Pallas kernels (the FP8 GEMV per shard)."""
+    logits, state, _ = model.prefill(params, tokens[:, :20], FP8_TP, max_len=64, all_logits=True, backend="pallas")
+    step, state, _ = model.decode(params, state, tokens[:, 20], FP8_TP, backend="pallas")
+    ver, _, _ = model.verify(params, state, tokens[:, 21:25], FP8_TP, backend="pallas")
+    return logits, step, ver
+
+
+@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (tests/conftest.py sets jax_num_cpu_devices)")
+@pytest.mark.parametrize("n", [2, 4])
+def test_fp8_tp_per_shard_matches_single_device(fp8_run, n):
+    """Block-FP8 over TP2 and TP4 with every Pallas kernel per shard: the ROWS projections split by their declared
+    axes (column-parallel w_in by head rows, row-parallel w_o and w_down by the input columns and their scale blocks)
+    give one device's prefill, decode and verify logits within 1e-5 (float32: only the order of the all-reduced
+    partial sums differs)."""
+    from jax.sharding import PartitionSpec as P
+
+    params, tokens, want = fp8_run
+    mesh = make_mesh(n)
+    sharded = jax.device_put(params, param_shardings(FP8_TP, mesh, with_mtp=False))
+    w_in, w_o = sharded["layers"][0]["mixer"]["w_in"], sharded["layers"][0]["mixer"]["w_o"]
+    assert (w_in.q.sharding.spec, w_in.scale.sharding.spec) == (P("tp", None, None), P("tp", None, None))
+    assert (w_o.q.sharding.spec, w_o.scale.sharding.spec) == (P(None, "tp", None), P(None, "tp"))
+    with jax.set_mesh(mesh):
+        got = _fp8_steps(sharded, tokens)
+    for name, g, w in zip(("prefill", "decode", "verify"), got, want):
+        assert rel(g, w) < 1e-5, name
+
+
 def test_bad_device_counts_are_named():
     cfg = preset("toy")
     with pytest.raises(ValueError, match="needs 9 devices"):

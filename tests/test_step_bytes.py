@@ -5,8 +5,8 @@ makes it: each part below is a plain integer with its formula from the architect
 call into param_specs. Sizes: D 2560 hidden, H 32 heads, K 128 head dim, W 4 conv taps; 42 layers, every sixth MLA
 (35 KDA + 7 MLA), layers 0-1 dense (I 6144), 40 MoE (E 512 experts of Ie 768, top-8, one shared expert of 768);
 MLA R 512 + P 64 latent, q 192 + gate per head, k_nope 128, v 128; V 157184. FP8 (the -fp8 layout as ling-jax
-stores it, pallas_kernels/common/fp8.py): E4M3 values at 1 byte, float32 scales; projections stored [in, out] keep
-one scale per 128 input rows and output column, the experts the checkpoint's 128x128 blocks; embedding, lm_head,
+stores it, pallas_kernels/common/fp8.py): E4M3 values at 1 byte, float32 scales; projections stored [out, in] keep
+one scale per output row and 128 input columns, the experts the checkpoint's 128x128 blocks; embedding, lm_head,
 norms, conv taps, A_log, dt_bias, the router (fp32 in the preset) and expert_bias stay as they are. The MTP layer is
 no part of the main model's step.
 
@@ -56,30 +56,30 @@ EXPERT_BIAS = 2_048  # E·4
 # Per layer, FP8: values at 1 byte plus their float32 scales.
 KDA_FP8 = {
     "w_in values": 52_510_720,  # D·H·641
-    "w_in scales": 1_640_960,  # ceil(D/128)·H·641·4 = 20·20512·4: one per 128 input rows and output column
+    "w_in scales": 1_640_960,  # H·641·ceil(D/128)·4 = 20512·20·4: one per output row and 128 input columns
     "conv_qkv": 196_608,
     "A_log": 128,
     "dt_bias": 16_384,
     "o_norm": 256,
     "w_o values": 10_485_760,  # H·K·D
-    "w_o scales": 327_680,  # ceil(H·K/128)·D·4 = 32·2560·4 (the input is heads x head dim)
+    "w_o scales": 327_680,  # D·ceil(H·K/128)·4 = 2560·32·4 (the input is heads x head dim)
     "input_norm + post_norm": 10_240,
 }
 MLA_FP8 = {
     "w_qg values": 15_810_560,  # D·H·193
-    "w_qg scales": 494_080,  # 20·H·193·4
+    "w_qg scales": 494_080,  # H·193·20·4
     "w_kv_a values": 1_474_560,  # D·576
-    "w_kv_a scales": 46_080,  # 20·576·4
+    "w_kv_a scales": 46_080,  # 576·20·4
     "kv_a_norm": 1_024,
     "w_k_b values": 2_097_152,  # R·H·128
-    "w_k_b scales": 65_536,  # ceil(R/128)·H·128·4 = 4·4096·4
+    "w_k_b scales": 65_536,  # H·128·ceil(R/128)·4 = 4096·4·4
     "w_v_b values": 2_097_152,
     "w_v_b scales": 65_536,
     "w_o values": 10_485_760,
-    "w_o scales": 327_680,  # 32·2560·4
+    "w_o scales": 327_680,  # 2560·32·4
     "input_norm + post_norm": 10_240,
 }
-DENSE_FP8 = 48_660_480  # 3·(D·I + 491,520): gate/up scales 20·6144·4, down scales ceil(6144/128)·2560·4
+DENSE_FP8 = 48_660_480  # 3·(D·I + 491,520): gate/up scales 6144·20·4, down scales 2560·ceil(6144/128)·4
 EXPERT_FP8 = 5_899_680  # 3·(Ie·D + 6·20·4): each matrix's 128x128 blocks, ceil(768/128)·ceil(2560/128)
 
 LM_HEAD = 804_787_200  # D·V·2 = 804,782,080 (bf16 in FP8 too) + the final norm D·2 = 5,120

@@ -87,7 +87,7 @@ def test_sharded_load_is_bit_identical(bf16_dir):
 @pytest.mark.parametrize("stored, fp8", [("fp8", None), ("float", True), ("fp8", False)],
                          ids=["fp8-as-stored", "quantised", "dequantised"])
 def test_sharded_fp8_load_is_bit_identical(fp8_dirs, stored, fp8):
-    """TP2 over block-FP8 checkpoints: values and scales of every Fp8Weight (IN_OUT projections, OUT_IN experts)
+    """TP2 over block-FP8 checkpoints: values and scales of every Fp8Weight (ROWS projections, OUT_IN experts)
     sliced from the F8 tensors, quantised from float ones, or dequantised, equal the unsharded load."""
     cfg, want = load_hf(fp8_dirs[stored], fp8=fp8, progress=False)
     assert (cfg.quantization == "fp8") == (fp8 is not False)

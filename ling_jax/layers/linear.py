@@ -7,9 +7,12 @@ Pallas launch, plus an XLA fusion summing fp32 partials where the tuning splits 
 weight's logical axes: column-parallel weights (heads or vocab on an output axis) give sharded outputs, row-parallel
 ones (heads or ffn on an input axis) partial sums added across devices before the residual.
 
-Block-FP8 weights (`Fp8Weight`, pallas_kernels/common/fp8.py) go through both: `proj` dequantises to the compute
-dtype (prefill's XLA GEMMs, the reference backend: bf16 tensor cores), the GEMV kernel keeps the dequantised weight
-in fp32, scaling each 128-row block's partial sum by its scale (docs/model.md §4).
+Block-FP8 weights (`Fp8Weight`, pallas_kernels/common/fp8.py) are stored ROWS, [*out, *in] (ling_jax/params.py),
+and go through both: `proj` takes every weight as the [*in, *out] matrix `fp8.as_in_out` makes, dequantised to
+the compute dtype (prefill's XLA GEMMs, the reference backend: bf16 tensor cores); the GEMV kernel
+(pallas_kernels/gemv/rows.py) keeps the dequantised weight in fp32, scaling each output row's partial sum over a
+128-column block by its scale (docs/model.md §4). A weight's logical axes are in its stored order, so the input
+axes that decide row parallelism are the last n_in of a ROWS weight and the first n_in of any other.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 from ling_jax.layers.norms import rms_norm
 from ling_jax.params import scale_axes
 from ling_jax.sharding import RULES, TP, logical_to_spec, per_shard, tp_size
-from pallas_kernels.common.fp8 import Fp8Weight, dequantize
+from pallas_kernels.common.fp8 import ROWS, Fp8Weight, as_in_out
 from pallas_kernels.gemv.kernel import MAX_TOKENS as GEMV_MAX_TOKENS  # the kernel's token limit: one 16-row dot
 
 
@@ -31,11 +34,11 @@ def proj(eq: str, x: jnp.ndarray, w: jnp.ndarray, out_dtype=None) -> jnp.ndarray
     """einsum(eq, x, w) with fp32 accumulation, rounded to `out_dtype` (default: x's dtype).
 
     torch's bf16 matmul accumulates in fp32 and rounds once, so this matches it to the rounding of the sum.
-    `w` is cast to x's dtype first (fp32-class weights such as the router keep their own path); a block-FP8 weight is
-    dequantised to it.
+    `eq` names w's axes as [*in, *out]. `w` is cast to x's dtype first (fp32-class weights such as the router keep
+    their own path); a block-FP8 weight is dequantised to it, in that order of axes whatever its layout.
     """
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    y = jnp.einsum(eq, x, dequantize(w, x.dtype), preferred_element_type=jnp.float32,
+    y = jnp.einsum(eq, x, as_in_out(w, x.dtype), preferred_element_type=jnp.float32,
                    precision="highest")
     return y.astype(out_dtype)
 
@@ -47,11 +50,15 @@ def uses_gemv(backend: str, n_tokens: int) -> bool:
 
 def dense(x: jnp.ndarray, w: jnp.ndarray, axes: tuple, *, n_in: int = 1, backend: str = "reference",
           norm: tuple | None = None, residual: jnp.ndarray | None = None) -> jnp.ndarray:
-    """x [..., *in] · w [*in, *out] -> [..., *out] in x's dtype, as `proj`; the first n_in axes of w are inputs.
+    """x [..., *in] · w [*in, *out] (a ROWS Fp8Weight: [*out, *in]) -> [..., *out] in x's dtype, as `proj`; w has
+    n_in input axes.
 
-    `axes`: w's logical axes (ling_jax/params.py), which place the kernel's shards. `norm` (weight, eps): x is
-    `rms_norm(x, weight, eps)` first. `residual` [..., *out]: added after the rounding, as a block's h + proj(x).
+    `axes`: w's logical axes in its stored order (ling_jax/params.py), which place the kernel's shards. `norm`
+    (weight, eps): x is `rms_norm(x, weight, eps)` first. `residual` [..., *out]: added after the rounding, as a
+    block's h + proj(x).
     """
+    if isinstance(w, Fp8Weight) and w.n_in != n_in:
+        raise ValueError(f"dense: n_in={n_in} but the Fp8Weight has n_in={w.n_in}")
     lead = x.shape[:x.ndim - n_in]
     if not uses_gemv(backend, math.prod(lead)):
         xn = x if norm is None else rms_norm(x, norm[0], norm[1])
@@ -62,15 +69,27 @@ def dense(x: jnp.ndarray, w: jnp.ndarray, axes: tuple, *, n_in: int = 1, backend
     return _dense_gemv(x, w, tuple(axes), n_in, lead, norm, residual)
 
 
+def _is_rows(w) -> bool:
+    return isinstance(w, Fp8Weight) and w.layout == ROWS
+
+
+def in_out_axes(w, axes: tuple, n_in: int) -> tuple[tuple, tuple]:
+    """(input axes, output axes) of w's logical `axes` (given in its stored order) or of its shape."""
+    if _is_rows(w):
+        return tuple(axes[len(axes) - n_in:]), tuple(axes[:len(axes) - n_in])
+    return tuple(axes[:n_in]), tuple(axes[n_in:])
+
+
 def _dense_gemv(x, w, axes, n_in, lead, norm, residual):
     from pallas_kernels.gemv import gemv
 
-    row_parallel = tp_size() > 1 and any(RULES.get(a) for a in axes[:n_in] if a is not None)
+    in_axes, out_axes = in_out_axes(w, axes, n_in)
+    row_parallel = tp_size() > 1 and any(RULES.get(a) for a in in_axes if a is not None)
     if row_parallel and norm is not None:
-        raise ValueError(f"dense: a norm prologue needs the whole input row, but w's input axes {axes[:n_in]} are "
+        raise ValueError(f"dense: a norm prologue needs the whole input row, but w's input axes {in_axes} are "
                          "split over devices; normalise first")
     none = (None,) * len(lead)
-    out_spec = logical_to_spec(none + axes[n_in:])
+    out_spec = logical_to_spec(none + out_axes)
     # Sharded row-parallel outputs are partial sums: the residual is added once, after the sum.
     fused_residual = None if row_parallel else residual
     extras = ([(norm[0], P())] if norm is not None else []) + (
@@ -81,18 +100,22 @@ def _dense_gemv(x, w, axes, n_in, lead, norm, residual):
         nrm = (next(it), norm[1]) if norm is not None else None
         res = next(it).reshape(math.prod(lead), -1) if fused_residual is not None else None
         y = gemv(x.reshape(math.prod(lead), -1), _as_matrix(w, n_in), res, norm=nrm, backend="pallas")
-        return y.reshape(lead + w.shape[n_in:])
+        return y.reshape(lead + in_out_axes(w, w.shape, n_in)[1])
 
     w_spec = logical_to_spec(axes)
     if isinstance(w, Fp8Weight):
         w_spec = Fp8Weight(w_spec, logical_to_spec(scale_axes(axes, w.layout, w.n_in)), w.layout, w.n_in)
-    specs = (logical_to_spec(none + axes[:n_in]), w_spec) + tuple(s for _, s in extras)
+    specs = (logical_to_spec(none + in_axes), w_spec) + tuple(s for _, s in extras)
     y = per_shard(run, specs, out_spec, sum_outputs=row_parallel)(x, w, *(a for a, _ in extras))
     return y + residual if row_parallel and residual is not None else y
 
 
 def _as_matrix(w, n_in: int):
-    """w [*in, *out] -> [In, Out] (free on the contiguous array); an FP8 weight's scale [ceil(In/128), Out]."""
+    """The GEMV's 2-D weight, a reshape (free on the contiguous array): w [*in, *out] -> [In, Out], its FP8 scale
+    [ceil(In/128), Out]; a ROWS w [*out, *in] -> [Out, In], its scale [Out, ceil(In/128)]."""
+    if _is_rows(w):
+        return Fp8Weight(w.q.reshape(-1, math.prod(w.shape[w.ndim - n_in:])), w.scale.reshape(-1, w.scale.shape[-1]),
+                         ROWS, 1)
     rows = math.prod(w.shape[:n_in])
     if not isinstance(w, Fp8Weight):
         return w.reshape(rows, -1)

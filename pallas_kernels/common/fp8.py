@@ -6,18 +6,19 @@ definition, rounded to the dtype it is asked for. The kernels keep the dequantis
 references take `dequantize(w, float32)`); XLA's GEMMs (prefill, the reference backend) take it rounded to the
 compute dtype.
 
-Three layouts, following how ling-jax stores the weight (ling_jax/params.py):
-    IN_OUT  q [*in, *out] (projections, n_in input axes; In = prod(in)): scale [ceil(In/128), *out], one scale
-            per 128 input rows and output column. A checkpoint's 128x128 block scale is repeated over the block's
-            128 output columns, so any packing of output columns (fused per-head projections) stays exact; it
-            costs 4 bytes per 128 weight bytes (3 %).
+Three layouts (ling_jax/params.py stores ROWS and OUT_IN):
+    ROWS    q [*out, *in] (the projections, as torch stores them: each output row contiguous along its inputs;
+            the last n_in axes are inputs, In = prod(in)): scale [*out, ceil(In/128)], one scale per output row and
+            128 input columns. A checkpoint's 128x128 block scale is repeated over the block's 128 output rows, so
+            any packing of output rows (fused per-head projections) stays exact; it costs 4 bytes per 128 weight
+            bytes (3 %). pallas_kernels/gemv/rows.py streams it.
     OUT_IN  q [..., O, I] (the MoE experts, kept as torch stores them): scale [..., ceil(O/128), ceil(I/128)],
             the checkpoint's own 128x128 blocks.
-    ROWS    q [*out, *in] (projections as torch stores them, each output row contiguous along its inputs; the last
-            n_in axes are inputs, In = prod(in)): scale [*out, ceil(In/128)], one scale per output row and 128
-            input columns: IN_OUT's scales transposed, so packing stays exact here too (pallas_kernels/gemv/rows.py
-            streams it). `convert_layout` turns an IN_OUT or OUT_IN weight into it exactly (a transpose, or the
-            block scale repeated over its rows) and a ROWS weight back into IN_OUT.
+    IN_OUT  q [*in, *out] (n_in leading input axes): scale [ceil(In/128), *out], ROWS's scales transposed; the
+            layout of pallas_kernels/gemv/kernel.py, which the benchmarks still compare.
+`convert_layout` turns an IN_OUT or OUT_IN weight into ROWS exactly (a transpose, or the block scale repeated over
+its rows) and a ROWS weight back into IN_OUT. `as_in_out` is any projection weight as the dense [*in, *out] matrix
+that XLA's einsums take.
 """
 
 from __future__ import annotations
@@ -113,6 +114,20 @@ def dequantize(w, dtype=jnp.float32) -> jax.Array:
     if not isinstance(w, Fp8Weight):
         return w.astype(dtype)
     return (w.q.astype(jnp.float32) * expanded_scale(w)).astype(dtype)
+
+
+def as_in_out(w, dtype=jnp.float32) -> jax.Array:
+    """A projection weight as a dense [*in, *out] array in `dtype`: a plain array (stored so) cast, an Fp8Weight
+    dequantised (`dequantize`: q · scale in float32, rounded once) with a ROWS weight's axes moved to [*in, *out]
+    (a transpose XLA folds into the GEMM reading it)."""
+    if isinstance(w, Fp8Weight) and w.layout == OUT_IN:
+        raise ValueError("as_in_out takes a projection; an OUT_IN weight is an expert matrix [..., O, I] "
+                         "(pallas_kernels/moe)")
+    x = dequantize(w, dtype)
+    if isinstance(w, Fp8Weight) and w.layout == ROWS:
+        n_out = w.ndim - w.n_in
+        x = jnp.transpose(x, tuple(range(n_out, w.ndim)) + tuple(range(n_out)))
+    return x
 
 
 def _block_scales(w2: jax.Array, rows: int, cols: int) -> jax.Array:

@@ -94,11 +94,11 @@ def gemv(x, w, residual=None, *, norm=None, backend="reference"):
 
     Args:
       x: [T, K] compute dtype (float32 or bfloat16).
-      w: [K, N] in x's dtype: the [in, out] layout ling-jax stores projections in (ling_jax/params.py); or an
-        `fp8.Fp8Weight` (n_in 1) of layout IN_OUT: q [K, N] float8_e4m3fn, scale [ceil(K/128), N] float32, or of
-        layout ROWS: q [N, K], scale [N, ceil(K/128)] (rows.py's kernel); dequantised in float32 and multiplied by
-        x in float32 (never rounded to x's dtype; the Pallas kernels apply each 128-wide block's scale to its fp32
-        partial sums, reading half the weight bytes).
+      w: [K, N] in x's dtype: the [in, out] layout ling-jax stores float projections in (ling_jax/params.py); or
+        an `fp8.Fp8Weight` (n_in 1) of layout ROWS, ling-jax's block-FP8 projections: q [N, K] float8_e4m3fn,
+        scale [N, ceil(K/128)] float32 (rows.py's kernel), or of layout IN_OUT: q [K, N], scale [ceil(K/128), N]
+        (kernel.py's); dequantised in float32 and multiplied by x in float32 (never rounded to x's dtype; the
+        Pallas kernels apply each 128-wide block's scale to its fp32 partial sums, reading half the weight bytes).
       residual: optional [T, N] in x's dtype, added last (a pre-norm block's h + proj(x)); the Pallas kernel adds it
         in its epilogue.
       norm: None, or (weight [K] any float dtype, eps a positive Python float): the input is first

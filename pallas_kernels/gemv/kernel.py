@@ -30,10 +30,8 @@ multiple of it), and the block's [BN] scale row multiplies the sub-block's fp32 
 - More tokens (or `one_token_dot`): a tensor-core dot per sub-block, x (bf16) with the tile widened to bf16
   (exact: E4M3 values are bf16 values), its fp32 result times the scale row; float32 x takes the full-precision
   dot. The loop is pipelined by hand one step deep (`_fp8_dot`): 3.4-4.6 SASS per weight in the loop, 3.6-5.9
-  per program at T = 4 and 16 (the 45-program MLA kv_a: 7-8.4). `GemvTuning.hand_pipelined=False` leaves the
-  loop to Triton's num_stages pipelining instead (`_fp8_dot_staged`, the dot-fed lever; one token too with
-  `one_token_dot`), measured against the rows kernel of rows.py (layout ROWS) by experiments/bench_gemv.py
-  --fp8 --levers.
+  per program at T = 4 and 16 (the 45-program MLA kv_a: 7-8.4). The model stores FP8 projections ROWS
+  (rows.py); this IN_OUT path is the `before` of experiments/bench_gemv.py --fp8 --levers.
 The result equals the reference up to fp32 rounding and summation order (then the one rounding to x's dtype).
 
 RMSNorm prologue (`norm=(weight, eps)`): every projection that reads a block's input follows an RMSNorm, and doing
@@ -108,10 +106,6 @@ class GemvTuning:
     # 88 % by FMAs at T = 1 (experiments/RESULTS.md, GEMV). FP8 weights default to FMAs (fewer instructions per
     # weight; their dot is pipelined by hand either way).
     one_token_dot: bool = True
-    # The FP8 dot's loop pipelined by hand one step ahead (`_fp8_dot`), or left to Triton's num_stages pipelining of
-    # the loads feeding the dot (`_fp8_dot_staged`: on sm_90 at Flash shapes 96-168 registers against 156-197, but
-    # 5.6-6.5 SASS instructions per weight in the loop against 3.4-4.2); plain weights always take the latter.
-    hand_pipelined: bool = True
 
     def __post_init__(self):
         check_pow2_fields(self, ("block_n", "block_k"), 16)  # the T > 1 dot's minimum; sectors are 32 bytes
@@ -119,8 +113,6 @@ class GemvTuning:
         for name in ("k_splits", "num_stages"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"GemvTuning.{name}={getattr(self, name)} must be an integer >= 1")
-        if not isinstance(self.hand_pipelined, bool):
-            raise ValueError(f"GemvTuning.hand_pipelined={self.hand_pipelined!r} must be a bool")
 
 
 def _split_ok(k, ks):
@@ -231,14 +223,14 @@ def _scale_row(s_ref, k, *, n0, BN, n_cols):
 
 
 def _block_products(x_ref, w_ref, *, k0, n_steps, BK, n0, BN, n_cols, n_tok, rows, s_ref=None, g_ref=None,
-                    inv_rms=None, hand_pipelined=True):
+                    inv_rms=None):
     """fp32 products of x_ref [T, K] (compute dtype) with w_ref [K, N] over rows [k0, k0 + n_steps·BK) and columns
     [n0, n0 + BN) -> [rows, BN] (rows = 1 at T = 1, else DOT_ROWS; padded rows are zero). Columns past n_cols are
     loaded as zeros. With s_ref the weight is FP8 (w_ref the E4M3 values, s_ref their [ceil(K/128), N] scales:
     `_fp8_products`); with g_ref (the norm weight [K]) each x tile is RMS-normed first, by the tokens' inv_rms."""
     if s_ref is not None:
         return _fp8_products(x_ref, w_ref, s_ref, k0=k0, n_steps=n_steps, BK=BK, n0=n0, BN=BN, n_cols=n_cols,
-                             n_tok=n_tok, rows=rows, g_ref=g_ref, inv_rms=inv_rms, hand_pipelined=hand_pipelined)
+                             n_tok=n_tok, rows=rows, g_ref=g_ref, inv_rms=inv_rms)
     dt = x_ref.dtype
     col_ok = _col_mask(n0, BK, BN=BN, n_cols=n_cols)
     row_ok = _token_mask(BK=BK, n_tok=n_tok, rows=rows)
@@ -281,8 +273,7 @@ def _dot(xs, w, exact_bf16):
                            precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
 
 
-def _fp8_products(x_ref, w_ref, s_ref, *, k0, n_steps, BK, n0, BN, n_cols, n_tok, rows, g_ref, inv_rms,
-                  hand_pipelined=True):
+def _fp8_products(x_ref, w_ref, s_ref, *, k0, n_steps, BK, n0, BN, n_cols, n_tok, rows, g_ref, inv_rms):
     """`_block_products` of an FP8 weight: the sum over 128-row scale blocks b of scale[b] · (x · q over the
     block's rows), all in fp32 (module docstring). A step of BK rows is min(BK, 128)-row sub-blocks, each inside
     one scale block: BK is a power of two and every step starts at a multiple of it."""
@@ -304,9 +295,8 @@ def _fp8_products(x_ref, w_ref, s_ref, *, k0, n_steps, BK, n0, BN, n_cols, n_tok
     if rows == 1:
         return _fp8_fma(w_ref, n_steps=n_steps, SB=SB, n0=n0, BN=BN, n_cols=n_cols, sub_blocks=sub_blocks,
                         scale_row=scale_row, load_x=load_x, normed=normed)
-    dot = _fp8_dot if hand_pipelined else _fp8_dot_staged
-    return dot(w_ref, x_ref.dtype, n_steps=n_steps, SB=SB, n0=n0, BN=BN, n_cols=n_cols, n_tok=n_tok, rows=rows,
-               sub_blocks=sub_blocks, scale_row=scale_row, load_x=load_x, normed=normed)
+    return _fp8_dot(w_ref, x_ref.dtype, n_steps=n_steps, SB=SB, n0=n0, BN=BN, n_cols=n_cols, n_tok=n_tok,
+                    rows=rows, sub_blocks=sub_blocks, scale_row=scale_row, load_x=load_x, normed=normed)
 
 
 def _fp8_fma(w_ref, *, n_steps, SB, n0, BN, n_cols, sub_blocks, scale_row, load_x, normed):
@@ -366,23 +356,6 @@ def _fp8_dot(w_ref, dt, *, n_steps, SB, n0, BN, n_cols, n_tok, rows, sub_blocks,
     return compute(n_steps - 1, acc, last)
 
 
-def _fp8_dot_staged(w_ref, dt, *, n_steps, SB, n0, BN, n_cols, n_tok, rows, sub_blocks, scale_row, load_x, normed):
-    """`_fp8_dot` without the hand pipelining: a plain loop whose E4M3 tiles feed the dots, so Triton stages them
-    through shared memory `num_stages` deep (the dot-fed loads that took the bf16 kernel to 86-88 % of 4.3 TB/s)."""
-    exact_bf16 = dt == jnp.bfloat16
-    col_ok = _col_mask(n0, SB, BN=BN, n_cols=n_cols)
-    row_ok = _token_mask(BK=SB, n_tok=n_tok, rows=rows)
-
-    def body(c, acc):
-        for k in sub_blocks(c):
-            q = _load(w_ref, (pl.ds(k, SB), pl.ds(n0, BN)), col_ok).astype(jnp.float16)
-            w = q.astype(jnp.bfloat16 if exact_bf16 else jnp.float32)
-            acc = acc + _dot(normed(load_x(k, SB, row_ok), k, SB), w, exact_bf16) * scale_row(k)
-        return acc
-
-    return lax.fori_loop(0, n_steps, body, jnp.zeros((rows, BN), jnp.float32))
-
-
 def _norm_inputs(x_ref, refs, *, eps, K, BK, n_tok, rows):
     """(g_ref, inv_rms) of the norm prologue, taking g_ref off the front of `refs`; (None, None) without a norm."""
     if eps is None:
@@ -401,7 +374,7 @@ def _out_mask(n0, *, BN, n_cols, n_tok, rows):
 
 
 def gemv_kernel(x_ref, w_ref, *refs, K, k_rows, BK, BN, n_cols, n_tok, rows, split_out, with_residual, eps,
-                with_scale, hand_pipelined=True):
+                with_scale):
     # x_ref [T, K], w_ref [K, N] (x's dtype, or E4M3), then s_ref [ceil(K/128), N] fp32 (with_scale: FP8), g_ref [K]
     # (the norm weight, any float dtype; eps not None) and r_ref [T, N] (with_residual) in the compute dtype; o_ref
     # [T, N] compute dtype, or [KS, T, N] fp32 partials (split_out).
@@ -414,8 +387,7 @@ def gemv_kernel(x_ref, w_ref, *refs, K, k_rows, BK, BN, n_cols, n_tok, rows, spl
     j, s = pl.program_id(0), pl.program_id(1)
     n0 = j * BN
     acc = _block_products(x_ref, w_ref, k0=s * k_rows, n_steps=k_rows // BK, BK=BK, n0=n0, BN=BN, n_cols=n_cols,
-                          n_tok=n_tok, rows=rows, s_ref=s_ref, g_ref=g_ref, inv_rms=inv_rms,
-                          hand_pipelined=hand_pipelined)
+                          n_tok=n_tok, rows=rows, s_ref=s_ref, g_ref=g_ref, inv_rms=inv_rms)
     mask = _out_mask(n0, BN=BN, n_cols=n_cols, n_tok=n_tok, rows=rows)
     idx = (pl.ds(0, rows), pl.ds(n0, BN))
     if split_out:
@@ -505,8 +477,7 @@ def _gemv(x, w, scale, residual, *norm_weight, eps, tuning):
                  else jax.ShapeDtypeStruct((t, n), x.dtype))
     y = pl.pallas_call(
         functools.partial(gemv_kernel, K=k, k_rows=k_rows, BK=bk, BN=bn, n_cols=n, n_tok=t, rows=rows,
-                          split_out=split_out, with_residual=with_residual, eps=eps, with_scale=bool(scale),
-                          hand_pipelined=tuning.hand_pipelined),
+                          split_out=split_out, with_residual=with_residual, eps=eps, with_scale=bool(scale)),
         grid=(pl.cdiv(n, bn), ks),
         out_shape=out_shape,
         compiler_params=_params(tuning),

@@ -55,8 +55,7 @@ def gemv(x, w, residual=None, *, norm=None):
     [T, N], norm None or (weight [K], eps) -> [T, N] in x's dtype."""
     xn = _normed(x, norm)
     if isinstance(w, fp8.Fp8Weight):
-        w32 = fp8.dequantize(w, jnp.float32)
-        y = _logits_f32(xn.astype(jnp.float32), w32.T if w.layout == fp8.ROWS else w32).astype(x.dtype)
+        y = _logits_f32(xn.astype(jnp.float32), fp8.as_in_out(w, jnp.float32)).astype(x.dtype)
     else:
         y = _logits_f32(xn, w).astype(x.dtype)
     return y if residual is None else residual + y

@@ -9,9 +9,10 @@ block's tile [BN, 128] is BN runs of 128 contiguous bytes, and a thread's 16-byt
 Loads in flight (`RowsTuning.unroll`). Unrolled, the slice's blocks are a static Python loop: every weight tile and
 scale column is loaded before the first product, so a thread has its whole slice in flight (16 rows x 2560 columns
 over 4 warps: 20 16-byte loads, ~80 registers; `MAX_UNROLLED_BYTES_PER_THREAD` caps it). An untuned probe of this
-shape read KDA's w_in [20480 x 2560] at 3.0 TB/s on the H200, against 1.9 for kernel.py's [K, N] loop. Looped, the
-blocks are a fori_loop, which Triton software-pipelines `num_stages` deep (cp.async into shared memory) when the
-tile feeds a dot: the lever that took the bf16 kernel to 86-88 % of 4.3 TB/s. The dot is looped by default; an
+shape read KDA's w_in [20480 x 2560] at 3.0 TB/s on the H200, against 1.9 for kernel.py's [K, N] loop (in the
+tuned kernel, with the norm, w_in's FMAs ran faster looped: Tunings). Looped, the blocks are a fori_loop, which
+Triton software-pipelines `num_stages` deep (cp.async into shared memory) when the tile feeds a dot: the lever that
+took the bf16 kernel to 86-88 % of 4.3 TB/s. The dot is looped by default; an
 unrolled dot runs on one warp over K-slices of <= 640 columns, because at 4 warps every warp computed the whole
 [16, 16] dot, converting the whole tile, and at w_in it spilled (255 registers, 1.8 KB of stack, 21.6 SASS
 instructions per weight, sm_90).
@@ -42,14 +43,36 @@ residual, as kernel.py does. N need not be a multiple of BN (masked rows); K mus
 cuts K into whole 128-column blocks (a K that is not a multiple of 128 ends in a narrower block, cut into
 power-of-two pieces, held by its one program).
 
-Tunings (`default_tuning`, untimed until experiments/bench_gemv.py --fp8 --levers runs on the H200): FMAs unrolled
-at T = 1 in 16 rows on 4 warps (the probe); the dot looped above, 64 rows on 4 warps, 3 stages; K-splits (whole
-blocks) the fewest giving MIN_PROGRAMS programs (MIN_PROGRAMS / 2 for the looped dot, slices of >= 512 columns),
-within the per-thread cap when unrolled. Compiled for sm_90 on a CPU (experiments/triton_resources.py --gemv,
-SASS instructions per weight a thread streams, against ~7 issue slots per weight byte at 4.3 TB/s): T = 1 FMAs
-unrolled 4.8-5.8 over a program at Flash's fused shapes (5.0 at KDA's w_in with the norm: 183 registers, all 20
-16-byte loads issued before the first wait, no spills; MLA kv_a's 256-column slices 10); the looped dot 4.6-5.0
-per weight in the loop, 64-96 registers, 20-24 KiB of shared memory; no default spills.
+Tunings (`default_tuning`), from the levers measured on the H200 (experiments/bench_gemv.py --fp8 --levers,
+results/bench_gemv_levers.json: cold weights, µs, at Flash's fused shapes). K-splits are whole blocks, the fewest
+giving MIN_PROGRAMS programs (MIN_PROGRAMS / 2 for the looped dot, slices of >= 512 columns), within the
+per-thread cap when unrolled. Each rule with its measurement:
+- T = 1 by FMAs in 16 rows, against the better one-token dot: w_in 22.5 µs against 24.8, w_qg 11.0 against 11.4,
+  kv_a 4.6 against 5.6, o_proj 7.2 against 8.1, down 9.0 against 11.2; only gate|up liked the dot (17.2 against
+  18.3).
+- Looped when the 16-row blocks over all of K already give FMA_LOOPED_MIN_PROGRAMS programs (8 per SM): w_in's
+  1282 took 22.5 µs looped, 33.1 unrolled, 27.2 unrolled in two K-splits. Fewer rows: unrolled (gate|up, 768
+  programs: 18.3 unrolled in two splits, 18.4 looped; o_proj 7.2 unrolled against 8.6 looped; w_qg 11.0 against
+  12.1), every load of the slice in flight before the first FMA.
+- Unrolled slices of at most FMA_BYTES_PER_THREAD weight bytes per thread (16 rows x 1280 columns on 4 warps), half
+  the probe's whole K: gate|up took 19.6 µs over all 2560 columns against 18.3 over 1280; w_qg 10.9 against 11.0
+  (a tie, which the rule gives up: no one rule gives w_qg one split and gate|up two). kv_a: its 36 blocks take the
+  most splits, 10 (4.6 µs; 5 splits 4.9).
+- 8 warps for unrolled FMAs at K >= FMA_LONG_K (the row-parallel o_proj 4096 and down 6144, short N split 4
+  ways): down 9.0 µs against 10.5 on 4 warps, o_proj 7.2 either way; at K = 2560 8 warps lost (w_qg 13.1 against
+  11.0, w_in 44.8 against 33.1) or tied (kv_a 4.6).
+- T > 1: the dot looped in 64 rows on 4 warps, 3 stages, the norm by XLA: w_in 21.4 / 22.7 µs at T = 4 / 16 (66.1
+  at T = 16 for kernel.py's IN_OUT), gate|up 15.5 / 16.0, w_qg 10.7 / 11.3, o_proj 9.0 / 8.4, down 9.9 / 10.0.
+  Within 5 % of the sweep's best where swept (32 rows on 2 warps: o_proj 8.1 at T = 16); the norm in the kernel
+  lost (w_in 30.3 at T = 16), 2 stages too (29.7), 4 or 5 tied. kv_a alone prefers the unrolled one-warp dot
+  (6.6 / 7.0 against 7.8 / 7.5): its 45 looped programs are too few, but it is 1.5 MB of a step.
+
+Compiled for sm_90 on a CPU (experiments/triton_resources.py --gemv, SASS instructions per weight a thread streams,
+against ~7 issue slots per weight byte at 4.3 TB/s), the T = 1 defaults over a program: w_in's loop 5.8 (5.3 in
+the loop body, 38 registers), w_qg and gate|up unrolled in two splits 5.8 (72 registers, 10 16-byte loads issued
+before the first wait), o_proj and down on 8 warps 7.3 and 7.1 (38 and 54 registers), kv_a's 256-column slices 10;
+unrolled over all of w_in's K it was 5.0 at 183 registers. The looped dot 4.6-5.0 per weight in the loop, 64-96
+registers, 20-24 KiB of shared memory; no default spills.
 """
 
 from __future__ import annotations
@@ -72,6 +95,14 @@ BLOCK = fp8.BLOCK
 # Weight bytes a thread of an unrolled program holds in flight: the probe's 16 rows x 2560 columns over 4 warps, 80
 # registers; a longer slice is split (more would spill or halve the programs an SM holds).
 MAX_UNROLLED_BYTES_PER_THREAD = 16 * 2560 // 128
+# T = 1 FMAs loop over K once this many 16-row programs cover N at one K-split (8 per SM): w_in's 1282 took 22.5 µs
+# looped against 33.1 unrolled (module docstring, Tunings).
+FMA_LOOPED_MIN_PROGRAMS = 8 * kernel.SMS
+# An unrolled FMA program's weight bytes per thread: half the probe's (16 rows x 1280 columns on 4 warps); all 2560
+# columns took gate|up 19.6 µs against 18.3.
+FMA_BYTES_PER_THREAD = MAX_UNROLLED_BYTES_PER_THREAD // 2
+# Unrolled FMAs over K >= this run on 8 warps: down 6144 -> 2560 took 9.0 µs against 10.5 on 4.
+FMA_LONG_K = 4096
 # The dot's rows per program: 64 rows take 4 warps without replicating the [16, BN] dot over warps (at 16 rows every
 # warp converted the whole tile: 10.5 SASS instructions per weight against 4.8), and each program reads x [T, K]
 # from L2 once per 64 rows (at 16 rows and T = 16 that is twice the weight's own bytes).
@@ -105,21 +136,29 @@ class RowsTuning:
 
 def default_tuning(n_tokens: int, k: int, n: int, *, one_token_dot: bool = False,
                    unroll: bool | None = None) -> RowsTuning:
-    """The heuristic tuning of a [T, K] x ROWS [N, K] projection (module docstring, Tunings) taking the given path:
-    at T = 1 FMAs unless one_token_dot, above the dot; unrolled for FMAs and looped for the dot unless `unroll`."""
-    dot = n_tokens > 1 or one_token_dot
-    unroll = not dot if unroll is None else unroll
-    bn, warps, min_cols, target = 16, 4, MIN_SPLIT_ROWS, MIN_PROGRAMS
-    if dot and unroll:
-        warps = 1  # one warp per 16-row dot: more would each convert the whole tile
-    elif dot:
-        bn, min_cols, target = DOT_BLOCK_N, kernel.FP8_DOT_MIN_SPLIT_ROWS, MIN_PROGRAMS // 2
-    cap = MAX_UNROLLED_BYTES_PER_THREAD * 32 * warps if unroll else None
+    """The measured tuning of a [T, K] x ROWS [N, K] projection (module docstring, Tunings) taking the given path:
+    at T = 1 FMAs unless one_token_dot, above the dot. `unroll` None: FMAs looped at FMA_LOOPED_MIN_PROGRAMS
+    16-row programs and unrolled below, the dot looped."""
+    if n_tokens == 1 and not one_token_dot:
+        if unroll is None:
+            unroll = pl.cdiv(n, 16) < FMA_LOOPED_MIN_PROGRAMS
+        warps = 8 if unroll and k >= FMA_LONG_K else 4
+        cap = FMA_BYTES_PER_THREAD * 32 * warps if unroll else None
+        return RowsTuning(block_n=16, k_splits=_fewest_splits(k, n, 16, MIN_SPLIT_ROWS, MIN_PROGRAMS, cap),
+                          num_warps=warps, unroll=unroll)
+    if unroll:  # one warp per 16-row dot: more would each convert the whole tile
+        ks = _fewest_splits(k, n, 16, MIN_SPLIT_ROWS, MIN_PROGRAMS, MAX_UNROLLED_BYTES_PER_THREAD * 32)
+        return RowsTuning(block_n=16, k_splits=ks, num_warps=1, one_token_dot=n_tokens == 1, unroll=True)
+    ks = _fewest_splits(k, n, DOT_BLOCK_N, kernel.FP8_DOT_MIN_SPLIT_ROWS, MIN_PROGRAMS // 2, None)
+    return RowsTuning(block_n=DOT_BLOCK_N, k_splits=ks, num_warps=4, one_token_dot=n_tokens == 1, unroll=False)
+
+
+def _fewest_splits(k: int, n: int, bn: int, min_cols: int, target: int, cap: int | None) -> int:
+    """The fewest K-splits (whole blocks, slices of >= min_cols) giving `target` programs of bn rows, each slice
+    within `cap` weight bytes per program when given; the most splits when none does."""
     splits = kernel.fp8_splits(k, min_cols)
-    ks = next((d for d in splits if pl.cdiv(n, bn) * d >= target and (cap is None or bn * (k // d) <= cap)),
-              splits[-1])
-    return RowsTuning(block_n=bn, k_splits=ks, num_warps=warps, one_token_dot=one_token_dot and n_tokens == 1,
-                      unroll=unroll)
+    return next((d for d in splits if pl.cdiv(n, bn) * d >= target and (cap is None or bn * (k // d) <= cap)),
+                splits[-1])
 
 
 def _pieces(width):

@@ -1,6 +1,6 @@
 """Public KDA entry points: prefill, decode, verify (+ commit), one per mode.
 
-All modes share one signature: the part of a Ling-3.0 KDA layer between the input projections and o_proj.
+Each is the part of a Ling-3.0 KDA layer between the input projections and o_proj. Prefill takes the parts:
 
     qkv:  [B, T, 3, H, K]  pre-conv projections q|k|v (compute dtype: float32 or bfloat16), K == V
     f:    [B, T, H, K]     f_proj output (gate input, compute dtype)
@@ -10,6 +10,13 @@ All modes share one signature: the part of a Ling-3.0 KDA layer between the inpu
     state: [B, H, K, V] float32 recurrent state
     conv_w: [W, 3, H, K] float32 depthwise causal conv taps (tap W-1 multiplies the current token)
     A_log: [H] f32; dt_bias: [H, K] f32; o_norm_w: [K] gated-RMSNorm weight shared by heads
+
+Decode and verify take the fused input projection's output as it is in place of qkv, f, b, z:
+
+    x:    [B, T, H, 5K+1]  per head q|k|v|f|g|b (ling_jax/params.py kda_in_parts; reference.pack / unpack)
+
+so that the Pallas kernel loads each part at its column offset and no XLA slice or q|k|v stack runs before it
+(three launches per layer step on the H200); the reference backend unpacks and runs the specification.
 
 `backend="reference"` runs the pure-jnp spec (reference.py); `backend="pallas"` runs the Pallas-Triton kernels
 (interpret mode on CPU). Shapes the kernels cannot take raise; nothing falls back silently.
@@ -69,6 +76,25 @@ def _check(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, l
         raise ValueError(f"backend='pallas' needs K a power of two >= 16 (Triton block shapes), got {K=}")
 
 
+def _check_packed(x, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, lower_bound, backend, mode, max_t=None):
+    """Validates the packed x, then every other argument against the parts it stands for."""
+    if x.ndim != 4:
+        raise ValueError(f"{x.shape=} must be the packed [B, T, H, 5K+1]")
+    if jnp.dtype(x.dtype) not in _DTYPES:
+        raise ValueError(f"x.dtype={jnp.dtype(x.dtype)} must be float32 or bfloat16")
+    if conv_w.ndim != 4:
+        raise ValueError(f"{conv_w.shape=} must be [W, 3, H, K] with W >= 2")
+    B, T, H, width = x.shape
+    K = conv_w.shape[-1]
+    if width != 5 * K + 1:
+        raise ValueError(f"x.shape[-1]={width} must be 5K+1 = {5 * K + 1} (q|k|v|f|g|b per head, "
+                         f"K={K} from conv_w.shape={tuple(conv_w.shape)})")
+    sds = jax.ShapeDtypeStruct
+    parts = (sds((B, T, 3, H, K), x.dtype), sds((B, T, H, K), x.dtype), sds((B, T, H), x.dtype),
+             sds((B, T, H, K), x.dtype))
+    _check(*parts, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, lower_bound, backend, mode, max_t)
+
+
 def kda_prefill(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, *, lower_bound=-5.0,
                 eps=1e-6, backend="reference", chunk_size=64):
     """Chunked prefill (C = 64) for any T, from ``state``. Returns ``(y, new_conv_window, new_state)``."""
@@ -79,29 +105,29 @@ def kda_prefill(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm
     return chunk.prefill(*args, lower_bound=lower_bound, eps=eps, chunk_size=chunk_size)
 
 
-def kda_decode(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, *, lower_bound=-5.0,
-               eps=1e-6, backend="reference"):
-    """One token (T == 1). Returns ``(y, new_conv_window, new_state)``; the Pallas kernel updates the state in
-    place when the caller donates it."""
-    args = (qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w)
-    _check(*args, lower_bound, backend, "decode")
+def kda_decode(x, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, *, lower_bound=-5.0, eps=1e-6,
+               backend="reference"):
+    """One token (T == 1) of the packed x. Returns ``(y, new_conv_window, new_state)``; the Pallas kernel
+    updates the state in place when the caller donates it."""
+    args = (conv_window, state, conv_w, A_log, dt_bias, o_norm_w)
+    _check_packed(x, *args, lower_bound, backend, "decode")
     if backend == "reference":
-        return _ref_layer(*args, lower_bound=lower_bound, eps=eps, mode="recurrent")
-    return recurrent.decode(*args, lower_bound=lower_bound, eps=eps)
+        return _ref_layer(*reference.unpack(x), *args, lower_bound=lower_bound, eps=eps, mode="recurrent")
+    return recurrent.decode(x, *args, lower_bound=lower_bound, eps=eps)
 
 
-def kda_verify(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, *, lower_bound=-5.0,
-               eps=1e-6, backend="reference"):
-    """T draft positions from the committed ``state`` (read only).
+def kda_verify(x, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, *, lower_bound=-5.0, eps=1e-6,
+               backend="reference"):
+    """T draft positions of the packed x from the committed ``state`` (read only).
 
-    Returns ``(y, conv_rows, states)``: conv_rows [B, W-1+T, 3, H, K] = old window ++ qkv (the window after
+    Returns ``(y, conv_rows, states)``: conv_rows [B, W-1+T, 3, H, K] = old window ++ q|k|v (the window after
     position t is ``conv_rows[:, t+1 : t+W]``) and states [B, T, H, K, V] fp32, every position's post-state.
     """
-    args = (qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w)
-    _check(*args, lower_bound, backend, "verify", max_t=64)
+    args = (conv_window, state, conv_w, A_log, dt_bias, o_norm_w)
+    _check_packed(x, *args, lower_bound, backend, "verify", max_t=64)
     if backend == "reference":
-        return _ref_verify(*args, lower_bound=lower_bound, eps=eps)
-    return recurrent.verify(*args, lower_bound=lower_bound, eps=eps)
+        return _ref_verify(*reference.unpack(x), *args, lower_bound=lower_bound, eps=eps)
+    return recurrent.verify(x, *args, lower_bound=lower_bound, eps=eps)
 
 
 def kda_commit(conv_rows, states, n):

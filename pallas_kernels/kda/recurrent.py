@@ -1,9 +1,15 @@
 """Fused recurrent KDA in Pallas-Triton: decode (T = 1) and speculative verify (T <= 64).
 
+The kernel reads the fused input projection's output as it is, x [B, T, H, 5K+1] packed per head as
+q|k|v|f|g|b (ling_jax/params.py kda_in_parts), each program loading its head's parts at their column offsets,
+so no XLA slice or q|k|v stack runs between the projection GEMV and this kernel.
+
 One program per (sequence, head, V tile of BV columns) keeps a [K, BV] fp32 state tile in registers and walks
 the T tokens: conv update + SiLU → L2 norm and scale → safe gate and beta → fp32 delta step → output. With
-BV == V the gated RMSNorm is fused (the program holds the whole head); otherwise the kernel emits o and the
-norm runs as one XLA fusion after it.
+BV == V the gated RMSNorm is fused (the program holds the whole head). Otherwise each program applies the
+per-column part of the norm (weight and sigmoid(g)) to its tile, emits it in fp32 with the tile's sum of
+squares of o, and one small XLA fusion after the kernel scales each head by its RMS: the RMS is the only
+quantity that spans the V tiles, and no XLA op has to read g out of x (a slice of x is a launch of its own).
 
 Every program reads the conv window and q/k rows of its head in full (the L2 norm and Sᵀq reduce over K), so
 the conv window is never updated in place: the new window goes to a fresh buffer, written by V-tile 0 for q/k
@@ -23,7 +29,6 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.common.interpret import interpret_mode
 from pallas_kernels.common.sizes import is_pow2
-from pallas_kernels.kda import reference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,10 +58,7 @@ def _silu(x):
 
 
 def recurrent_kda_fwd_kernel(
-    qkv_ref,    # [B, T, 3, H, K] pre-conv rows
-    f_ref,      # [B, T, H, K]
-    b_ref,      # [B, T, H]
-    z_ref,      # [B, T, H, K]
+    x_ref,      # [B, T, H, 5K+1] q|k|v pre-conv rows, f, z (the output gate g), beta logit
     win_ref,    # [B, W-1, 3, H, K]
     h0_ref,     # [B, H, K, V] fp32
     convw_ref,  # [W, 3, H, K] fp32
@@ -66,10 +68,11 @@ def recurrent_kda_fwd_kernel(
     *out_refs,
     T, W, K, BV, lower_bound, eps, scale, FUSE_NORM, MODE,
 ):
-    """MODE "decode": outs (y|o, new window, final state); "verify": outs (y|o, per-token states, conv_rows)."""
+    """MODE "decode": outs (y|u, new window, final state); "verify": outs (y|u, per-token states, conv_rows);
+    BV < V adds a last output, the [B, T, H, V // BV] fp32 sums of squares of o per tile, and u is fp32."""
     i_b, i_h, i_v = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     o_v = pl.ds(i_v * BV, BV)
-    dtype = qkv_ref.dtype
+    dtype = x_ref.dtype
     f32 = jnp.float32
     y_ref = out_refs[0]
     verify = MODE == "verify"
@@ -80,7 +83,7 @@ def recurrent_kda_fwd_kernel(
     b_wv = [convw_ref[j, 2, i_h, o_v] for j in range(W)]
     b_a = jnp.exp(alog_ref[i_h])
     b_dtb = dtb_ref[i_h, :]
-    b_nw = normw_ref[...].astype(f32) if FUSE_NORM else None
+    b_nw = normw_ref[o_v].astype(f32)
 
     def conv(rows, taps, x):
         acc = taps[W - 1] * x.astype(f32)
@@ -105,30 +108,31 @@ def recurrent_kda_fwd_kernel(
         b_h = b_h * jnp.exp(b_g)[:, None]
         b_u = b_beta * (b_v - jnp.sum(b_k[:, None] * b_h, axis=0))  # [BV]
         b_h = b_h + b_k[:, None] * b_u[None, :]
-        b_o = jnp.sum(b_q[:, None] * b_h, axis=0).astype(y_ref.dtype)  # [BV]
+        # o rounded to the compute dtype before the norm, as the reference's o is.
+        b_of = jnp.sum(b_q[:, None] * b_h, axis=0).astype(dtype).astype(f32)  # [BV]
+        b_gate = b_nw * jax.nn.sigmoid(x_ref[i_b, t, i_h, pl.ds(4 * K + i_v * BV, BV)].astype(f32))
         if FUSE_NORM:
-            b_of = b_o.astype(f32)
-            b_z = z_ref[i_b, t, i_h, :].astype(f32)
-            b_y = b_of * lax.rsqrt(jnp.mean(b_of * b_of) + eps) * b_nw * jax.nn.sigmoid(b_z)
+            b_y = b_of * lax.rsqrt(jnp.mean(b_of * b_of) + eps) * b_gate
             y_ref[i_b, t, i_h, :] = b_y.astype(y_ref.dtype)
         else:
-            y_ref[i_b, t, i_h, o_v] = b_o
+            y_ref[i_b, t, i_h, o_v] = b_of * b_gate
+            out_refs[-1][i_b, t, i_h, i_v] = jnp.sum(b_of * b_of)
         if verify:
             out_refs[1][i_b, t, i_h, :, o_v] = b_h
         return b_h
 
     def body(t, carry):
         b_h, rq, rk, rv = carry
-        x_q = qkv_ref[i_b, t, 0, i_h, :]
-        x_k = qkv_ref[i_b, t, 1, i_h, :]
-        x_v = qkv_ref[i_b, t, 2, i_h, o_v]
+        x_q = x_ref[i_b, t, i_h, pl.ds(0, K)]
+        x_k = x_ref[i_b, t, i_h, pl.ds(K, K)]
+        x_v = x_ref[i_b, t, i_h, pl.ds(2 * K + i_v * BV, BV)]
         if verify:  # conv_rows written here, so that no XLA concatenate runs
             store_rows(out_refs[2], W - 1 + t, x_q, x_k, x_v)
         c_q, c_k, c_v = conv(rq, b_wq, x_q), conv(rk, b_wk, x_k), conv(rv, b_wv, x_v)
-        b_f = f_ref[i_b, t, i_h, :].astype(f32)
+        b_f = x_ref[i_b, t, i_h, pl.ds(3 * K, K)].astype(f32)
         # Safe gate in fp32, then rounded to the compute dtype as the HF reference does.
         b_g = (lower_bound * jax.nn.sigmoid(b_a * (b_f + b_dtb))).astype(dtype).astype(f32)
-        b_beta = jax.nn.sigmoid(b_ref[i_b, t, i_h].astype(f32)).astype(dtype).astype(f32)
+        b_beta = jax.nn.sigmoid(x_ref[i_b, t, i_h, 5 * K].astype(f32)).astype(dtype).astype(f32)
         b_h = step(t, b_h, l2(c_q) * scale, l2(c_k), c_v, b_g, b_beta)
         return b_h, (*rq[1:], x_q), (*rk[1:], x_k), (*rv[1:], x_v)
 
@@ -148,22 +152,24 @@ def recurrent_kda_fwd_kernel(
         out_refs[2][i_b, i_h, :, o_v] = b_h
 
 
-def _recurrent_call(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, *, lower_bound, eps,
+def _recurrent_call(x, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, *, lower_bound, eps,
                     mode, cfg):
-    B, T, _, H, K = qkv.shape
-    V = K
+    B, T, H, _ = x.shape
+    K = V = conv_w.shape[-1]
     W = conv_w.shape[0]
     BV = min(cfg.BV, V)
     fuse_norm = BV == V
-    dtype = qkv.dtype
+    dtype = x.dtype
     sds = jax.ShapeDtypeStruct
-    y_shape = sds((B, T, H, V), dtype)
+    y_shape = sds((B, T, H, V), dtype if fuse_norm else jnp.float32)
     if mode == "decode":
         out_shape = [y_shape, sds(conv_window.shape, dtype), sds(state.shape, jnp.float32)]
-        aliases = {5: 2}
+        aliases = {2: 2}
     else:
         out_shape = [y_shape, sds((B, T, H, K, V), jnp.float32), sds((B, W - 1 + T, 3, H, K), dtype)]
         aliases = {}
+    if not fuse_norm:
+        out_shape.append(sds((B, T, H, V // BV), jnp.float32))
     kernel = functools.partial(
         recurrent_kda_fwd_kernel, T=T, W=W, K=K, BV=BV, lower_bound=float(lower_bound), eps=float(eps),
         scale=K ** -0.5, FUSE_NORM=fuse_norm, MODE=mode)
@@ -175,24 +181,29 @@ def _recurrent_call(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_
         interpret=interpret_mode(),
         name=f"kda_recurrent_{mode}",
         compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-    )(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w)
+    )(x, conv_window, state, conv_w, A_log, dt_bias, o_norm_w)
     if not fuse_norm:
-        y = reference.gated_rms_norm(y, z, o_norm_w, eps)
+        *rest, sum_sq = rest
+        # Unrolled adds, not a reduce: XLA emits a reduce as a launch of its own, the adds fuse with the scaling.
+        total = sum((sum_sq[..., j:j + 1] for j in range(1, V // BV)), sum_sq[..., :1])
+        y = (y * lax.rsqrt(total / V + eps)).astype(dtype)
     return y, *rest
 
 
 @functools.partial(jax.jit, static_argnames=("lower_bound", "eps", "cfg"))
-def decode(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, *, lower_bound=-5.0, eps=1e-6,
+def decode(x, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, *, lower_bound=-5.0, eps=1e-6,
            cfg=DEFAULT_DECODE):
-    """-> (y, new_window, new_state); the state is updated in place when the caller donates it."""
-    return _recurrent_call(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w,
+    """x: the packed [B, 1, H, 5K+1] -> (y, new_window, new_state); the state is updated in place when the
+    caller donates it."""
+    return _recurrent_call(x, conv_window, state, conv_w, A_log, dt_bias, o_norm_w,
                            lower_bound=lower_bound, eps=eps, mode="decode", cfg=cfg)
 
 
 @functools.partial(jax.jit, static_argnames=("lower_bound", "eps", "cfg"))
-def verify(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, *, lower_bound=-5.0, eps=1e-6,
+def verify(x, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, *, lower_bound=-5.0, eps=1e-6,
            cfg=DEFAULT_VERIFY):
-    """-> (y, conv_rows [B, W-1+T, 3, H, K], states [B, T, H, K, V] fp32); ``state`` is read only."""
-    y, states, conv_rows = _recurrent_call(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w,
+    """x: the packed [B, T, H, 5K+1] -> (y, conv_rows [B, W-1+T, 3, H, K], states [B, T, H, K, V] fp32);
+    ``state`` is read only."""
+    y, states, conv_rows = _recurrent_call(x, conv_window, state, conv_w, A_log, dt_bias, o_norm_w,
                                            lower_bound=lower_bound, eps=eps, mode="verify", cfg=cfg)
     return y, conv_rows, states

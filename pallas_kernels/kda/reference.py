@@ -14,7 +14,8 @@ to q themselves; g is the log-space decay (after the gate), beta is after the si
 
 The layer compositions (``kda_layer``, ``kda_verify_layer``) run conv → gate/beta → L2 norm → delta rule →
 gated RMSNorm with the roundings of the HF reference in bf16 (see the contract in ``dispatch.py``);
-``layer_inputs`` draws random inputs in that contract for the tests and experiments/bench_kda.py.
+``layer_inputs`` draws random inputs in that contract for the tests and experiments/bench_kda.py; ``pack`` and
+``unpack`` convert between its parts and the packed fused-projection layout that decode and verify take.
 """
 
 import jax
@@ -217,6 +218,19 @@ def kda_verify_layer(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o
     y = gated_rms_norm(o.astype(qkv.dtype), z, o_norm_w, eps)
     conv_rows = jnp.concatenate([conv_window.astype(qkv.dtype), qkv], axis=1)
     return y, conv_rows, states
+
+
+def pack(qkv, f, b, z):
+    """The fused input projection's layout [B, T, H, 5K+1], per head q|k|v|f|g|b, from the parts."""
+    q, k, v = (qkv[:, :, i] for i in range(3))
+    return jnp.concatenate([q, k, v, f, z, b[..., None]], axis=-1)
+
+
+def unpack(x):
+    """``pack``'s inverse: [B, T, H, 5K+1] -> (qkv [B, T, 3, H, K], f, b [B, T, H], z)."""
+    K = (x.shape[-1] - 1) // 5
+    part = lambda i: x[..., i * K:(i + 1) * K]  # noqa: E731
+    return jnp.stack([part(0), part(1), part(2)], axis=2), part(3), x[..., 5 * K], part(4)
 
 
 def layer_inputs(seed, B, T, H, K, dtype=jnp.float32, gate="mixed", fresh_window=False, W=4):

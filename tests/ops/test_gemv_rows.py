@@ -1,5 +1,4 @@
-"""The FP8 GEMV over output rows (pallas_kernels/gemv/rows.py, layout fp8.ROWS) and kernel.py's FP8 dot left to
-Triton's pipelining (`GemvTuning.hand_pipelined=False`), interpreted on CPU: each path against the reference that
+"""The FP8 GEMV over output rows (pallas_kernels/gemv/rows.py, layout fp8.ROWS), interpreted on CPU: each path against the reference that
 dequantises in float32, the ROWS layout and its converter, the dispatcher's errors, and the kernels per shard under
 TP2 and TP4.
 
@@ -22,7 +21,6 @@ from jax.sharding import PartitionSpec as P
 from pallas_kernels import gemv
 from pallas_kernels.common import fp8
 from pallas_kernels.gemv import kernel, reference, rows
-from pallas_kernels.gemv.kernel import GemvTuning
 from pallas_kernels.gemv.rows import RowsTuning
 from tests.numerics import input_seed, rel_err
 
@@ -91,7 +89,7 @@ ROWS_CASES = {  # T, dtype, K, N, norm, residual, tuning
     "t16-f32-k256-n40-ks2-res": (16, jnp.float32, 256, 40, False, True, RowsTuning(k_splits=2)),
     "t16-bf16-k384-n40-unrolled-kernel-norm": (16, jnp.bfloat16, 384, 40, True, False,
                                                RowsTuning(unroll=True, norm_in_kernel=True)),
-    # The defaults (rows.default_tuning): FMAs unrolled at T = 1, the 64-row dot loop above.
+    # The defaults (rows.default_tuning): FMAs at T = 1 (unrolled at this N), the 64-row dot loop above.
     "t1-bf16-k384-n100-default-norm-res": (1, jnp.bfloat16, 384, 100, True, True, None),
     "t16-bf16-k384-n100-default-norm-res": (16, jnp.bfloat16, 384, 100, True, True, None),
 }
@@ -113,24 +111,6 @@ def test_rows_fp8(case):
         assert rel_err(proj_only, want) > 0.05
     if with_norm:
         assert rel_err(reference.gemv(x, w_rows, r), want) > 0.05
-
-
-STAGED_CASES = {  # T, dtype, K, N, norm, residual, tuning: kernel.py's FP8 dot with Triton's pipelining
-    "t1-bf16-k384-n96-ks3-norm-res": (1, jnp.bfloat16, 384, 96, True, True,
-                                      GemvTuning(block_n=64, block_k=128, k_splits=3, hand_pipelined=False)),
-    "t3-f32-k256-n96-bk256-norm-res": (3, jnp.float32, 256, 96, True, True,
-                                       GemvTuning(block_n=64, block_k=256, hand_pipelined=False)),
-    "t16-bf16-k384-n96-bk64-res": (16, jnp.bfloat16, 384, 96, False, True,
-                                   GemvTuning(block_n=32, block_k=64, hand_pipelined=False)),
-}
-
-
-@pytest.mark.parametrize("case", list(STAGED_CASES))
-def test_inout_fp8_dot_staged(case):
-    t, dtype, k, n, with_norm, with_res, tuning = STAGED_CASES[case]
-    x, w, _, r, norm = _inputs(210, t, k, n, dtype)
-    r, norm = (r if with_res else None), (norm if with_norm else None)
-    _check(kernel.gemv(x, w, r, norm=norm, tuning=tuning), reference.gemv(x, w, r, norm=norm), dtype, (t, n))
 
 
 def test_rows_reference_and_dispatch():
@@ -235,33 +215,52 @@ def test_rows_dispatch_errors():
                        (dict(norm_in_kernel=0.5), r"RowsTuning.norm_in_kernel=0.5 must be None, True or False")]:
         with pytest.raises(ValueError, match=match):
             RowsTuning(**bad)
-    with pytest.raises(ValueError, match=r"GemvTuning.hand_pipelined=None must be a bool"):
-        GemvTuning(hand_pipelined=None)
 
 
 FLASH = [(2560, 32 * 641), (4096, 2560), (2560, 32 * 193), (2560, 576), (2560, 12288), (6144, 2560)]
 
 
 def test_rows_default_tuning():
-    """rows.default_tuning at Flash's fused shapes: K-slices of whole 128-column blocks; FMAs unrolled at T = 1 in
-    16-row blocks on 4 warps, each thread's slice within MAX_UNROLLED_BYTES_PER_THREAD, MIN_PROGRAMS programs
-    where the splits allow; the dot looped above in 64-row blocks (MIN_PROGRAMS / 2); the unrolled dot on one
-    warp."""
-    cap = rows.MAX_UNROLLED_BYTES_PER_THREAD
+    """rows.default_tuning at Flash's fused shapes: K-slices of whole 128-column blocks; the dot looped above T = 1
+    in 64-row blocks (MIN_PROGRAMS / 2), the unrolled dot on one warp, each within its per-thread cap."""
     for k, n in FLASH:
-        for t, dot, unroll, bn, warps, target in [(1, False, True, 16, 4, kernel.MIN_PROGRAMS),
-                                                  (16, True, False, rows.DOT_BLOCK_N, 4, kernel.MIN_PROGRAMS // 2),
+        for t, dot, unroll, bn, warps, target in [(16, True, False, rows.DOT_BLOCK_N, 4, kernel.MIN_PROGRAMS // 2),
                                                   (1, True, True, 16, 1, kernel.MIN_PROGRAMS)]:
-            tu = rows.default_tuning(t, k, n, one_token_dot=dot and t == 1, unroll=unroll if dot else None)
+            tu = rows.default_tuning(t, k, n, one_token_dot=dot and t == 1, unroll=unroll)
             k_rows = k // tu.k_splits
             assert k % tu.k_splits == 0 and k_rows % fp8.BLOCK == 0
             assert (tu.block_n, tu.num_warps, tu.unroll) == (bn, warps, unroll)
             assert -(-n // bn) * tu.k_splits >= target or tu.k_splits == kernel.fp8_splits(
                 k, kernel.MIN_SPLIT_ROWS if unroll else kernel.FP8_DOT_MIN_SPLIT_ROWS)[-1]
             if unroll:
-                assert bn * k_rows <= cap * 32 * warps
-    # KDA's w_in: one program per 16 rows over all of K (1282 programs), the probe's shape.
-    assert rows.default_tuning(1, 2560, 32 * 641) == RowsTuning(block_n=16, k_splits=1, num_warps=4, unroll=True)
+                assert bn * k_rows <= rows.MAX_UNROLLED_BYTES_PER_THREAD * 32 * warps
+
+
+# The T = 1 defaults at Flash's fused shapes, each the tuning measured fastest among the FMA levers on the H200
+# (results/bench_gemv_levers.json, µs; w_qg's one split measured 10.9 against these two splits' 11.0).
+T1_DEFAULTS = {
+    (2560, 32 * 641): RowsTuning(block_n=16, k_splits=1, num_warps=4, unroll=False),  # w_in, looped: 22.5
+    (4096, 2560): RowsTuning(block_n=16, k_splits=4, num_warps=8, unroll=True),  # o_proj: 7.2
+    (2560, 32 * 193): RowsTuning(block_n=16, k_splits=2, num_warps=4, unroll=True),  # w_qg: 11.0
+    (2560, 576): RowsTuning(block_n=16, k_splits=10, num_warps=4, unroll=True),  # kv_a: 4.6
+    (2560, 12288): RowsTuning(block_n=16, k_splits=2, num_warps=4, unroll=True),  # gate|up: 18.3
+    (6144, 2560): RowsTuning(block_n=16, k_splits=4, num_warps=8, unroll=True),  # down: 9.0
+}
+
+
+def test_rows_default_tuning_at_one_token():
+    """T = 1 by FMAs: looped when 16-row blocks over all of K give FMA_LOOPED_MIN_PROGRAMS programs, else
+    unrolled in slices within FMA_BYTES_PER_THREAD per thread and MIN_PROGRAMS programs where the splits allow,
+    8 warps from FMA_LONG_K; written out per shape, and the unrolled rule kept when asked for at w_in."""
+    assert {shape: rows.default_tuning(1, *shape) for shape in T1_DEFAULTS} == T1_DEFAULTS
+    for (k, n), tu in T1_DEFAULTS.items():
+        assert tu.unroll == (-(-n // 16) < rows.FMA_LOOPED_MIN_PROGRAMS)
+        assert (tu.num_warps == 8) == (tu.unroll and k >= rows.FMA_LONG_K)
+        if tu.unroll:
+            assert 16 * (k // tu.k_splits) <= rows.FMA_BYTES_PER_THREAD * 32 * tu.num_warps
+    # w_in unrolled: two 1280-column slices (27.2 µs against 33.1 over all of K).
+    assert rows.default_tuning(1, 2560, 32 * 641, unroll=True) == RowsTuning(block_n=16, k_splits=2, unroll=True)
+    assert rows.default_tuning(1, 4096, 2560, unroll=False) == RowsTuning(block_n=16, k_splits=4, unroll=False)
 
 
 @pytest.mark.parametrize("t", [1, 16])

@@ -5,6 +5,8 @@ the seed is printed in each failure message). Comparisons use the relative error
 Pallas kernels run in interpret mode, so CI tests them; on a GPU the same suite runs them compiled.
 """
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -24,6 +26,11 @@ from fla.ops.kda.naive import naive_chunk_kda, naive_recurrent_kda  # noqa: E402
 from tests.numerics import input_seed, rel_err  # noqa: E402
 
 W = 4
+
+
+def packed(args):
+    """layer_inputs' parts as decode and verify take them: the fused projection's packed x, then the rest."""
+    return (ref.pack(*args[:4]), *args[4:])
 
 
 def core_inputs(seed, B, T, H, K, gate="mixed"):
@@ -174,12 +181,12 @@ DECODE_CASES = [
 def test_decode(B, H, K, dtype, gate, BV):
     from pallas_kernels.kda import recurrent
     seed = input_seed()
-    args = layer_inputs(seed, B, 1, H, K, jnp.dtype(dtype), gate)
+    args = packed(layer_inputs(seed, B, 1, H, K, jnp.dtype(dtype), gate))
     y_r, w_r, S_r = kda.kda_decode(*args)
     cfg = recurrent.RecurrentConfig(BV=BV, num_warps=8 if BV == 128 else 4)
     # The kernel updates the state in place: donate it, as the model does.
-    step = jax.jit(lambda *a: recurrent.decode(*a, cfg=cfg), donate_argnums=5)
-    y, w, S = step(*args[:5], jnp.array(args[5]), *args[6:])
+    step = jax.jit(lambda *a: recurrent.decode(*a, cfg=cfg), donate_argnums=2)
+    y, w, S = step(*args[:2], jnp.array(args[2]), *args[3:])
     assert y.dtype == args[0].dtype and w.dtype == args[0].dtype and S.dtype == jnp.float32
     # fp32: same op sequence, reductions ordered differently (1e-5). bf16: the conv output, o and y are rounded
     # to bf16, so a near-tie now and then flips one bf16 ulp and carries it into y and S. Over 600 seeds on CPU
@@ -254,7 +261,8 @@ def test_prefill_split_matches_whole():
     ys = [y1, y2]
     w, S = w2, S2
     for t in range(100, 103):
-        y, w, S = kda.kda_decode(sl(qkv, t, t + 1), sl(f, t, t + 1), sl(b, t, t + 1), sl(z, t, t + 1), w, S, *rest)
+        x = ref.pack(sl(qkv, t, t + 1), sl(f, t, t + 1), sl(b, t, t + 1), sl(z, t, t + 1))
+        y, w, S = kda.kda_decode(x, w, S, *rest)
         ys.append(y)
     # fp32; chunk boundaries move, so the chunked re-association differs (1e-4).
     assert rel_err(jnp.concatenate(ys, 1), y_all) < 1e-4, seed
@@ -271,13 +279,13 @@ def test_verify_commit(T, backend):
     args = layer_inputs(seed, B, T, H, K)
     qkv, f, b, z, window, state = args[:6]
     rest = args[6:]
-    y_v, conv_rows, states = kda.kda_verify(*args, backend=backend)
+    y_v, conv_rows, states = kda.kda_verify(*packed(args), backend=backend)
     # Decode token by token as the ground truth of each position.
     w, S = window, state
     dec = []
     for t in range(T):
         sl = lambda a: a[:, t:t + 1]
-        y, w, S = kda.kda_decode(sl(qkv), sl(f), sl(b), sl(z), w, S, *rest, backend=backend)
+        y, w, S = kda.kda_decode(ref.pack(sl(qkv), sl(f), sl(b), sl(z)), w, S, *rest, backend=backend)
         dec.append((y, w, S))
     # fp32, same recurrence (verify may fuse differently from decode): 1e-5.
     assert rel_err(y_v, jnp.concatenate([d[0] for d in dec], 1)) < 1e-5, seed
@@ -291,10 +299,126 @@ def test_verify_commit(T, backend):
             np.testing.assert_array_equal(np.asarray(wc[i]), np.asarray(dec[ni - 1][1][i]), err_msg=f"{seed=} {n=}")
 
 
+# --- the packed fused-projection input of decode and verify ----------------------------------------------
+
+def test_pack_is_the_projection_layout():
+    """reference.pack lays the parts out as w_in's columns (the layer's split_inputs reads them back), and unpack
+    inverts it exactly."""
+    from ling_jax.config import preset
+    from ling_jax.layers.kda import split_inputs
+    args = layer_inputs(input_seed(), 2, 3, 4, 32)
+    qkv, f, b, z = args[:4]
+    x = ref.pack(qkv, f, b, z)
+    assert x.shape == (2, 3, 4, 5 * 32 + 1)
+    parts = split_inputs(x, preset("toy"))  # the toy preset's K is 32 too
+    for name, want in (("q", qkv[:, :, 0]), ("k", qkv[:, :, 1]), ("v", qkv[:, :, 2]), ("f", f), ("g", z),
+                       ("b", b[..., None])):
+        np.testing.assert_array_equal(np.asarray(parts[name]), np.asarray(want), err_msg=name)
+    for got, want in zip(ref.unpack(x), (qkv, f, b, z)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+PACKED_CASES = [(T, dtype) for T in (1, 3, 6) for dtype in ("float32", "bfloat16")]
+
+
+def _packed_op(T):
+    return kda.kda_decode if T == 1 else kda.kda_verify
+
+
+def _spec_on_parts(args, T):
+    """The reference layer on the unpacked parts: the specification the packed entry points must meet."""
+    if T == 1:
+        return ref.kda_layer(*args, mode="recurrent")
+    return ref.kda_verify_layer(*args)
+
+
+@pytest.mark.parametrize("T,dtype", PACKED_CASES, ids=[f"T{c[0]}-{c[1]}" for c in PACKED_CASES])
+def test_packed_decode_verify(T, dtype):
+    """Decode (T = 1) and verify through dispatch on the packed x (default tiling: BV = 16 < K, two V tiles
+    per head and the norm after the kernel), both backends, against the reference layer on the parts."""
+    seed = input_seed()
+    args = layer_inputs(seed, 2, T, 3, 32, jnp.dtype(dtype), "mixed")
+    want = _spec_on_parts(args, T)
+    # Tolerances as in test_decode: fp32 reorders reductions; bf16 flips an ulp on a near-tie now and then.
+    tol_y, tol_s = (1e-5, 1e-5) if dtype == "float32" else (4e-3, 1e-3)
+    for backend in ("reference", "pallas"):
+        y, rows, S = _packed_op(T)(*packed(args), backend=backend)
+        assert y.dtype == args[0].dtype and rows.dtype == args[0].dtype and S.dtype == jnp.float32
+        assert rel_err(y, want[0]) < tol_y, (seed, backend)
+        assert rel_err(S, want[2]) < tol_s, (seed, backend)
+        np.testing.assert_array_equal(np.asarray(rows), np.asarray(want[1]), err_msg=f"{seed=} {backend=}")
+
+
+@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (tests/conftest.py sets jax_num_cpu_devices)")
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("T", [1, 3])
+def test_packed_per_shard(T, tp):
+    """The packed x splits on H exactly as the parts did: the Pallas op under the layer's own specs (per shard
+    of heads, TP2 and TP4 over H = 4) equals the reference on the whole array."""
+    from jax.sharding import NamedSharding
+    from ling_jax.config import preset
+    from ling_jax.layers import kda as layer
+    from ling_jax.sharding import make_mesh
+    cfg = preset("toy")
+    seed = input_seed()
+    args = packed(layer_inputs(seed, 2, T, cfg.num_heads, cfg.head_dim))
+    want = _packed_op(T)(*args)
+    mesh = make_mesh(tp)
+    in_specs = layer._in_specs(cfg, packed=True)
+    out_specs = (layer._PER_HEAD, layer._ROWS, layer._STATES if T > 1 else layer._STATE)
+    op = lambda *a: _packed_op(T)(*a, backend="pallas")  # noqa: E731
+    run = jax.jit(jax.shard_map(op, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False))
+    got = run(*(jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, in_specs)))
+    assert got[0].sharding.spec == layer._PER_HEAD
+    assert rel_err(got[0], want[0]) < 1e-5, seed
+    assert rel_err(got[2], want[2]) < 1e-5, seed
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+@pytest.mark.parametrize("mode,T", [("decode", 1), ("verify", 3), ("verify", 6)])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_kda_block_pallas_equals_reference(mode, T, tp):
+    """The layer: kda_block with the KDA op on Pallas (the packed path) equals the reference backend (the parts),
+    on one device and per shard of heads under TP2; projections on the reference GEMV in both."""
+    from jax.sharding import NamedSharding, PartitionSpec
+    from ling_jax.cache import KDACache
+    from ling_jax.config import preset
+    from ling_jax.layers.kda import kda_block
+    from ling_jax.params import init_params
+    from ling_jax.sharding import make_mesh, param_shardings
+    cfg = preset("toy")
+    params = init_params(cfg, jax.random.key(0), jnp.float32, with_mtp=False)
+    seed = input_seed()
+    rng = np.random.default_rng(seed)
+    H, K, D, W_ = cfg.num_heads, cfg.head_dim, cfg.hidden_size, cfg.conv_kernel_size
+    h = jnp.asarray(rng.standard_normal((2, T, D)), jnp.float32)
+    cache = KDACache(jnp.asarray(rng.standard_normal((2, W_ - 1, 3, H, K)), jnp.float32),
+                     jnp.asarray(rng.standard_normal((2, H, K, K)) * 0.5, jnp.float32))
+
+    def block(layer, h, cache, backend):
+        return kda_block(layer["mixer"], h, (layer["input_norm"], cfg.rms_norm_eps), cache, cfg, mode=mode,
+                         backend=backend, gemv="reference", residual=h)
+
+    want, want_cache = jax.jit(functools.partial(block, backend="reference"))(params["layers"][0], h, cache)
+    if tp > 1:
+        mesh = make_mesh(tp)
+        layer = jax.device_put(params, param_shardings(cfg, mesh, with_mtp=False))["layers"][0]
+        heads = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
+        cache = KDACache(jax.device_put(cache.conv_window, heads(PartitionSpec(None, None, None, "tp", None))),
+                         jax.device_put(cache.state, heads(PartitionSpec(None, "tp", None, None))))
+        with jax.set_mesh(mesh):
+            got, got_cache = jax.jit(functools.partial(block, backend="pallas"))(layer, h, cache)
+    else:
+        got, got_cache = jax.jit(functools.partial(block, backend="pallas"))(params["layers"][0], h, cache)
+    assert rel_err(got, want) < 1e-5, seed
+    for g, w in zip(got_cache, want_cache):
+        assert rel_err(g, w) < 1e-5, seed
+
+
 def test_commit_scalar_n():
     seed = input_seed()
     args = layer_inputs(seed, 1, 4, 2, 16)
-    _, conv_rows, states = kda.kda_verify(*args)
+    _, conv_rows, states = kda.kda_verify(*packed(args))
     for n in range(1, 5):
         w, S = kda.kda_commit(conv_rows, states, jnp.int32(n))
         np.testing.assert_array_equal(np.asarray(S), np.asarray(states[:, n - 1]))
@@ -318,8 +442,8 @@ def test_kernel_scalars(lower_bound, eps, BV):
     B, H, K = 2, 2, 32
     kw = dict(lower_bound=lower_bound, eps=eps)
     rc = recurrent.RecurrentConfig(BV=BV, num_warps=4)
-    for T, run in ((1, lambda *a: recurrent.decode(*a, **kw, cfg=rc)),
-                   (5, lambda *a: recurrent.verify(*a, **kw, cfg=rc)),
+    for T, run in ((1, lambda *a: recurrent.decode(*packed(a), **kw, cfg=rc)),
+                   (5, lambda *a: recurrent.verify(*packed(a), **kw, cfg=rc)),
                    (20, lambda *a: chunk.prefill(*a, **kw, cfg=chunk.ChunkConfig(BV=BV)))):
         args = layer_inputs(seed, B, T, H, K, gate="mixed")
         y, _, S = run(*args)
@@ -344,7 +468,16 @@ def test_validation_messages():
     with pytest.raises(ValueError, match=r"z.shape=.* must be \(1, 3, 2, 16\)"):
         kda.kda_prefill(*args[:3], args[3][:, :2], *args[4:])
     with pytest.raises(ValueError, match=r"kda_decode needs T == 1"):
-        kda.kda_decode(*args)
+        kda.kda_decode(*packed(args))
+    x, *rest = packed(args)
+    with pytest.raises(ValueError, match=r"x.shape\[-1\]=80 must be 5K\+1 = 81 \(q\|k\|v\|f\|g\|b per head, K=16"):
+        kda.kda_verify(x[..., :80], *rest, backend="pallas")
+    with pytest.raises(ValueError, match=r"x.dtype=float16 must be float32 or bfloat16"):
+        kda.kda_verify(x.astype(jnp.float16), *rest, backend="pallas")
+    with pytest.raises(ValueError, match=r"x.shape=.* must be the packed \[B, T, H, 5K\+1\]"):
+        kda.kda_verify(args[0], *rest)
+    with pytest.raises(ValueError, match=r"conv_window.dtype=bfloat16 must be float32"):
+        kda.kda_verify(x, rest[0].astype(jnp.bfloat16), *rest[1:], backend="pallas")
     with pytest.raises(ValueError, match=r"backend='triton' must be one of"):
         kda.kda_prefill(*args, backend="triton")
     with pytest.raises(ValueError, match=r"lower_bound=-6.0 must be in \[-5, 0\)"):
@@ -364,8 +497,8 @@ def test_triton_lowering():
             mock.patch.object(chunk, "interpret_mode", lambda: False), \
             mock.patch.object(conv, "interpret_mode", lambda: False):
         for dtype in (jnp.float32, jnp.bfloat16):
-            a1 = layer_inputs(0, 1, 1, 4, 128, dtype)
-            a6 = layer_inputs(0, 1, 6, 4, 128, dtype)
+            a1 = packed(layer_inputs(0, 1, 1, 4, 128, dtype))
+            a6 = packed(layer_inputs(0, 1, 6, 4, 128, dtype))
             a100 = layer_inputs(0, 1, 100, 4, 128, dtype)
             for BV in (32, 128):
                 rc = recurrent.RecurrentConfig(BV=BV)

@@ -13,10 +13,17 @@ import jax.numpy as jnp
 
 from pallas_kernels import kda
 from pallas_kernels.kda import recurrent
-from pallas_kernels.kda.reference import layer_inputs
+from pallas_kernels.kda.reference import layer_inputs, pack
 from tests.numerics import input_seed, rel_err
 
 RC = recurrent.RecurrentConfig
+
+
+def packed_inputs(*a, **kw):
+    """layer_inputs with the parts packed as the fused projection writes them (decode and verify's x)."""
+    args = layer_inputs(*a, **kw)
+    return (pack(*args[:4]), *args[4:])
+
 VERIFY_TILINGS = [
     # (B, T, H, K, cfg)
     (2, 7, 2, 16, RC(BV=8, num_warps=1)),   # two V tiles
@@ -28,7 +35,7 @@ VERIFY_TILINGS = [
                          ids=[f"B{c[0]}-T{c[1]}-H{c[2]}-K{c[3]}-BV{c[4].BV}" for c in VERIFY_TILINGS])
 def test_verify_tiling(B, T, H, K, cfg):
     seed = input_seed()
-    args = layer_inputs(seed, B, T, H, K)
+    args = packed_inputs(seed, B, T, H, K)
     y_r, rows_r, states_r = kda.kda_verify(*args)
     y, rows, states = recurrent.verify(*args, cfg=cfg)
     assert rel_err(y, y_r) < 1e-5, seed
@@ -39,10 +46,10 @@ def test_verify_tiling(B, T, H, K, cfg):
 def test_decode_bv8():
     cfg = RC(BV=8, num_warps=1)
     seed = input_seed()
-    args = layer_inputs(seed, 2, 1, 3, 16)
+    args = packed_inputs(seed, 2, 1, 3, 16)
     y_r, w_r, S_r = kda.kda_decode(*args)
-    y, w, S = jax.jit(lambda *a: recurrent.decode(*a, cfg=cfg), donate_argnums=5)(*args[:5], jnp.array(args[5]),
-                                                                                   *args[6:])
+    y, w, S = jax.jit(lambda *a: recurrent.decode(*a, cfg=cfg), donate_argnums=2)(*args[:2], jnp.array(args[2]),
+                                                                                   *args[3:])
     assert rel_err(y, y_r) < 1e-5, seed
     assert rel_err(S, S_r) < 1e-5, seed
     np.testing.assert_array_equal(np.asarray(w), np.asarray(w_r))
@@ -62,8 +69,8 @@ def test_tilings_lower_for_sm90():
     lower = lambda f, *a: jax.jit(f).trace(*a).lower(lowering_platforms=("cuda",))
     with mock.patch.object(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: h100), \
             mock.patch.object(recurrent, "interpret_mode", lambda: False):
-        a1 = layer_inputs(0, 1, 1, 4, 128, jnp.bfloat16)
-        a7 = layer_inputs(0, 1, 7, 4, 128, jnp.bfloat16)
+        a1 = packed_inputs(0, 1, 1, 4, 128, jnp.bfloat16)
+        a7 = packed_inputs(0, 1, 7, 4, 128, jnp.bfloat16)
         lower(lambda *a: recurrent.decode(*a, cfg=RC(BV=8, num_warps=1)), *a1)
         for cfg in (RC(BV=8, num_warps=1), RC(BV=16, num_warps=2), RC(BV=128, num_warps=8)):
             lower(lambda *a: recurrent.verify(*a, cfg=cfg), *a7)
