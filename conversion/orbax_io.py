@@ -304,12 +304,17 @@ def _check_store(tree_dir: Path, params_dir: Path) -> None:
 
 def _quiet_abandoned_reads() -> None:
     """After a failed restore, the reads orbax abandoned finish into its closed event loop: each prints `RuntimeError:
-    Event loop is closed` (as an unraisable exception) or `Future exception was never retrieved`. Those lines only
+    Event loop is closed` (as an unraisable exception), `Future exception was never retrieved`, or, for a read
+    coroutine closed with its own read error pending, that error as an unraisable exception. Those lines only
     repeat the error already raised, so they are dropped from then on; every other report passes."""
     previous = sys.unraisablehook
 
     def hook(unraisable):
-        if not (isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(unraisable.exc_value)):
+        closed_loop = isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(
+            unraisable.exc_value)
+        code = getattr(unraisable.object, "cr_code", None)
+        abandoned_read = getattr(code, "co_name", "") == "_read_array_index_and_device_put"
+        if not (closed_loop or abandoned_read):
             previous(unraisable)
 
     sys.unraisablehook = hook

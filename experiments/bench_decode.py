@@ -123,6 +123,8 @@ def main(argv=None):
     parser.add_argument("--json", default="bench_decode.json", help="results file name (experiments/results, $OUT)")
     parser.add_argument("--smoke", action="store_true", help="toy preset on the CPU; writes nothing to the repo")
     args = parser.parse_args(argv)
+    if args.new_tokens < 2:
+        parser.error(f"--new-tokens {args.new_tokens} must be >= 2: TPOT needs a decode step after the prefill's token")
     if args.smoke:
         vars(args).update(SMOKE)
     header = run_header()

@@ -200,7 +200,8 @@ def bench_rows(results: Path) -> list[dict]:
 
 
 def _label(r: dict) -> str:
-    return f"{r['model']} {r['quantization'] or r['dtype']}\n{r['device']} x {r.get('devices', 1)}"
+    variant = f" ({r['variant']})" if r.get("variant") else ""  # a before row kept beside its after
+    return f"{r['model']} {r['quantization'] or r['dtype']}{variant}\n{r['device']} x {r.get('devices', 1)}"
 
 
 def plot_bench(rows: list[dict]):

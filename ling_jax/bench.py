@@ -362,6 +362,8 @@ def bench(params, cfg, *, prompt_len: int, output_len: int, backend: str, block_
     """SGLang's workload on `params` -> one result row (see the module docstring). `spec`: "none", or a drafter of
     SPEC_DRAFTERS with `num_draft` drafts per step (the oracle at `accept_length`); kernel counts and the profile
     are of the plain decode step."""
+    if output_len < 2:
+        raise ValueError(f"output_len={output_len} must be >= 2: TPOT needs a decode step after the prefill's token")
     from ling_jax.cache import cache_len
     from ling_jax.model import PREFILL_CHUNK, check_chunk
 

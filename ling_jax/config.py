@@ -231,8 +231,11 @@ def _limit_list_message(c: LingConfig, name: str, n: int) -> str:
     else:
         takes = f"{c.num_layers} (one per decoder layer) or none"
         shape = f"{layers} and no MTP layer"
-    return (f"config field {name} has {n} entries, but a config of {shape} takes {takes}: a config cut to fewer "
-            "layers must cut its limit lists too (LingConfig.first_layers does both)")
+    return f"config field {name} has {n} entries, but a config of {shape} takes {takes}: {_CUT_HINT}"
+
+
+# The fix for a LingConfig built in Python; from_hf names the config.json fix instead.
+_CUT_HINT = "a config cut to fewer layers must cut its limit lists too (LingConfig.first_layers does both)"
 
 
 def _is_int(value: Any) -> bool:
@@ -351,7 +354,7 @@ def from_hf(source: str | Path | dict, **overrides: Any) -> LingConfig:
     except TypeError as e:
         raise ConfigError(f"config.json field of the wrong type: {e}") from None
     except ConfigError as e:
-        raise ConfigError(_with_json_names(str(e))) from None
+        raise ConfigError(_with_json_names(str(e)).replace(_CUT_HINT, "correct the list in config.json")) from None
 
 
 def _with_json_names(message: str) -> str:

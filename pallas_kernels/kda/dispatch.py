@@ -37,7 +37,8 @@ _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
 def _check(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, lower_bound, backend,
-           mode, max_t=None):
+           mode, max_t=None, source=None):
+    # source: (name, shape, layout) of the input the caller passed, named in the messages (default qkv itself).
     if backend not in BACKENDS:
         raise ValueError(f"{backend=} must be one of {BACKENDS}")
     if qkv.ndim != 5 or qkv.shape[2] != 3:
@@ -49,6 +50,8 @@ def _check(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, l
     if conv_w.ndim != 4 or conv_w.shape[0] < 2:
         raise ValueError(f"{conv_w.shape=} must be [W, 3, H, K] with W >= 2")
     W = conv_w.shape[0]
+    name_in, shape_in, layout_in = source or ("qkv", tuple(qkv.shape), "[B, T, 3, H, K]")
+    given = f"{name_in}.shape={shape_in}"
     expect = {
         "f": (f, (B, T, H, K), dtype),
         "b": (b, (B, T, H), dtype),
@@ -63,15 +66,15 @@ def _check(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, l
     for name, (x, shape, dt) in expect.items():
         if tuple(x.shape) != shape:
             raise ValueError(f"{name}.shape={tuple(x.shape)} must be {shape} "
-                             f"(from qkv.shape={tuple(qkv.shape)} = [B, T, 3, H, K], W={W}; state is [B, H, K, V], K == V)")
+                             f"(from {given} = {layout_in}, W={W}; state is [B, H, K, V], K == V)")
         if dt is not None and jnp.dtype(x.dtype) != jnp.dtype(dt):
             raise ValueError(f"{name}.dtype={x.dtype} must be {jnp.dtype(dt)}")
     if not -5.0 <= lower_bound < 0.0:
         raise ValueError(f"{lower_bound=} must be in [-5, 0): the chunked form is only safe for gates >= -5")
     if mode == "decode" and T != 1:
-        raise ValueError(f"kda_decode needs T == 1, got {qkv.shape=}")
+        raise ValueError(f"kda_decode needs T == 1, got {given}")
     if max_t is not None and T > max_t:
-        raise ValueError(f"{mode} takes T <= {max_t}, got {qkv.shape=}")
+        raise ValueError(f"{mode} takes T <= {max_t}, got {given}")
     if backend == "pallas" and (K & (K - 1) or K < 16):
         raise ValueError(f"backend='pallas' needs K a power of two >= 16 (Triton block shapes), got {K=}")
 
@@ -92,7 +95,8 @@ def _check_packed(x, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, lower
     sds = jax.ShapeDtypeStruct
     parts = (sds((B, T, 3, H, K), x.dtype), sds((B, T, H, K), x.dtype), sds((B, T, H), x.dtype),
              sds((B, T, H, K), x.dtype))
-    _check(*parts, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, lower_bound, backend, mode, max_t)
+    _check(*parts, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, lower_bound, backend, mode, max_t,
+           source=("x", tuple(x.shape), "[B, T, H, 5K+1]"))
 
 
 def kda_prefill(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, *, lower_bound=-5.0,

@@ -467,7 +467,7 @@ def test_validation_messages():
         kda.kda_prefill(*args[:5], args[5].astype(jnp.bfloat16), *args[6:])
     with pytest.raises(ValueError, match=r"z.shape=.* must be \(1, 3, 2, 16\)"):
         kda.kda_prefill(*args[:3], args[3][:, :2], *args[4:])
-    with pytest.raises(ValueError, match=r"kda_decode needs T == 1"):
+    with pytest.raises(ValueError, match=r"kda_decode needs T == 1, got x.shape=\(1, 3, 2, 81\)"):
         kda.kda_decode(*packed(args))
     x, *rest = packed(args)
     with pytest.raises(ValueError, match=r"x.shape\[-1\]=80 must be 5K\+1 = 81 \(q\|k\|v\|f\|g\|b per head, K=16"):
