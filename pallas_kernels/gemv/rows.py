@@ -359,6 +359,20 @@ def _rms_norm_pinned(x, weight, eps):
     return weight.astype(x.dtype) * normed
 
 
+def output_shape(ks: int, t: int, n: int, dtype) -> jax.ShapeDtypeStruct:
+    """A row-block launch's output: [T, N] in x's dtype, or [KS, T, N] fp32 partials under K-splits."""
+    return jax.ShapeDtypeStruct((ks, t, n), jnp.float32) if ks > 1 else jax.ShapeDtypeStruct((t, n), dtype)
+
+
+def finish(y, residual, dtype):
+    """The launch's output as the projection: the K-split partials summed, rounded once and the residual added
+    (without K-splits the kernel already did both)."""
+    if y.ndim == 2:
+        return y
+    y = y.sum(0).astype(dtype)
+    return y if residual is None else residual + y
+
+
 def gemv(x, w, residual=None, *, norm=None, tuning: RowsTuning | None = None):
     """Same contract as `reference.gemv` for a ROWS `fp8.Fp8Weight` (q [N, K] E4M3, scale [N, ceil(K/128)] fp32;
     `norm` None or (weight [K], eps: a Python float)); shapes validated by the dispatcher. `tuning` None:
@@ -381,8 +395,7 @@ def _gemv(x, q, scale, residual, *norm_weight, eps, tuning):
         x, norm_weight, eps = _rms_norm_pinned(x, norm_weight[0], eps), (), None  # once per step, by XLA
     split_out = ks > 1
     with_residual = residual is not None and not split_out
-    out_shape = (jax.ShapeDtypeStruct((ks, t, n), jnp.float32) if split_out
-                 else jax.ShapeDtypeStruct((t, n), x.dtype))
+    out_shape = output_shape(ks, t, n, x.dtype)
     y = pl.pallas_call(
         functools.partial(rows_kernel, K=k, k_rows=k_rows, BN=bn, n_rows=n, n_tok=t, rows=rows, eps=eps,
                           unroll=unroll, split_out=split_out, with_residual=with_residual),
@@ -392,7 +405,4 @@ def _gemv(x, q, scale, residual, *norm_weight, eps, tuning):
         interpret=interpret_mode(),
         name="gemv_rows_fwd_kernel",
     )(x, q, scale, *norm_weight, *([residual] if with_residual else []))
-    if not split_out:
-        return y
-    y = y.sum(0).astype(x.dtype)
-    return y if residual is None else residual + y
+    return finish(y, residual, x.dtype)

@@ -111,8 +111,7 @@ def _gemv(x, q, scale, residual, *norm_weight, eps, tuning):
     bn, ks = tuning.block_n, tuning.k_splits
     split_out = ks > 1
     with_residual = residual is not None and not split_out
-    out_shape = (jax.ShapeDtypeStruct((ks, t, n), jnp.float32) if split_out
-                 else jax.ShapeDtypeStruct((t, n), x.dtype))
+    out_shape = rows.output_shape(ks, t, n, x.dtype)
     y = pl.pallas_call(
         functools.partial(w8a8_kernel, k_cols=k_cols, BN=bn, n_rows=n, n_tok=t, split_out=split_out,
                           with_residual=with_residual),
@@ -122,8 +121,4 @@ def _gemv(x, q, scale, residual, *norm_weight, eps, tuning):
         interpret=interpret_mode(),
         name="gemv_w8a8",
     )(xa.q, xa.scale, q, scale, *((residual,) if with_residual else ()))
-    if split_out:
-        y = y.sum(axis=0).astype(x.dtype)
-        if residual is not None:
-            y = residual + y
-    return y
+    return rows.finish(y, residual, x.dtype)
