@@ -97,6 +97,7 @@ LEVER_SHAPES = [("kda_in", 2560, 32 * 641, False, True), ("kda_o", 4096, 2560, T
                 ("mlp_gate_up", 2560, 2 * 6144, False, True), ("mlp_down", 6144, 2560, True, False)]
 LEVER_TS = "1,4,16"
 W8A8 = "c_w8a8"  # lever c: E4M3 activations (per token and 128 columns) x E4M3 weights on the tensor cores
+W8A8_WM = "c_w8a8_wm"  # the same with the weights as the dot's M operand
 # The rows kernel's sweep around its default (items replace its fields; the K-split counts either side are added):
 # T = 1 FMAs wider and narrower per thread, the loop or the unrolled blocks (whichever the default is not), the norm
 # by XLA; the dot's block and warps (16 rows on one warp, 32 on two, 128 on eight), pipelining depth, the norm in the
@@ -104,6 +105,9 @@ W8A8 = "c_w8a8"  # lever c: E4M3 activations (per token and 128 columns) x E4M3 
 ROWS_FMA_SWEEP = "block_n=32;num_warps=2;num_warps=4;num_warps=8;unroll=false;unroll=true;norm_in_kernel=false"
 ROWS_DOT_SWEEP = ("block_n=16,num_warps=1;block_n=32,num_warps=2;block_n=128,num_warps=8;num_stages=2;num_stages=4;"
                   "num_stages=5;norm_in_kernel=true")
+# Around a weights-as-M dot: 128 rows on one or two warpgroups, 32 rows, deeper and shallower pipelining.
+WM_SWEEP = "block_n=128;block_n=128,num_warps=8;block_n=32;num_stages=2;num_stages=4;num_stages=5"
+ROWS_LEVERS = ("d_rows_dot", "a_rows_dot", "a_rows_wm", "a_rows_wm_f16")
 # Seconds from the start after which the sweep stops, and after which every row is skipped (written as skipped):
 # both leave the suite's 330 s timeout room for the last row and the tables.
 LEVERS_BUDGET_S = 200
@@ -116,9 +120,14 @@ def fp8_levers(t, k, n):
     out = [("before", fp8.IN_OUT, kernel.default_tuning(t, k, n, 1))]
     if t == 1:
         out.append(("d_rows_fma", fp8.ROWS, rows.default_tuning(1, k, n)))
+    dot = rows.default_tuning(t, k, n, one_token_dot=True, unroll=False)
+    wm = dataclasses.replace(dot, weights_as_m=True)
     return out + [("d_rows_dot", fp8.ROWS, rows.default_tuning(t, k, n, one_token_dot=True, unroll=True)),
-                  ("a_rows_dot", fp8.ROWS, rows.default_tuning(t, k, n, one_token_dot=True, unroll=False)),
-                  (W8A8, fp8.ROWS, w8a8.default_tuning(t, k, n))]
+                  ("a_rows_dot", fp8.ROWS, dot),
+                  ("a_rows_wm", fp8.ROWS, wm),
+                  ("a_rows_wm_f16", fp8.ROWS, dataclasses.replace(wm, f16_dot=True)),
+                  (W8A8, fp8.ROWS, w8a8.default_tuning(t, k, n)),
+                  (W8A8_WM, fp8.ROWS, dataclasses.replace(w8a8.default_tuning(t, k, n), weights_as_m=True))]
 
 
 def rows_sweep(base, k, t, spec=None):
@@ -269,8 +278,8 @@ class _LeverRun:
             self.results.setdefault("skipped", []).append(f"{name} T={t} {lever} {short(tu)}")
             return
         xs, rs, norm, want = inputs
-        mod = w8a8 if lever == W8A8 else kernel if layout == fp8.IN_OUT else rows
-        if lever == W8A8:  # its own numerics (E4M3 activations): held to its own reference
+        mod = w8a8 if lever in (W8A8, W8A8_WM) else kernel if layout == fp8.IN_OUT else rows
+        if lever in (W8A8, W8A8_WM):  # its own numerics (E4M3 activations): held to its own reference
             want = w8a8.reference(xs[0], self.data[name][fp8.ROWS][0], None if rs is None else rs[0], norm=norm)
         nbytes = weight_bytes(k, n, True) + t * k * 2 + t * n * 2 * (2 if with_res else 1)
         row = dict(shape=name, K=k, N=n, T=t, lever=lever, layout=layout, tuning=short(tu), bytes=int(nbytes),
@@ -347,8 +356,10 @@ def run_levers(args):
             write_results("bench_gemv_levers.json", results, to_repo=not args.smoke)
     for t in [t for t in sweep_ts if t in ts]:
         for shape in shapes:
-            base = rows.default_tuning(t, shape[1], shape[2])
-            for tu in rows_sweep(base, shape[1], t, "block_n=32;num_stages=2" if args.smoke else None):
+            base = (rows.default_tuning(t, shape[1], shape[2]) if args.sweep_from is None
+                    else dict((lv, tu) for lv, _, tu in fp8_levers(t, shape[1], shape[2]))[args.sweep_from])
+            spec = "block_n=32;num_stages=2" if args.smoke else (WM_SWEEP if base.weights_as_m else None)
+            for tu in rows_sweep(base, shape[1], t, spec):
                 run.measure(shape, t, "rows_sweep", fp8.ROWS, tu, inputs[shape[0], t], min(budget, hard))
         write_results("bench_gemv_levers.json", results, to_repo=not args.smoke)
     results["summary"] = lever_summary(results["rows"], {lv for lv, _, _ in fp8_levers(1, 256, 256)})
@@ -373,6 +384,8 @@ def main(argv=None):
     ap.add_argument("--levers", action="store_true", help="the FP8 levers side by side (implies --fp8; "
                                                           "module docstring)")
     ap.add_argument("--sweep-ts", default="1,16", help="--levers: the T values of the rows kernel's sweep")
+    ap.add_argument("--sweep-from", default=None, choices=ROWS_LEVERS,
+                    help="--levers: sweep around this lever's tuning instead of rows.default_tuning")
     ap.add_argument("--budget", type=float, default=LEVERS_BUDGET_S, help="--levers: seconds after which the "
                                                                           "sweep stops")
     ap.add_argument("--hard-limit", type=float, default=LEVERS_HARD_S, help="--levers: seconds after which every "

@@ -16,6 +16,10 @@ from ling_jax.config import ConfigError, LingConfig
 OPS = ("kda", "moe_decode", "moe_prefill", "mla_decode", "mla_prefill", "gemv")
 NO_KERNEL: tuple[str, ...] = ()  # ops without a Pallas kernel (none today); they run the reference everywhere
 CHOICES = ("reference", "pallas")
+# The gemv op's third choice: the projections of FP8 weights through the W8A8 kernel (activations quantised per
+# token and 128 columns to E4M3, pallas_kernels/gemv/w8a8.py); other weights and the greedy head run "pallas".
+W8A8 = "w8a8"
+OP_CHOICES = {op: CHOICES + ((W8A8,) if op == "gemv" else ()) for op in OPS}
 PROFILES = {
     "reference": dict.fromkeys(OPS, "reference"),
     "pallas": {op: "reference" if op in NO_KERNEL else "pallas" for op in OPS},
@@ -38,9 +42,9 @@ def resolve(backend: str) -> dict[str, str]:
     chosen = dict(PROFILES["reference"])
     for item in backend.split(","):
         op, _, choice = item.partition("=")
-        if op not in OPS or choice not in CHOICES:
+        if op not in OPS or choice not in OP_CHOICES[op]:
             raise ValueError(f"backend={backend!r}: expected one of {tuple(PROFILES)}, or comma-separated op=choice "
-                             f"with op in {OPS} and choice in {CHOICES}")
+                             f"with op in {OPS} and choice in {CHOICES} (gemv also {W8A8!r})")
         if op in NO_KERNEL and choice == "pallas":
             raise ValueError(f"backend {op}=pallas: {op} has no Pallas kernel; use reference")
         chosen[op] = choice
@@ -49,6 +53,17 @@ def resolve(backend: str) -> dict[str, str]:
 
 def op_backend(backend: str, op: str) -> str:
     return resolve(backend)[op]
+
+
+def with_fp8_activations(backend: str) -> str:
+    """`backend` with its FP8 projections through the W8A8 kernel (`--fp8-activations`): the same spec, gemv=w8a8.
+    Refused where the gemv op runs XLA, which has no W8A8 path."""
+    chosen = dict(resolve(backend))
+    if chosen["gemv"] == "reference":
+        raise ValueError(f"--fp8-activations runs the W8A8 GEMV kernel, but backend={backend!r} runs the projections "
+                         "on XLA (gemv=reference): use --backend fast or pallas")
+    chosen["gemv"] = W8A8
+    return ",".join(f"{op}={choice}" for op, choice in chosen.items())
 
 
 def check_partitioning(params, backend: str) -> None:
@@ -104,13 +119,21 @@ def kernel_limits(cfg: LingConfig) -> dict[str, list[str]]:
     return {op: [why for ok, why in items if not ok] for op, items in checks.items()}
 
 
+def w8a8_limits(cfg: LingConfig) -> list[str]:
+    """The projection input widths the W8A8 GEMV cannot take (it quantises activations in whole 128-column
+    groups); [] for every Ling release."""
+    widths = {"hidden_size": cfg.hidden_size, "num_heads x head_dim": cfg.num_heads * cfg.head_dim,
+              "num_heads x v_head_dim": cfg.num_heads * cfg.v_head_dim, "intermediate_size": cfg.intermediate_size}
+    return [f"{name} = {v} (not a multiple of 128)" for name, v in widths.items() if v % 128]
+
+
 @functools.cache
 def check_config(cfg: LingConfig, backend: str) -> None:
     """Refuse, before any tracing, a backend whose Pallas kernels cannot take `cfg`'s sizes; the message names the
     config fields and the backend spec that runs this model."""
     chosen = resolve(backend)
     limits = kernel_limits(cfg)
-    blocked = {op: why for op, why in limits.items() if why and chosen[op] == "pallas"}
+    blocked = {op: why for op, why in limits.items() if why and chosen[op] != "reference"}
     if not blocked:
         return
     runs = ",".join(f"{op}={'reference' if op in blocked or op in NO_KERNEL else chosen[op]}" for op in OPS)

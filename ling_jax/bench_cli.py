@@ -9,8 +9,8 @@ import os
 import sys
 from pathlib import Path
 
-from ling_jax.cli_common import (DEFAULT_DRAFTS, DTYPES, FP8, HF_DIR_HELP, MAX_DRAFTS, PREFILL_CHUNK, _add_processes,
-                                 _add_tp, _check_backend, _check_backend_fits, _check_checkpoint_fp8, _check_memory,
+from ling_jax.cli_common import (DEFAULT_DRAFTS, DTYPES, FP8, HF_DIR_HELP, MAX_DRAFTS, PREFILL_CHUNK,
+                                 _add_fp8_activations, _add_processes, _add_tp, _apply_fp8_activations, _check_backend, _check_backend_fits, _check_checkpoint_fp8, _check_memory,
                                  _check_processes, _check_tp, _in_mesh, _is_main_process, _mesh, _model_config,
                                  _param_shardings, _start_processes)
 
@@ -34,6 +34,7 @@ def _add_bench(b: argparse.ArgumentParser) -> None:
     b.add_argument("--prompt-len", type=int, default=8192, metavar="N", help="random prompt tokens (SGLang's 8192)")
     b.add_argument("--output-len", type=int, default=1024, metavar="N", help="output tokens, EOS ignored")
     b.add_argument("--backend", default="fast", metavar="SPEC", help="as `generate --backend`")
+    _add_fp8_activations(b)
     b.add_argument("--block-size", type=int, default=16, metavar="N", help="decode steps per jitted block")
     b.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="C", help="as `generate`'s")
     b.add_argument("--warmup", type=int, default=1, metavar="N", help="untimed generations first (excluded)")
@@ -121,6 +122,7 @@ def _check_bench_fits(args, cfg, parser) -> None:
     if args.spec == "mtp" and not cfg.num_mtp_layers:
         parser.error("--spec mtp drafts with the MTP layer, which this model has not (a --layers slice drops it): "
                      "bench all layers, or use --spec oracle or suffix")
+    _apply_fp8_activations(args, cfg, parser)
     _check_backend_fits(args.backend, cfg, parser)
     extra = args.num_draft + 1 if args.spec != "none" else 0
     limit = cfg.max_position_embeddings

@@ -42,8 +42,9 @@ import sys
 from pathlib import Path
 
 from ling_jax.bench_cli import _add_bench, _bench
-from ling_jax.cli_common import (DEFAULT_DRAFTS, DTYPES, FP8, HF_DIR_HELP, MAX_DRAFTS, PREFILL_CHUNK, _add_processes,
-                                 _add_tp, _bad_input_errors, _check_backend, _check_backend_fits,
+from ling_jax.cli_common import (DEFAULT_DRAFTS, DTYPES, FP8, HF_DIR_HELP, MAX_DRAFTS, PREFILL_CHUNK,
+                                 _add_fp8_activations, _add_processes, _add_tp, _apply_fp8_activations,
+                                 _bad_input_errors, _check_backend, _check_backend_fits,
                                  _check_checkpoint_fp8, _check_memory, _check_processes, _check_tp,
                                  _checkpoint_config, _DefaultsFormatter, _hf_config, _in_mesh, _is_main_process,
                                  _mesh, _model_config, _param_shardings, _Parser, _start_processes)
@@ -114,6 +115,7 @@ def _add_generate(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--backend", default="reference", metavar="SPEC",
                      help="reference | pallas | fast (per op, the faster on the H200) | per op, e.g. "
                           "kda=pallas,moe_decode=pallas (ling_jax/backends.py)")
+    _add_fp8_activations(gen)
     gen.add_argument("--block-size", type=int, default=16, metavar="N", help="decode steps per jitted block")
     gen.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="C",
                      help="prompt tokens per prefill forward: a longer prompt is prefilled in chunks of C, so the "
@@ -252,6 +254,7 @@ def _generate(args, parser) -> int:
     ids = _prompt_ids(args, parser, tokenizer)
     _check_spec_options(args, parser)
     cfg = _model_config(args, parser)
+    _apply_fp8_activations(args, cfg, parser)
     _check_backend_fits(args.backend, cfg, parser)
     _check_prompt_fits(ids, args, cfg, parser)
     draft_cfg = _check_spec_model(args, cfg, parser)

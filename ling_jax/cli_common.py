@@ -123,6 +123,32 @@ def _hf_config(path: str, parser, *, orbax_fix: str):
     return cfg
 
 
+def _add_fp8_activations(p) -> None:
+    p.add_argument("--fp8-activations", action="store_true",
+                   help="block-FP8 projections through the W8A8 kernel: activations quantised per token and 128 "
+                        "columns to E4M3 (SGLang's recipe; ~1e-2 from the weight-only numerics per projection, so "
+                        "not the reference's tokens); needs FP8 weights and a Pallas gemv")
+
+
+def _apply_fp8_activations(args, cfg, parser) -> None:
+    """--fp8-activations checked against the weights and the kernel's sizes, then folded into --backend (gemv=w8a8),
+    so every later check and the result rows name it."""
+    if not args.fp8_activations:
+        return
+    from ling_jax.backends import w8a8_limits, with_fp8_activations
+
+    if args.dtype != FP8 and cfg.quantization != "fp8":
+        parser.error("--fp8-activations quantises the activations of block-FP8 projections, but these weights are "
+                     "not FP8: pass --dtype fp8 (or a checkpoint converted with --dtype fp8)")
+    if w8a8_limits(cfg):
+        parser.error(f"--fp8-activations: the W8A8 kernel takes projection inputs in whole 128-column groups, and "
+                     f"this config has {', '.join(w8a8_limits(cfg))}: run it without --fp8-activations")
+    try:
+        args.backend = with_fp8_activations(args.backend)
+    except ValueError as e:
+        parser.error(str(e))
+
+
 def _check_backend_fits(spec: str, cfg, parser) -> None:
     from ling_jax.backends import check_config
     from ling_jax.config import ConfigError

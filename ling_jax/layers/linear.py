@@ -11,18 +11,22 @@ Block-FP8 weights (`Fp8Weight`, pallas_kernels/common/fp8.py) are stored ROWS, [
 and go through both: `proj` takes every weight as the [*in, *out] matrix `fp8.as_in_out` makes, dequantised to
 the compute dtype (prefill's XLA GEMMs, the reference backend: bf16 tensor cores); the GEMV kernel
 (pallas_kernels/gemv/rows.py) keeps the dequantised weight in fp32, scaling each output row's partial sum over a
-128-column block by its scale (docs/model.md §4). A weight's logical axes are in its stored order, so the input
+128-column block by its scale (docs/model.md §4). The gemv op's "w8a8" choice (`--fp8-activations`) runs them
+through pallas_kernels/gemv/w8a8.py instead: the activations quantised per token and 128 columns to E4M3, SGLang's
+recipe, ~1e-2 from the weight-only numerics per projection. A weight's logical axes are in its stored order, so the input
 axes that decide row parallelism are the last n_in of a ROWS weight and the first n_in of any other.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from ling_jax.backends import W8A8
 from ling_jax.layers.norms import rms_norm
 from ling_jax.params import scale_axes
 from ling_jax.sharding import RULES, TP, logical_to_spec, per_shard, tp_size
@@ -44,8 +48,9 @@ def proj(eq: str, x: jnp.ndarray, w: jnp.ndarray, out_dtype=None) -> jnp.ndarray
 
 
 def uses_gemv(backend: str, n_tokens: int) -> bool:
-    """Whether `dense` runs the Pallas GEMV for a step of n_tokens (batch x positions)."""
-    return backend == "pallas" and n_tokens <= GEMV_MAX_TOKENS
+    """Whether `dense` runs a Pallas GEMV ("pallas", or "w8a8" for FP8 weights) for a step of n_tokens (batch x
+    positions)."""
+    return backend in ("pallas", W8A8) and n_tokens <= GEMV_MAX_TOKENS
 
 
 def dense(x: jnp.ndarray, w: jnp.ndarray, axes: tuple, *, n_in: int = 1, backend: str = "reference",
@@ -66,7 +71,7 @@ def dense(x: jnp.ndarray, w: jnp.ndarray, axes: tuple, *, n_in: int = 1, backend
         xs, ws = letters[:xn.ndim], letters[len(lead):xn.ndim + w.ndim - n_in]
         y = proj(f"{xs},{ws}->{xs[:len(lead)]}{ws[n_in:]}", xn, w)
         return y if residual is None else residual + y
-    return _dense_gemv(x, w, tuple(axes), n_in, lead, norm, residual)
+    return _dense_gemv(x, w, tuple(axes), n_in, lead, norm, residual, w8a8=backend == W8A8)
 
 
 def _is_rows(w) -> bool:
@@ -80,8 +85,11 @@ def in_out_axes(w, axes: tuple, n_in: int) -> tuple[tuple, tuple]:
     return tuple(axes[:n_in]), tuple(axes[n_in:])
 
 
-def _dense_gemv(x, w, axes, n_in, lead, norm, residual):
-    from pallas_kernels.gemv import gemv
+def _dense_gemv(x, w, axes, n_in, lead, norm, residual, w8a8=False):
+    from pallas_kernels.gemv import gemv, w8a8 as w8a8_gemv
+
+    # E4M3 activations (the gemv op's "w8a8" choice) for FP8 weights only: an option, not the reference numerics.
+    project = w8a8_gemv.gemv if w8a8 and _is_rows(w) else functools.partial(gemv, backend="pallas")
 
     in_axes, out_axes = in_out_axes(w, axes, n_in)
     row_parallel = tp_size() > 1 and any(RULES.get(a) for a in in_axes if a is not None)
@@ -99,7 +107,7 @@ def _dense_gemv(x, w, axes, n_in, lead, norm, residual):
         it = iter(extra)
         nrm = (next(it), norm[1]) if norm is not None else None
         res = next(it).reshape(math.prod(lead), -1) if fused_residual is not None else None
-        y = gemv(x.reshape(math.prod(lead), -1), _as_matrix(w, n_in), res, norm=nrm, backend="pallas")
+        y = project(x.reshape(math.prod(lead), -1), _as_matrix(w, n_in), res, norm=nrm)
         return y.reshape(lead + in_out_axes(w, w.shape, n_in)[1])
 
     w_spec = logical_to_spec(axes)
