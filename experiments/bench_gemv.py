@@ -63,7 +63,7 @@ import numpy as np
 from common import (HBM_BYTES_PER_S, finish, parse_tunings, print_table, rel_err, run_header, short, slope_per_call,
                     write_results)
 from pallas_kernels.common import fp8
-from pallas_kernels.gemv import kernel, reference, rows, w8a8
+from pallas_kernels.gemv import kernel, reference, rows, tma, w8a8
 
 # (name, K, N, with residual): the decode projections of Flash (D 2560, KDA 32 heads x 128, MLA kv_lora 512 + rope
 # 64, MLA q 32 heads x 192, vocab 157184).
@@ -97,7 +97,7 @@ LEVER_SHAPES = [("kda_in", 2560, 32 * 641, False, True), ("kda_o", 4096, 2560, T
                 ("mlp_gate_up", 2560, 2 * 6144, False, True), ("mlp_down", 6144, 2560, True, False)]
 LEVER_TS = "1,4,16"
 W8A8 = "c_w8a8"  # lever c: E4M3 activations (per token and 128 columns) x E4M3 weights on the tensor cores
-W8A8_WM = "c_w8a8_wm"  # the same with the weights as the dot's M operand
+TMA = "tma"  # lever b's layout: tma.prepare of the ROWS weight (rows padded, scales block-major)
 # The rows kernel's sweep around its default (items replace its fields; the K-split counts either side are added):
 # T = 1 FMAs wider and narrower per thread, the loop or the unrolled blocks (whichever the default is not), the norm
 # by XLA; the dot's block and warps (16 rows on one warp, 32 on two, 128 on eight), pipelining depth, the norm in the
@@ -105,9 +105,6 @@ W8A8_WM = "c_w8a8_wm"  # the same with the weights as the dot's M operand
 ROWS_FMA_SWEEP = "block_n=32;num_warps=2;num_warps=4;num_warps=8;unroll=false;unroll=true;norm_in_kernel=false"
 ROWS_DOT_SWEEP = ("block_n=16,num_warps=1;block_n=32,num_warps=2;block_n=128,num_warps=8;num_stages=2;num_stages=4;"
                   "num_stages=5;norm_in_kernel=true")
-# Around a weights-as-M dot: 128 rows on one or two warpgroups, 32 rows, deeper and shallower pipelining.
-WM_SWEEP = "block_n=128;block_n=128,num_warps=8;block_n=32;num_stages=2;num_stages=4;num_stages=5"
-ROWS_LEVERS = ("d_rows_dot", "a_rows_dot", "a_rows_wm", "a_rows_wm_f16")
 # Seconds from the start after which the sweep stops, and after which every row is skipped (written as skipped):
 # both leave the suite's 330 s timeout room for the last row and the tables.
 LEVERS_BUDGET_S = 200
@@ -120,14 +117,23 @@ def fp8_levers(t, k, n):
     out = [("before", fp8.IN_OUT, kernel.default_tuning(t, k, n, 1))]
     if t == 1:
         out.append(("d_rows_fma", fp8.ROWS, rows.default_tuning(1, k, n)))
-    dot = rows.default_tuning(t, k, n, one_token_dot=True, unroll=False)
-    wm = dataclasses.replace(dot, weights_as_m=True)
+    tma_base = tma_tuning(k, n)
     return out + [("d_rows_dot", fp8.ROWS, rows.default_tuning(t, k, n, one_token_dot=True, unroll=True)),
-                  ("a_rows_dot", fp8.ROWS, dot),
-                  ("a_rows_wm", fp8.ROWS, wm),
-                  ("a_rows_wm_f16", fp8.ROWS, dataclasses.replace(wm, f16_dot=True)),
+                  ("a_rows_dot", fp8.ROWS, rows.default_tuning(t, k, n, one_token_dot=True, unroll=False)),
                   (W8A8, fp8.ROWS, w8a8.default_tuning(t, k, n)),
-                  (W8A8_WM, fp8.ROWS, dataclasses.replace(w8a8.default_tuning(t, k, n), weights_as_m=True))]
+                  ("b_tma", TMA, tma_base),
+                  ("b_tma_s8", TMA, dataclasses.replace(tma_base, stages=8)),
+                  ("b_tma_bn128", TMA, tma_tuning(k, n, block_n=128)),
+                  ("b_tma_ks2x", TMA, tma_tuning(k, n, ctas_per_sm=4))]
+
+
+def tma_tuning(k, n, block_n=64, ctas_per_sm=2):
+    """The TMA lever's tuning: block_n-row CTAs, 4 stages, the fewest K-splits (of K/128 blocks) giving
+    ctas_per_sm CTAs per SM."""
+    blocks, row_blocks = k // fp8.BLOCK, -(-n // tma.ROWS_PAD) * tma.ROWS_PAD // block_n
+    ks = next((d for d in range(1, blocks + 1) if blocks % d == 0 and row_blocks * d >= ctas_per_sm * kernel.SMS),
+              blocks)
+    return tma.TmaTuning(block_n=block_n, k_splits=ks)
 
 
 def rows_sweep(base, k, t, spec=None):
@@ -278,12 +284,13 @@ class _LeverRun:
             self.results.setdefault("skipped", []).append(f"{name} T={t} {lever} {short(tu)}")
             return
         xs, rs, norm, want = inputs
-        mod = w8a8 if lever in (W8A8, W8A8_WM) else kernel if layout == fp8.IN_OUT else rows
-        if lever in (W8A8, W8A8_WM):  # its own numerics (E4M3 activations): held to its own reference
+        mod = w8a8 if lever == W8A8 else tma if layout == TMA else kernel if layout == fp8.IN_OUT else rows
+        if lever == W8A8:  # its own numerics (E4M3 activations): held to its own reference
             want = w8a8.reference(xs[0], self.data[name][fp8.ROWS][0], None if rs is None else rs[0], norm=norm)
         nbytes = weight_bytes(k, n, True) + t * k * 2 + t * n * 2 * (2 if with_res else 1)
         row = dict(shape=name, K=k, N=n, T=t, lever=lever, layout=layout, tuning=short(tu), bytes=int(nbytes),
-                   floor_us=round(nbytes / HBM_BYTES_PER_S * 1e6, 2), programs=-(-n // tu.block_n) * tu.k_splits)
+                   floor_us=round(nbytes / HBM_BYTES_PER_S * 1e6, 2),
+                   programs=_programs(n, layout, tu))
         try:
             us, kern, err = lever_time(lambda w, x, r: mod.gemv(x, w, r, norm=norm, tuning=tu), self.data[name][layout],
                                        xs, rs, want, self.iters)
@@ -306,6 +313,12 @@ class _LeverRun:
               f"[{time.time() - self.t_start:.0f}s]", flush=True)
 
 
+def _programs(n, layout, tuning):
+    """The launch's programs (CTAs): row blocks x K-splits; the TMA layout's rows are padded first."""
+    rows_ = -(-n // tma.ROWS_PAD) * tma.ROWS_PAD if layout == TMA else n
+    return -(-rows_ // tuning.block_n) * tuning.k_splits
+
+
 def _lever_weights(shapes, min_copies, cold_bytes):
     """{shape: {layout: NW cold copies}}: the IN_OUT quantisations and their exact ROWS conversions."""
     data = {}
@@ -313,6 +326,7 @@ def _lever_weights(shapes, min_copies, cold_bytes):
         nw = max(min_copies, -(-int(cold_bytes) // weight_bytes(k, n, True)))
         ws = make_weights(k, n, nw, jax.random.key(si), fp8_weights=True)
         data[name] = {fp8.IN_OUT: ws, fp8.ROWS: [jax.block_until_ready(fp8.convert_layout(w, fp8.ROWS)) for w in ws]}
+        data[name][TMA] = [jax.block_until_ready(tma.prepare(w)) for w in data[name][fp8.ROWS]]
         print(f"{name}: [{k}, {n}] fp8, {nw} copies per layout", flush=True)
     return data
 
@@ -356,10 +370,8 @@ def run_levers(args):
             write_results("bench_gemv_levers.json", results, to_repo=not args.smoke)
     for t in [t for t in sweep_ts if t in ts]:
         for shape in shapes:
-            base = (rows.default_tuning(t, shape[1], shape[2]) if args.sweep_from is None
-                    else dict((lv, tu) for lv, _, tu in fp8_levers(t, shape[1], shape[2]))[args.sweep_from])
-            spec = "block_n=32;num_stages=2" if args.smoke else (WM_SWEEP if base.weights_as_m else None)
-            for tu in rows_sweep(base, shape[1], t, spec):
+            base = rows.default_tuning(t, shape[1], shape[2])
+            for tu in rows_sweep(base, shape[1], t, "block_n=32;num_stages=2" if args.smoke else None):
                 run.measure(shape, t, "rows_sweep", fp8.ROWS, tu, inputs[shape[0], t], min(budget, hard))
         write_results("bench_gemv_levers.json", results, to_repo=not args.smoke)
     results["summary"] = lever_summary(results["rows"], {lv for lv, _, _ in fp8_levers(1, 256, 256)})
@@ -384,8 +396,6 @@ def main(argv=None):
     ap.add_argument("--levers", action="store_true", help="the FP8 levers side by side (implies --fp8; "
                                                           "module docstring)")
     ap.add_argument("--sweep-ts", default="1,16", help="--levers: the T values of the rows kernel's sweep")
-    ap.add_argument("--sweep-from", default=None, choices=ROWS_LEVERS,
-                    help="--levers: sweep around this lever's tuning instead of rows.default_tuning")
     ap.add_argument("--budget", type=float, default=LEVERS_BUDGET_S, help="--levers: seconds after which the "
                                                                           "sweep stops")
     ap.add_argument("--hard-limit", type=float, default=LEVERS_HARD_S, help="--levers: seconds after which every "

@@ -204,7 +204,7 @@ def gemv_sass_row(layout, tuning, t, k, n, with_norm, with_res):
 
 def gemv_main(args):
     """--gemv: one line per shape, T and lever (module docstring)."""
-    from bench_gemv import LEVER_SHAPES, W8A8, W8A8_WM, fp8_levers
+    from bench_gemv import LEVER_SHAPES, W8A8, fp8_levers
 
     names = args.levers.split(",") if args.levers else None
     for shape, k, n, with_res, with_norm in LEVER_SHAPES:
@@ -212,14 +212,14 @@ def gemv_main(args):
             continue
         for t in map(int, args.ts.split(",")):
             for lever, layout, tu in fp8_levers(t, k, n):
-                if (names and lever not in names) or lever in (W8A8, W8A8_WM):  # w8a8.py kernels: not counted here
+                if (names and lever not in names) or lever == W8A8:  # its kernel is w8a8.py's: not counted here
                     continue
                 r = gemv_sass_row(layout, tu, t, k, n, with_norm, with_res)
                 flag = " SPILLS" if r["stack"] else ""
                 print(f"{shape:11s} T={t:<2d} {lever:12s} grid {r['grid']} regs {r['regs']} stack {r['stack']} B smem "
                       f"{r['smem'] // 1024} KiB  SASS/weight {r.get('per_weight', '?')} (loop "
                       f"{r.get('loop_per_weight', '-')})  16B loads before first wait {r['loads_up_front']}  "
-                      f"wgmma {r['wgmma']} mma.sync {r['mma_sync']}{flag}  <- {short(tu)}", flush=True)
+                      f"mma.sync {r['mma_sync']}{flag}  <- {short(tu)}", flush=True)
 
 
 def main(argv=None):

@@ -120,12 +120,6 @@ class RowsTuning:
     # loop for the dot (unrolled, Triton stages every block's dot operand in shared memory and spills: see below).
     unroll: bool | None = None
     norm_in_kernel: bool | None = None  # the RMSNorm in the kernel, or x normed by XLA first; None: T = 1 only
-    # The dot with the weight tile as the tensor cores' M operand ([BN, 128] · x[16, 128]ᵀ, accumulated [BN, 16]):
-    # sm_90's warpgroup MMA then reads the widened tile from registers (HGMMA) instead of mma.sync.
-    weights_as_m: bool = False
-    # The dot in f16 (x scaled per token by a power of two into f16's range by XLA first): E4M3 -> f16 is the whole
-    # widening, one conversion per two weights, where bf16 needs two more. bfloat16 x only; the norm by XLA.
-    f16_dot: bool = False
 
     def __post_init__(self):
         check_pow2_fields(self, ("block_n",), 16)
@@ -133,12 +127,8 @@ class RowsTuning:
         for name in ("k_splits", "num_stages"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"RowsTuning.{name}={getattr(self, name)} must be an integer >= 1")
-        for name in ("one_token_dot", "weights_as_m", "f16_dot"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"RowsTuning.{name}={getattr(self, name)!r} must be a bool")
-        if self.f16_dot and self.norm_in_kernel:
-            raise ValueError("RowsTuning.f16_dot=True takes x normed by XLA (norm_in_kernel None or False): the f16 "
-                             "inputs are scaled after the norm")
+        if not isinstance(self.one_token_dot, bool):
+            raise ValueError(f"RowsTuning.one_token_dot={self.one_token_dot!r} must be a bool")
         for name in ("unroll", "norm_in_kernel"):
             if getattr(self, name) not in (None, True, False):
                 raise ValueError(f"RowsTuning.{name}={getattr(self, name)!r} must be None, True or False")
@@ -201,11 +191,6 @@ class _Program:
     n_rows: int
     n_tok: int
     rows: int  # 1: the one token by FMAs; DOT_ROWS: the padded dot
-    wm: bool = False  # the dot's accumulator [BN, rows] (RowsTuning.weights_as_m) rather than [rows, BN]
-
-    @property
-    def acc_shape(self):
-        return (self.BN,) if self.rows == 1 else (self.BN, self.rows) if self.wm else (self.rows, self.BN)
 
     def q(self, k, w):
         return _load(self.q_ref, (pl.ds(self.n0, self.BN), pl.ds(k, w)),
@@ -230,23 +215,22 @@ class _Program:
         return [self.x(off, w) for off, w in _pieces(self.x_ref.shape[1])]
 
 
-def _product(xs, q, scale, *, rows, wm=False):
+def _product(xs, q, scale, *, rows):
     """fp32 scale[n] · sum over the piece's columns of x[k]·q[n, k]: [BN] at rows = 1 (FMAs), else [rows, BN] (a
-    tensor-core dot: bf16 x with the tile widened to bf16, f16 x (RowsTuning.f16_dot) with the tile widened to f16,
-    both exact; float32 x at full precision), or [BN, rows] with the weights as the dot's M operand (wm)."""
+    tensor-core dot: bf16 x with the tile widened to bf16, exact; float32 x at full precision)."""
     if rows == 1:
         return jnp.sum(xs.astype(jnp.float32)[None, :] * q.astype(jnp.float32), axis=1) * scale
     if xs.ndim == 1:  # one token through the dot: row 0 of a tile padded in registers, normed before padding
         pad = lax.broadcasted_iota(jnp.int32, (rows, xs.shape[0]), 0) == 0
         xs = jnp.where(pad, jnp.broadcast_to(xs[None, :], pad.shape), jnp.zeros(pad.shape, xs.dtype))
     q16 = q.astype(jnp.float16)  # E4M3 -> f16 is one conversion per two weights on sm_90; f16 holds them exactly
-    if xs.dtype == jnp.float32:
-        xs, wq, extra = xs, q16.astype(jnp.float32), dict(precision=lax.Precision.HIGHEST)
+    if xs.dtype == jnp.bfloat16:
+        d = lax.dot_general(xs, q16.astype(jnp.bfloat16), (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32)
     else:
-        wq, extra = (q16 if xs.dtype == jnp.float16 else q16.astype(jnp.bfloat16)), {}
-    a, b = (wq, xs) if wm else (xs, wq)
-    d = lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, **extra)
-    return d * (scale[:, None] if wm else scale[None, :])
+        d = lax.dot_general(xs.astype(jnp.float32), q16.astype(jnp.float32), (((1,), (1,)), ((), ())),
+                            precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return d * scale[None, :]
 
 
 def _inv_rms(xs_list, *, K, eps):
@@ -284,7 +268,7 @@ def _unrolled(prog, k0, pieces, *, full_x, g_ref, K, eps):
     acc = None
     for k, (_, w), x, q, s in zip(ks, pieces, xs, qs, scales):
         x = prog.x(k, w) if x is None else x
-        p = _product(_normed(x, k, w, g_ref, inv), q, s, rows=prog.rows, wm=prog.wm)
+        p = _product(_normed(x, k, w, g_ref, inv), q, s, rows=prog.rows)
         acc = p if acc is None else acc + p
     return acc
 
@@ -296,12 +280,13 @@ def _looped(prog, k0, pieces, *, g_ref, K, eps):
     if g_ref is not None:
         inv = _inv_rms(prog.norm_x(), K=K, eps=eps)
     full = [p for p in pieces if p[1] == BLOCK]
+    shape = (prog.BN,) if prog.rows == 1 else (prog.rows, prog.BN)
 
     def step(k, w, acc):
         return acc + _product(_normed(prog.x(k, w), k, w, g_ref, inv), prog.q(k, w), prog.scale(k),
-                              rows=prog.rows, wm=prog.wm)
+                              rows=prog.rows)
 
-    acc = jnp.zeros(prog.acc_shape, jnp.float32)
+    acc = jnp.zeros(shape, jnp.float32)
     if full:  # a loop of no steps would still trace a 128-wide tile past a narrower K
         acc = lax.fori_loop(0, len(full), lambda i, acc: step(pl.multiple_of(k0 + i * BLOCK, BLOCK), BLOCK, acc),
                             acc)
@@ -311,30 +296,24 @@ def _looped(prog, k0, pieces, *, g_ref, K, eps):
 
 
 def rows_kernel(x_ref, q_ref, s_ref, *refs, K, k_rows, BN, n_rows, n_tok, rows, eps, unroll, split_out,
-                with_residual, wm=False, f16=False):
-    # x_ref [T, K] compute dtype (f16 with `f16`), q_ref [N, K] E4M3, s_ref [N, ceil(K/128)] fp32, then g_ref [K]
-    # (the norm weight; eps not None), r_ref [T, N] (with_residual) and u_ref [T] fp32 (f16: each token's power of
-    # two undoing its scaling); o_ref [T, N] in the output dtype, or [KS, T, N] fp32 partials (split_out). Program
-    # (j, s): rows [j·BN, (j+1)·BN), columns [s, s + 1)·k_rows.
+                with_residual):
+    # x_ref [T, K] compute dtype, q_ref [N, K] E4M3, s_ref [N, ceil(K/128)] fp32, then g_ref [K] (the norm weight;
+    # eps not None) and r_ref [T, N] (with_residual); o_ref [T, N] in x's dtype, or [KS, T, N] fp32 partials
+    # (split_out). Program (j, s): rows [j·BN, (j+1)·BN), columns [s, s + 1)·k_rows.
     refs = list(refs)
     o_ref = refs.pop()
     g_ref = refs.pop(0) if eps is not None else None
     r_ref = refs.pop(0) if with_residual else None
-    u_ref = refs.pop(0) if f16 else None
     j, s = pl.program_id(0), pl.program_id(1)
     n0 = j * BN
     k0 = 0 if k_rows == K else pl.multiple_of(s * k_rows, BLOCK)  # static when one program holds all of K
-    prog = _Program(x_ref, q_ref, s_ref, n0, BN, n_rows, n_tok, rows, wm and rows > 1)
+    prog = _Program(x_ref, q_ref, s_ref, n0, BN, n_rows, n_tok, rows)
     common = dict(g_ref=g_ref, K=K, eps=eps)
     pieces = _pieces(k_rows)
     if unroll:
         acc = _unrolled(prog, k0, pieces, full_x=k_rows == K, **common)
     else:
         acc = _looped(prog, k0, pieces, **common)
-    if prog.wm:
-        acc = acc.T
-    if u_ref is not None:
-        acc = acc * _load(u_ref, (pl.ds(0, rows),), _tokens(rows, n_tok, (rows,)))[:, None]
     _store(o_ref, r_ref, acc, s, n0=n0, BN=BN, n_rows=n_rows, n_tok=n_tok, rows=rows, split_out=split_out)
 
 
@@ -367,19 +346,6 @@ def check_split(k: int, k_splits: int) -> int:
         raise ValueError(f"RowsTuning.k_splits={k_splits} must cut K={k} into equal slices of whole {BLOCK}-column "
                          f"blocks (K-splits of this K: {kernel.fp8_splits(k, BLOCK) if k % BLOCK == 0 else [1]})")
     return k // k_splits
-
-
-def f16_tokens(x):
-    """x [T, K] bfloat16 -> (x·2^e_t in float16, 2^-e_t [T] float32): each token scaled by the power of two that
-    puts its largest magnitude in [2^13, 2^14), inside f16's range. The scaling is exact, and so is the conversion
-    for every element above 2^-30 of its token's largest (bf16's 8 significant bits fit f16's 11 down to f16's
-    subnormals); a smaller one moves by at most 2^-38 of the largest, far under the fp32 sums' own rounding. x's own
-    bf16 rounding is pinned first: XLA's excess precision may otherwise hand over the fp32 value that produced it
-    (the norm's last product: 2e-3 off the reference on CPU)."""
-    x32 = lax.reduce_precision(x.astype(jnp.float32), exponent_bits=8, mantissa_bits=7)
-    _, e = jnp.frexp(jnp.max(jnp.abs(x32), axis=-1))
-    shift = (14 - e).astype(jnp.int32)  # frexp: amax = m·2^e, m in [0.5, 1); an all-zero token keeps e = 0
-    return (x32 * jnp.ldexp(jnp.float32(1), shift)[:, None]).astype(jnp.float16), jnp.ldexp(jnp.float32(1), -shift)
 
 
 def _rms_norm_pinned(x, weight, eps):
@@ -425,28 +391,18 @@ def _gemv(x, q, scale, residual, *norm_weight, eps, tuning):
     bn, ks = tuning.block_n, tuning.k_splits
     rows = 1 if t == 1 and not tuning.one_token_dot else DOT_ROWS
     unroll = rows == 1 if tuning.unroll is None else tuning.unroll
-    f16 = tuning.f16_dot and rows > 1
-    if f16 and x.dtype != jnp.bfloat16:
-        raise ValueError(f"RowsTuning.f16_dot=True takes bfloat16 x, not {x.dtype}: f16 holds bf16 values exactly "
-                         "after a power-of-two scaling, but not float32 ones")
-    if norm_weight and (f16 or not (t == 1 if tuning.norm_in_kernel is None else tuning.norm_in_kernel)):
+    if norm_weight and not (t == 1 if tuning.norm_in_kernel is None else tuning.norm_in_kernel):
         x, norm_weight, eps = _rms_norm_pinned(x, norm_weight[0], eps), (), None  # once per step, by XLA
-    out_dtype = x.dtype
-    unscale = ()
-    if f16:
-        x, u = f16_tokens(x)
-        unscale = (u,)
     split_out = ks > 1
     with_residual = residual is not None and not split_out
-    out_shape = output_shape(ks, t, n, out_dtype)
+    out_shape = output_shape(ks, t, n, x.dtype)
     y = pl.pallas_call(
         functools.partial(rows_kernel, K=k, k_rows=k_rows, BN=bn, n_rows=n, n_tok=t, rows=rows, eps=eps,
-                          unroll=unroll, split_out=split_out, with_residual=with_residual,
-                          wm=tuning.weights_as_m, f16=f16),
+                          unroll=unroll, split_out=split_out, with_residual=with_residual),
         grid=(pl.cdiv(n, bn), ks),
         out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
         interpret=interpret_mode(),
         name="gemv_rows_fwd_kernel",
-    )(x, q, scale, *norm_weight, *([residual] if with_residual else []), *unscale)
-    return finish(y, residual, out_dtype)
+    )(x, q, scale, *norm_weight, *([residual] if with_residual else []))
+    return finish(y, residual, x.dtype)

@@ -54,7 +54,7 @@ def reference(x, w, residual=None, *, norm=None):
     return y if residual is None else residual + y
 
 
-def w8a8_kernel(xq_ref, xs_ref, q_ref, s_ref, *refs, k_cols, BN, n_rows, n_tok, split_out, with_residual, wm):
+def w8a8_kernel(xq_ref, xs_ref, q_ref, s_ref, *refs, k_cols, BN, n_rows, n_tok, split_out, with_residual):
     # xq_ref [T, K] E4M3, xs_ref [T, K/128] fp32, q_ref [N, K] E4M3, s_ref [N, K/128] fp32, r_ref [T, N] (with
     # the residual); o_ref [T, N] in the output dtype or [KS, T, N] fp32 partials. Program (j, s): rows
     # [j·BN, (j+1)·BN), columns [s, s + 1)·k_cols.
@@ -75,15 +75,10 @@ def w8a8_kernel(xq_ref, xs_ref, q_ref, s_ref, *refs, k_cols, BN, n_rows, n_tok, 
         xs = _load(xs_ref, (pl.ds(0, DOT_ROWS), blk), tok1)
         wq = _load(q_ref, (pl.ds(n0, BN), pl.ds(k, BLOCK)), row)
         ws = _load(s_ref, (pl.ds(n0, BN), blk), row1)
-        if wm:  # the weights as the dot's M operand (RowsTuning.weights_as_m): [BN, 16]
-            d = lax.dot_general(wq, xq, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-            return acc + d * ws[:, None] * xs[None, :]
         d = lax.dot_general(xq, wq, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         return acc + d * xs[:, None] * ws[None, :]
 
-    shape = (BN, DOT_ROWS) if wm else (DOT_ROWS, BN)
-    acc = lax.fori_loop(0, k_cols // BLOCK, step, jnp.zeros(shape, jnp.float32))
-    acc = acc.T if wm else acc
+    acc = lax.fori_loop(0, k_cols // BLOCK, step, jnp.zeros((DOT_ROWS, BN), jnp.float32))
     rows._store(o_ref, r_ref, acc, s, n0=n0, BN=BN, n_rows=n_rows, n_tok=n_tok, rows=DOT_ROWS, split_out=split_out)
 
 
@@ -119,7 +114,7 @@ def _gemv(x, q, scale, residual, *norm_weight, eps, tuning):
     out_shape = rows.output_shape(ks, t, n, x.dtype)
     y = pl.pallas_call(
         functools.partial(w8a8_kernel, k_cols=k_cols, BN=bn, n_rows=n, n_tok=t, split_out=split_out,
-                          with_residual=with_residual, wm=tuning.weights_as_m),
+                          with_residual=with_residual),
         grid=(pl.cdiv(n, bn), ks),
         out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),

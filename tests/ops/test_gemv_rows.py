@@ -89,19 +89,6 @@ ROWS_CASES = {  # T, dtype, K, N, norm, residual, tuning
     "t16-f32-k256-n40-ks2-res": (16, jnp.float32, 256, 40, False, True, RowsTuning(k_splits=2)),
     "t16-bf16-k384-n40-unrolled-kernel-norm": (16, jnp.bfloat16, 384, 40, True, False,
                                                RowsTuning(unroll=True, norm_in_kernel=True)),
-    # The weights as the dot's M operand ([BN, 16] accumulators, transposed at the store), in bf16 and in f16 (x
-    # scaled per token by XLA, unscaled in the epilogue), looped, unrolled and K-split.
-    "t1-bf16-k384-n100-wm-norm-res": (1, jnp.bfloat16, 384, 100, True, True,
-                                      RowsTuning(block_n=64, one_token_dot=True, weights_as_m=True)),
-    "t3-f32-k384-n100-ks3-wm-res": (3, jnp.float32, 384, 100, False, True,
-                                    RowsTuning(block_n=64, k_splits=3, weights_as_m=True)),
-    "t16-bf16-k256-n100-wm-f16-norm-res": (16, jnp.bfloat16, 256, 100, True, True,
-                                           RowsTuning(block_n=64, weights_as_m=True, f16_dot=True)),
-    "t1-bf16-k208-n40-wm-f16-unrolled-norm": (1, jnp.bfloat16, 208, 40, True, False,
-                                              RowsTuning(block_n=32, one_token_dot=True, weights_as_m=True,
-                                                         f16_dot=True, unroll=True)),
-    "t3-bf16-k384-n40-ks3-f16-res": (3, jnp.bfloat16, 384, 40, False, True,
-                                     RowsTuning(block_n=32, k_splits=3, f16_dot=True)),
     # The defaults (rows.default_tuning): FMAs at T = 1 (unrolled at this N), the 64-row dot loop above.
     "t1-bf16-k384-n100-default-norm-res": (1, jnp.bfloat16, 384, 100, True, True, None),
     "t16-bf16-k384-n100-default-norm-res": (16, jnp.bfloat16, 384, 100, True, True, None),
@@ -336,29 +323,3 @@ def test_rows_per_shard(tp):
     for xs, rs in ((x[:1], r[:1]), (x, r)):
         _check(row_par(put(xs, by_cols), put_w(by_cols)) + rs, reference.gemv(xs, w, rs), jnp.float32,
                (xs.shape[0], n))
-
-
-def test_f16_dot_holds_the_whole_bf16_range():
-    """Tokens far outside f16's range (1e30, 1e-30) and a token of zeros: the per-token power-of-two scaling keeps
-    the f16 dot at the bf16 path's result, where a plain cast to f16 would overflow to inf or flush to zero."""
-    x, w, w_rows, r, _ = _inputs(300, 3, 256, 100, jnp.bfloat16)
-    x = x * jnp.asarray([[1e30], [1e-30], [0.0]], jnp.bfloat16)
-    want = reference.gemv(x, w)
-    got = rows.gemv(x, w_rows, tuning=RowsTuning(block_n=64, weights_as_m=True, f16_dot=True))
-    assert bool(jnp.all(got[2] == 0))
-    for i in range(2):
-        _check(got[i:i + 1], want[i:i + 1], jnp.bfloat16, (1, 100))
-    x16, unscale = rows.f16_tokens(x)
-    assert x16.dtype == jnp.float16 and bool(jnp.all(jnp.isfinite(x16)))
-    assert float(jnp.max(jnp.abs(x16[0].astype(jnp.float32)))) < 2.0 ** 14 <= 2 * float(
-        jnp.max(jnp.abs(x16[0].astype(jnp.float32))))
-    np.testing.assert_array_equal(np.asarray(x16[:2].astype(jnp.float32) * unscale[:2, None]),
-                                  np.asarray(x[:2].astype(jnp.float32)))
-
-
-def test_f16_dot_refuses_what_f16_cannot_hold():
-    x, _, w_rows, _, norm = _inputs(301, 3, 256, 40, jnp.float32)
-    with pytest.raises(ValueError, match="f16_dot=True takes bfloat16 x"):
-        rows.gemv(x, w_rows, tuning=RowsTuning(f16_dot=True))
-    with pytest.raises(ValueError, match="f16_dot=True takes x normed by XLA"):
-        RowsTuning(f16_dot=True, norm_in_kernel=True)
