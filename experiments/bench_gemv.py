@@ -33,18 +33,21 @@ bench_gemv_fp8.json.
 `--fp8 --levers`: the FP8 levers side by side (`fp8_levers`), on Flash's fused FP8 decode shapes (`LEVER_SHAPES`:
 KDA w_in and o_proj, MLA w_qg and kv_a, the dense MLP's gate|up and down, each with the model's norm prologue or
 residual) at T = 1, 4, 16: `before` (kernel.py's default: IN_OUT, FMAs at T = 1, the hand-pipelined dot above),
-`d_rows_fma` (rows.py over the ROWS layout, T = 1, FMAs at `rows.default_tuning`: looped at KDA's w_in, unrolled
-elsewhere; results/bench_gemv_levers.json ran them unrolled on 4 warps everywhere), `d_rows_dot` (rows.py, the unrolled
-dot), `a_rows_dot` (rows.py, the dot in a loop Triton pipelines), `c_w8a8` (w8a8.py: E4M3 activations quantised
-by an XLA fusion, then an FP8 x FP8 dot; held to `w8a8.reference`, its own numerics); then a sweep of the rows kernel's tunings around
-its defaults (`ROWS_FMA_SWEEP` at T = 1, `ROWS_DOT_SWEEP` above, the K-split counts either side) at --sweep-ts,
-while the --budget lasts (a row past --hard-limit is listed as skipped, to rerun with --shapes / --ts). One
-executable per row calls the op on NW cold weight copies (the rotation above; the ROWS copies are
-`fp8.convert_layout` of the IN_OUT ones, the same weights); a row's µs is the profiler's median device time per
-call (the timeline span / NW of 3 traced runs: kernels, K-split sums and an XLA norm included), checked against
+`d_rows_fma` (rows.py over the ROWS layout, T = 1, FMAs at `rows.default_tuning`: looped in two-block steps at KDA's
+w_in, unrolled elsewhere), `d_rows_fma_g2` / `_g4` (T = 1: the FMAs looped, 2 or 4 blocks a step),
+`a_rows_dot_g2` / `_g4` (T > 1: the looped dot, 2 or 4 blocks a step), `d_rows_dot` (rows.py, the unrolled dot),
+`a_rows_dot` (rows.py, the dot in a loop Triton pipelines), `c_w8a8` (w8a8.py: E4M3 activations quantised by an XLA
+fusion, then an FP8 x FP8 dot; held to `w8a8.reference`, its own numerics), `b_tma` (tma.py: Mosaic GPU, the weight
+through a ring of bulk copies, on `tma.prepare`'s layout; the norm, the f16 scaling and the epilogue are XLA
+fusions around it); then a sweep of the rows kernel's tunings around its defaults (`ROWS_FMA_SWEEP` at T = 1,
+`ROWS_DOT_SWEEP` above, the K-split counts either side) at --sweep-ts (`--sweep-ts 0`: none), while the --budget
+lasts (a row past --hard-limit is listed as skipped, to rerun with --shapes / --ts). One executable per row calls
+the op on NW cold weight copies (the rotation above; the ROWS copies are `fp8.convert_layout` of the IN_OUT ones,
+the TMA ones `tma.prepare` of those: the same weights); a row's µs is the profiler's median device time per call
+(the timeline span / NW of 3 traced runs: kernels, K-split sums and XLA fusions included), checked against
 `reference.gemv` (op by op) within FP8_REL_ERR_MAX on the first call's output. Prints every row and a table of the
 levers per shape and T (µs, % of 4.3 TB/s, the best); results go to bench_gemv_levers.json.
-`bash experiments/gpu.sh gemv_levers` runs it (201 s on the H200 without c_w8a8).
+`bash experiments/gpu.sh gemv_levers` runs it (131 s on an H100 at T = 1, 4 without the sweep).
 """
 
 from __future__ import annotations
@@ -115,16 +118,25 @@ def fp8_levers(t, k, n):
     """[(lever, layout, tuning)] of one shape and T, side by side (module docstring, --levers): each lever with its
     own heuristic default."""
     out = [("before", fp8.IN_OUT, kernel.default_tuning(t, k, n, 1))]
+    dot = rows.default_tuning(t, k, n, one_token_dot=True, unroll=False)
     if t == 1:
-        out.append(("d_rows_fma", fp8.ROWS, rows.default_tuning(1, k, n)))
-    tma_base = tma_tuning(k, n)
+        fma = rows.default_tuning(1, k, n)
+        looped = dataclasses.replace(fma, unroll=False, num_warps=4)
+        out += [("d_rows_fma", fp8.ROWS, fma), ("d_rows_fma_g2", fp8.ROWS, dataclasses.replace(looped, group=2)),
+                ("d_rows_fma_g4", fp8.ROWS, dataclasses.replace(looped, group=4))]
+    else:
+        out += [("a_rows_dot_g2", fp8.ROWS, dataclasses.replace(dot, group=2)),
+                ("a_rows_dot_g4", fp8.ROWS, dataclasses.replace(dot, group=4))]
     return out + [("d_rows_dot", fp8.ROWS, rows.default_tuning(t, k, n, one_token_dot=True, unroll=True)),
-                  ("a_rows_dot", fp8.ROWS, rows.default_tuning(t, k, n, one_token_dot=True, unroll=False)),
+                  ("a_rows_dot", fp8.ROWS, dot),
                   (W8A8, fp8.ROWS, w8a8.default_tuning(t, k, n)),
-                  ("b_tma", TMA, tma_base),
-                  ("b_tma_s8", TMA, dataclasses.replace(tma_base, stages=8)),
-                  ("b_tma_bn128", TMA, tma_tuning(k, n, block_n=128)),
-                  ("b_tma_ks2x", TMA, tma_tuning(k, n, ctas_per_sm=4))]
+                  ("b_tma", TMA, tma_tuning(k, n))]
+
+
+def lever_list():
+    """Every lever's name, the T = 1 ones first."""
+    names = [lv for lv, _, _ in fp8_levers(1, 256, 256)]
+    return names + [lv for lv, _, _ in fp8_levers(2, 256, 256) if lv not in names]
 
 
 def tma_tuning(k, n, block_n=64, ctas_per_sm=2):
@@ -332,7 +344,7 @@ def _lever_weights(shapes, min_copies, cold_bytes):
 
 
 def _print_levers(results, budget, hard):
-    lever_names = [lv for lv, _, _ in fp8_levers(1, 256, 256)]
+    lever_names = lever_list()
     print_table(results["rows"], ["shape", "T", "lever", "us", "floor_us", "pct_of_4p3TBps", "GBps", "programs",
                                   "tuning", "error"])
     cols = lever_names + ["rows_sweep_best"]
@@ -374,7 +386,7 @@ def run_levers(args):
             for tu in rows_sweep(base, shape[1], t, "block_n=32;num_stages=2" if args.smoke else None):
                 run.measure(shape, t, "rows_sweep", fp8.ROWS, tu, inputs[shape[0], t], min(budget, hard))
         write_results("bench_gemv_levers.json", results, to_repo=not args.smoke)
-    results["summary"] = lever_summary(results["rows"], {lv for lv, _, _ in fp8_levers(1, 256, 256)})
+    results["summary"] = lever_summary(results["rows"], set(lever_list()))
     write_results("bench_gemv_levers.json", results, to_repo=not args.smoke)
     _print_levers(results, budget, hard)
     return finish(results, run.t_start)

@@ -52,13 +52,13 @@ suite_prefill_check() {  # the MoE layer and the slice with the tuned defaults, 
     python3 -m pytest -q -rf --tb=short -p no:cacheprovider \
     tests/ops/test_moe_grouped.py tests/ops/test_mla_prefill.py tests/test_prefill_chunked.py -k "not cli"
 }
-suite_fp8() {  # the FP8 kernels compiled (GEMV in both layouts, MoE decode / verify / grouped prefill)
+suite_fp8() {  # the FP8 kernels compiled (GEMV: both layouts, W8A8, TMA; MoE decode / verify / grouped prefill)
   XLA_FLAGS="--xla_allow_excess_precision=false" timeout 230 python3 -m pytest -q -rf --tb=short \
-    -p no:cacheprovider tests/ops/test_gemv.py tests/ops/test_gemv_rows.py tests/ops/test_gemv_w8a8.py tests/ops/test_moe.py \
-    tests/ops/test_moe_grouped.py -k "fp8 or rows"
+    -p no:cacheprovider tests/ops/test_gemv.py tests/ops/test_gemv_rows.py tests/ops/test_gemv_w8a8.py \
+    tests/ops/test_gemv_tma.py tests/ops/test_moe.py tests/ops/test_moe_grouped.py -k "fp8 or rows or w8a8 or tma"
 }
 suite_gemv_levers() {  # the FP8 GEMV levers side by side on every fused shape at T = 1, 4, 16, then the rows sweep
-  timeout 330 python3 experiments/bench_gemv.py --fp8 --levers
+  timeout 560 python3 experiments/bench_gemv.py --fp8 --levers --budget 430 --hard-limit 500
 }
 suite_fp8_ops() {  # the FP8 GEMV shapes with their tuning sweep, then the FP8 MoE layer's T = 1 sweep
   timeout 230 python3 experiments/bench_gemv.py --fp8 --sweep

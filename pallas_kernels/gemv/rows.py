@@ -51,7 +51,10 @@ per-thread cap when unrolled. Each rule with its measurement:
   kv_a 4.6 against 5.6, o_proj 7.2 against 8.1, down 9.0 against 11.2; only gate|up liked the dot (17.2 against
   18.3).
 - Looped when the 16-row blocks over all of K already give FMA_LOOPED_MIN_PROGRAMS programs (8 per SM): w_in's
-  1282 took 22.5 µs looped, 33.1 unrolled, 27.2 unrolled in two K-splits. Fewer rows: unrolled (gate|up, 768
+  1282 took 22.5 µs looped, 33.1 unrolled, 27.2 unrolled in two K-splits. The loop steps over FMA_LOOP_GROUP = 2
+  blocks, both blocks' loads issued together (`RowsTuning.group`; on an H100: w_in 23.3 µs against 24.6 one block a
+  step, 26.6 four; w_qg looped in two-block steps 11.2 against 12.2 for its unrolled default there, not adopted
+  without an H200 run, where unrolled beat one-block looping 11.0 to 12.1). Fewer rows: unrolled (gate|up, 768
   programs: 18.3 unrolled in two splits, 18.4 looped; o_proj 7.2 unrolled against 8.6 looped; w_qg 11.0 against
   12.1), every load of the slice in flight before the first FMA.
 - Unrolled slices of at most FMA_BYTES_PER_THREAD weight bytes per thread (16 rows x 1280 columns on 4 warps), half
@@ -103,6 +106,9 @@ FMA_LOOPED_MIN_PROGRAMS = 8 * kernel.SMS
 FMA_BYTES_PER_THREAD = MAX_UNROLLED_BYTES_PER_THREAD // 2
 # Unrolled FMAs over K >= this run on 8 warps: down 6144 -> 2560 took 9.0 µs against 10.5 on 4.
 FMA_LONG_K = 4096
+# Looped FMAs take two 128-column blocks per step (each row's 256 bytes loaded together): w_in 23.3 µs against 24.6
+# one block a step and 26.6 four (H100, results/bench_gemv_levers_h100.json).
+FMA_LOOP_GROUP = 2
 # The dot's rows per program: 64 rows take 4 warps without replicating the [16, BN] dot over warps (at 16 rows every
 # warp converted the whole tile: 10.5 SASS instructions per weight against 4.8), and each program reads x [T, K]
 # from L2 once per 64 rows (at 16 rows and T = 16 that is twice the weight's own bytes).
@@ -120,11 +126,13 @@ class RowsTuning:
     # loop for the dot (unrolled, Triton stages every block's dot operand in shared memory and spills: see below).
     unroll: bool | None = None
     norm_in_kernel: bool | None = None  # the RMSNorm in the kernel, or x normed by XLA first; None: T = 1 only
+    # Looped: 128-column blocks per loop step, their loads issued together (each row's group·128 bytes at once)
+    group: int = 1
 
     def __post_init__(self):
         check_pow2_fields(self, ("block_n",), 16)
         check_pow2_fields(self, ("num_warps",))
-        for name in ("k_splits", "num_stages"):
+        for name in ("k_splits", "num_stages", "group"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"RowsTuning.{name}={getattr(self, name)} must be an integer >= 1")
         if not isinstance(self.one_token_dot, bool):
@@ -145,7 +153,7 @@ def default_tuning(n_tokens: int, k: int, n: int, *, one_token_dot: bool = False
         warps = 8 if unroll and k >= FMA_LONG_K else 4
         cap = FMA_BYTES_PER_THREAD * 32 * warps if unroll else None
         return RowsTuning(block_n=16, k_splits=_fewest_splits(k, n, 16, MIN_SPLIT_ROWS, MIN_PROGRAMS, cap),
-                          num_warps=warps, unroll=unroll)
+                          num_warps=warps, unroll=unroll, group=1 if unroll else FMA_LOOP_GROUP)
     if unroll:  # one warp per 16-row dot: more would each convert the whole tile
         ks = _fewest_splits(k, n, 16, MIN_SPLIT_ROWS, MIN_PROGRAMS, MAX_UNROLLED_BYTES_PER_THREAD * 32)
         return RowsTuning(block_n=16, k_splits=ks, num_warps=1, one_token_dot=n_tokens == 1, unroll=True)
@@ -273,30 +281,37 @@ def _unrolled(prog, k0, pieces, *, full_x, g_ref, K, eps):
     return acc
 
 
-def _looped(prog, k0, pieces, *, g_ref, K, eps):
-    """The slice's whole blocks as a fori_loop (Triton pipelines the tiles feeding a dot), its narrower pieces
-    after; the kernel's norm first walks all of x."""
+def _looped(prog, k0, pieces, *, g_ref, K, eps, group=1):
+    """The slice's whole blocks as a fori_loop over groups of `group` blocks (Triton pipelines the tiles feeding a
+    dot; a group's weight tiles and scales load before its first product, `group` x 128 contiguous bytes of each
+    row), the blocks left over and the narrower pieces after; the kernel's norm first walks all of x."""
     inv = None
     if g_ref is not None:
         inv = _inv_rms(prog.norm_x(), K=K, eps=eps)
     full = [p for p in pieces if p[1] == BLOCK]
     shape = (prog.BN,) if prog.rows == 1 else (prog.rows, prog.BN)
 
-    def step(k, w, acc):
-        return acc + _product(_normed(prog.x(k, w), k, w, g_ref, inv), prog.q(k, w), prog.scale(k),
-                              rows=prog.rows)
+    def steps(ks, w, acc):
+        loaded = [(prog.q(k, w), prog.scale(k)) for k in ks]
+        for k, (q, sc) in zip(ks, loaded):
+            acc = acc + _product(_normed(prog.x(k, w), k, w, g_ref, inv), q, sc, rows=prog.rows)
+        return acc
+
+    def body(i, acc):
+        k = pl.multiple_of(k0 + i * group * BLOCK, BLOCK)
+        return steps([k + j * BLOCK for j in range(group)], BLOCK, acc)
 
     acc = jnp.zeros(shape, jnp.float32)
-    if full:  # a loop of no steps would still trace a 128-wide tile past a narrower K
-        acc = lax.fori_loop(0, len(full), lambda i, acc: step(pl.multiple_of(k0 + i * BLOCK, BLOCK), BLOCK, acc),
-                            acc)
-    for off, w in pieces[len(full):]:
-        acc = step(k0 + off, w, acc)
+    n_groups = len(full) // group
+    if n_groups:  # a loop of no steps would still trace a 128-wide tile past a narrower K
+        acc = lax.fori_loop(0, n_groups, body, acc)
+    for off, w in pieces[n_groups * group:]:
+        acc = steps([k0 + off], w, acc)
     return acc
 
 
 def rows_kernel(x_ref, q_ref, s_ref, *refs, K, k_rows, BN, n_rows, n_tok, rows, eps, unroll, split_out,
-                with_residual):
+                with_residual, group=1):
     # x_ref [T, K] compute dtype, q_ref [N, K] E4M3, s_ref [N, ceil(K/128)] fp32, then g_ref [K] (the norm weight;
     # eps not None) and r_ref [T, N] (with_residual); o_ref [T, N] in x's dtype, or [KS, T, N] fp32 partials
     # (split_out). Program (j, s): rows [j·BN, (j+1)·BN), columns [s, s + 1)·k_rows.
@@ -313,7 +328,7 @@ def rows_kernel(x_ref, q_ref, s_ref, *refs, K, k_rows, BN, n_rows, n_tok, rows, 
     if unroll:
         acc = _unrolled(prog, k0, pieces, full_x=k_rows == K, **common)
     else:
-        acc = _looped(prog, k0, pieces, **common)
+        acc = _looped(prog, k0, pieces, group=group, **common)
     _store(o_ref, r_ref, acc, s, n0=n0, BN=BN, n_rows=n_rows, n_tok=n_tok, rows=rows, split_out=split_out)
 
 
@@ -398,7 +413,7 @@ def _gemv(x, q, scale, residual, *norm_weight, eps, tuning):
     out_shape = output_shape(ks, t, n, x.dtype)
     y = pl.pallas_call(
         functools.partial(rows_kernel, K=k, k_rows=k_rows, BN=bn, n_rows=n, n_tok=t, rows=rows, eps=eps,
-                          unroll=unroll, split_out=split_out, with_residual=with_residual),
+                          unroll=unroll, split_out=split_out, with_residual=with_residual, group=tuning.group),
         grid=(pl.cdiv(n, bn), ks),
         out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),

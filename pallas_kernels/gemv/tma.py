@@ -17,8 +17,15 @@ every bf16 value above 2^-30 of it; a smaller one moves by at most 2^-38 of it),
 (the wgmma's N), and the scaling undone on the fp32 output, in the XLA fusions around the launch (with the RMSNorm
 prologue and the residual).
 
-Grid (Np / BN, KS): K-splits write fp32 partials [KS, Np, 16] that the epilogue fusion sums. K must be a multiple of
-128.
+Grid (Np / BN, KS): K-splits write fp32 partials [KS, Np, 8 or 16] that the epilogue fusion sums. K must be a
+multiple of 128.
+
+Measured (experiments/RESULTS.md, "FP8 GEMV levers"; H100, cold weights, the XLA fusions around the launch
+included): not yet faster than the Triton kernels. KDA's w_in at T = 1 27.6 µs against 23.3 for rows.py's FMAs,
+with 8 stages 31.7, 128-row CTAs 30.8, two K-splits 27.9; the short projections lose 2-4 µs to the two or three
+fusions around the launch. So the loads in flight, which the ring raises to ~75 KB per SM, are not what holds these
+kernels near 2.2 TB/s on the H100. A lever under measurement, in the levers bench only (experiments/bench_gemv.py
+--fp8 --levers), not a model path.
 """
 
 from __future__ import annotations
@@ -94,7 +101,7 @@ def _kernel_call(x16, q, scale, *, tuning: TmaTuning, interpret=None, a_via_smem
         k0 = split * steps
 
         def body(_, x_smem, q_smem, s_smem, acc):
-            a = plgpu.load(q_smem, (), layout=plgpu.Layout.WGMMA).astype(jnp.float16)
+            a = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA).astype(jnp.float16)
             if a_via_smem:  # the interpreter's wgmma reads A from shared memory only
                 a_smem[...] = a
                 plgpu.commit_smem()
@@ -104,7 +111,7 @@ def _kernel_call(x16, q, scale, *, tuning: TmaTuning, interpret=None, a_via_smem
                 return acc_ref[...]
 
             part = pl.run_scoped(dot, plgpu.ACC((bn, tok), jnp.float32))
-            s = plgpu.load(s_smem, (), layout=plgpu.Layout.WGMMA.reduce(1))
+            s = plgpu.load(s_smem, layout=plgpu.Layout.WGMMA.reduce(1))
             return acc + part * lax.broadcast_in_dim(s, (bn, tok), [0])
 
         acc0 = plgpu.layout_cast(jnp.full((bn, tok), 0, jnp.float32), plgpu.Layout.WGMMA)
@@ -124,7 +131,7 @@ def _kernel_call(x16, q, scale, *, tuning: TmaTuning, interpret=None, a_via_smem
         scratch_types=[plgpu.SMEM((bn, tok), jnp.float32),
                        plgpu.SMEM((bn, BLOCK), jnp.float16, transforms=a_tr)],
         grid=(nb, ks), grid_names=("rows", "split"), interpret=interpret,
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        compiler_params=plgpu.CompilerParams(),
     )(x16, q, scale)
 
 

@@ -4,7 +4,7 @@ TP2 and TP4.
 
 Interpret mode fills every output with NaN before the kernel runs and pads reads past an array's end with NaN, so
 an entry a kernel leaves unwritten, or a masked load that reads past the weight or the tokens, makes the output
-non-finite and fails `rel_err` (the outputs are poisoned). Sizes stay tiny (K <= 384, N <= 100, N never a multiple
+non-finite and fails `rel_err` (the outputs are poisoned). Sizes stay tiny (K <= 640, N <= 100, N never a multiple
 of the 64-row block) so the file runs in well under a minute.
 """
 
@@ -74,6 +74,10 @@ ROWS_CASES = {  # T, dtype, K, N, norm, residual, tuning
     "t1-f32-k208-n40-bn32-fma-norm": (1, jnp.float32, 208, 40, True, False, RowsTuning(block_n=32)),
     # FMAs in a fori_loop, the narrower pieces after it.
     "t1-bf16-k208-n40-fma-loop-norm-res": (1, jnp.bfloat16, 208, 40, True, True, RowsTuning(unroll=False)),
+    # Two and three blocks per loop step: K = 640 is five blocks, so one or two are left over after the loop.
+    "t1-bf16-k640-n100-fma-group2-norm-res": (1, jnp.bfloat16, 640, 100, True, True,
+                                              RowsTuning(unroll=False, group=2)),
+    "t3-f32-k640-n40-dot-group3-res": (3, jnp.float32, 640, 40, False, True, RowsTuning(block_n=32, group=3)),
     # One token by the padded dot (rows 1..15 masked), unrolled and looped; the norm by XLA instead.
     "t1-bf16-k256-n100-dot-res": (1, jnp.bfloat16, 256, 100, False, True,
                                   RowsTuning(num_warps=1, one_token_dot=True, unroll=True)),
@@ -237,9 +241,10 @@ def test_rows_default_tuning():
 
 
 # The T = 1 defaults at Flash's fused shapes, each the tuning measured fastest among the FMA levers on the H200
-# (results/bench_gemv_levers.json, µs; w_qg's one split measured 10.9 against these two splits' 11.0).
+# (results/bench_gemv_levers.json, µs; w_qg's one split measured 10.9 against these two splits' 11.0); w_in's loop
+# steps over two blocks, measured on an H100 (results/bench_gemv_levers_h100.json: 23.3 against 24.6 µs).
 T1_DEFAULTS = {
-    (2560, 32 * 641): RowsTuning(block_n=16, k_splits=1, num_warps=4, unroll=False),  # w_in, looped: 22.5
+    (2560, 32 * 641): RowsTuning(block_n=16, k_splits=1, num_warps=4, unroll=False, group=2),  # w_in, looped: 22.5
     (4096, 2560): RowsTuning(block_n=16, k_splits=4, num_warps=8, unroll=True),  # o_proj: 7.2
     (2560, 32 * 193): RowsTuning(block_n=16, k_splits=2, num_warps=4, unroll=True),  # w_qg: 11.0
     (2560, 576): RowsTuning(block_n=16, k_splits=10, num_warps=4, unroll=True),  # kv_a: 4.6
@@ -260,7 +265,8 @@ def test_rows_default_tuning_at_one_token():
             assert 16 * (k // tu.k_splits) <= rows.FMA_BYTES_PER_THREAD * 32 * tu.num_warps
     # w_in unrolled: two 1280-column slices (27.2 µs against 33.1 over all of K).
     assert rows.default_tuning(1, 2560, 32 * 641, unroll=True) == RowsTuning(block_n=16, k_splits=2, unroll=True)
-    assert rows.default_tuning(1, 4096, 2560, unroll=False) == RowsTuning(block_n=16, k_splits=4, unroll=False)
+    assert rows.default_tuning(1, 4096, 2560, unroll=False) == RowsTuning(block_n=16, k_splits=4, unroll=False,
+                                                                          group=2)
 
 
 @pytest.mark.parametrize("t", [1, 16])
