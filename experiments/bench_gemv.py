@@ -39,7 +39,7 @@ w_in, unrolled elsewhere), `d_rows_fma_g2` / `_g4` (T = 1: the FMAs looped, 2 or
 `a_rows_dot` (rows.py, the dot in a loop Triton pipelines), `c_w8a8` (w8a8.py: E4M3 activations quantised by an XLA
 fusion, then an FP8 x FP8 dot; held to `w8a8.reference`, its own numerics), `b_tma` (tma.py: Mosaic GPU, the weight
 through a ring of bulk copies, on `tma.prepare`'s layout; the norm, the f16 scaling and the epilogue are XLA
-fusions around it), `b_tma_ws` (the same with a second warpgroup that only issues the copies); then a sweep of the rows kernel's tunings around its defaults (`ROWS_FMA_SWEEP` at T = 1,
+fusions around it); then a sweep of the rows kernel's tunings around its defaults (`ROWS_FMA_SWEEP` at T = 1,
 `ROWS_DOT_SWEEP` above, the K-split counts either side) at --sweep-ts (`--sweep-ts 0`: none), while the --budget
 lasts (a row past --hard-limit is listed as skipped, to rerun with --shapes / --ts). One executable per row calls
 the op on NW cold weight copies (the rotation above; the ROWS copies are `fp8.convert_layout` of the IN_OUT ones,
@@ -130,8 +130,7 @@ def fp8_levers(t, k, n):
     return out + [("d_rows_dot", fp8.ROWS, rows.default_tuning(t, k, n, one_token_dot=True, unroll=True)),
                   ("a_rows_dot", fp8.ROWS, dot),
                   (W8A8, fp8.ROWS, w8a8.default_tuning(t, k, n)),
-                  ("b_tma", TMA, tma_tuning(k, n)),
-                  ("b_tma_ws", TMA, dataclasses.replace(tma_tuning(k, n), warp_specialized=True))]
+                  ("b_tma", TMA, tma_tuning(k, n))]
 
 
 def lever_list():

@@ -51,7 +51,6 @@ class TmaTuning:
     block_n: int = 64  # rows per CTA: the wgmma's M (one warpgroup; 128 is two 64-row wgmmas)
     stages: int = 4  # tiles in flight per CTA
     k_splits: int = 1
-    warp_specialized: bool = False  # a second warpgroup that only issues the bulk copies
 
 
 @jax.tree_util.register_dataclass
@@ -115,33 +114,23 @@ def _kernel_call(x16, q, scale, *, tuning: TmaTuning, interpret=None, a_via_smem
             s = plgpu.load(s_smem, layout=plgpu.Layout.WGMMA.reduce(1))
             return acc + part * lax.broadcast_in_dim(s, (bn, tok), [0])
 
-        def zeros():
-            return plgpu.layout_cast(jnp.full((bn, tok), 0, jnp.float32), plgpu.Layout.WGMMA)
-
-        def store(acc):
-            o_smem[...] = acc
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[split, pl.ds(rb * bn, bn)])
-            plgpu.wait_smem_to_gmem(0)
-
-        specs = [plgpu.BlockSpec((tok, BLOCK), lambda i: (0, k0 + i), transforms=x_tr),
-                 plgpu.BlockSpec((bn, BLOCK), lambda i: (rb, k0 + i), transforms=q_tr),
-                 plgpu.BlockSpec((bn,), lambda i: ((k0 + i) * nb + rb,))]
-        depth = min(tuning.stages, steps)
-        if tuning.warp_specialized:  # a producer warpgroup issues the copies; the consumer only computes
-            plgpu.emit_pipeline_warp_specialized(
-                body, grid=(steps,), memory_registers=40, in_specs=specs, wg_axis="wg", num_compute_wgs=1,
-                max_concurrent_steps=depth, compute_context=lambda run: store(run(zeros())))(x_gmem, q_gmem, s_gmem)
-        else:
-            store(plgpu.emit_pipeline(body, grid=(steps,), in_specs=specs, max_concurrent_steps=depth,
-                                      init_carry=zeros())(x_gmem, q_gmem, s_gmem))
+        acc0 = plgpu.layout_cast(jnp.full((bn, tok), 0, jnp.float32), plgpu.Layout.WGMMA)
+        acc = plgpu.emit_pipeline(
+            body, grid=(steps,),
+            in_specs=[plgpu.BlockSpec((tok, BLOCK), lambda i: (0, k0 + i), transforms=x_tr),
+                      plgpu.BlockSpec((bn, BLOCK), lambda i: (rb, k0 + i), transforms=q_tr),
+                      plgpu.BlockSpec((bn,), lambda i: ((k0 + i) * nb + rb,))],
+            max_concurrent_steps=min(tuning.stages, steps), init_carry=acc0)(x_gmem, q_gmem, s_gmem)
+        o_smem[...] = acc
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[split, pl.ds(rb * bn, bn)])
+        plgpu.wait_smem_to_gmem(0)
 
     return plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((ks, np_, tok), jnp.float32),
         scratch_types=[plgpu.SMEM((bn, tok), jnp.float32),
                        plgpu.SMEM((bn, BLOCK), jnp.float16, transforms=a_tr)],
         grid=(nb, ks), grid_names=("rows", "split"), interpret=interpret,
-        **(dict(num_threads=2, thread_name="wg") if tuning.warp_specialized else {}),
         compiler_params=plgpu.CompilerParams(),
     )(x16, q, scale)
 

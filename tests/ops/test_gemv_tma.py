@@ -18,14 +18,12 @@ from tests.ops.test_gemv_rows import MAX_BF16_MISMATCH, TOL, _inputs, _mismatch_
     (3, 64, 3, 4, "residual"),  # one block per split, fewer steps than stages
     (16, 130, 1, 4, "norm"),
     (5, 200, 1, 3, "norm+residual"),  # 128-row CTAs (two wgmmas), 8 token rows
-    (2, 100, 3, 2, "residual+ws"),  # a producer warpgroup issuing the copies
 ])
 def test_tma_matches_the_reference(t, n, k_splits, stages, extras):
     x, w, w_rows, r, norm = _inputs(400 + t, t, 384, n, jnp.bfloat16)
     r, norm = (r if "residual" in extras else None), (norm if "norm" in extras else None)
     want = reference.gemv(x, w, r, norm=norm)
-    tuning = tma.TmaTuning(block_n=128 if n == 200 else 64, k_splits=k_splits, stages=stages,
-                           warp_specialized="ws" in extras)
+    tuning = tma.TmaTuning(block_n=128 if n == 200 else 64, k_splits=k_splits, stages=stages)
     got = tma.gemv(x, tma.prepare(w_rows), r, norm=norm, tuning=tuning)
     assert got.shape == (t, n) and got.dtype == jnp.bfloat16
     assert rel_err(got, want) <= TOL[jnp.bfloat16] and _mismatch_share(got, want) <= MAX_BF16_MISMATCH
