@@ -179,7 +179,7 @@ def gemv_trips(layout, tuning, t, k, with_norm):
     dot = t > 1 or tuning.one_token_dot
     if layout == fp8.ROWS:
         unroll = (not dot) if tuning.unroll is None else tuning.unroll
-        return per_thread, fp8.BLOCK, [] if unroll else [k_rows // fp8.BLOCK]
+        return per_thread, fp8.BLOCK * tuning.group, [] if unroll else [k_rows // (fp8.BLOCK * tuning.group)]
     bk = min(tuning.block_k, k_rows & -k_rows)
     steps = k_rows // bk
     main = steps - 1 if dot else steps
