@@ -35,8 +35,7 @@ KDA w_in and o_proj, MLA w_qg and kv_a, the dense MLP's gate|up and down, each w
 residual) at T = 1, 4, 16: `before` (kernel.py's default: IN_OUT, FMAs at T = 1, the hand-pipelined dot above),
 `d_rows_fma` (rows.py over the ROWS layout, T = 1, FMAs at `rows.default_tuning`: looped in two-block steps at KDA's
 w_in, unrolled elsewhere), `d_rows_fma_g2` / `_g4` (T = 1: the FMAs looped, 2 or 4 blocks a step),
-`d_rows_whole` (T = 1: each program's 16 rows over all of K as one unrolled run of loads, the probe's shape, the
-norm by XLA, on 8 warps; `_w4` on 4), `a_rows_dot_g2` / `_g4` (T > 1: the looped dot, 2 or 4 blocks a step), `d_rows_dot` (rows.py, the unrolled dot),
+`a_rows_dot_g2` / `_g4` (T > 1: the looped dot, 2 or 4 blocks a step), `d_rows_dot` (rows.py, the unrolled dot),
 `a_rows_dot` (rows.py, the dot in a loop Triton pipelines), `c_w8a8` (w8a8.py: E4M3 activations quantised by an XLA
 fusion, then an FP8 x FP8 dot; held to `w8a8.reference`, its own numerics), `b_tma` (tma.py: Mosaic GPU, the weight
 through a ring of bulk copies, on `tma.prepare`'s layout; the norm, the f16 scaling and the epilogue are XLA
@@ -123,10 +122,8 @@ def fp8_levers(t, k, n):
     if t == 1:
         fma = rows.default_tuning(1, k, n)
         looped = dataclasses.replace(fma, unroll=False, num_warps=4)
-        whole = rows.RowsTuning(unroll=True, norm_in_kernel=False, num_warps=8)
         out += [("d_rows_fma", fp8.ROWS, fma), ("d_rows_fma_g2", fp8.ROWS, dataclasses.replace(looped, group=2)),
-                ("d_rows_fma_g4", fp8.ROWS, dataclasses.replace(looped, group=4)),
-                ("d_rows_whole", fp8.ROWS, whole), ("d_rows_whole_w4", fp8.ROWS, dataclasses.replace(whole, num_warps=4))]
+                ("d_rows_fma_g4", fp8.ROWS, dataclasses.replace(looped, group=4))]
     else:
         out += [("a_rows_dot_g2", fp8.ROWS, dataclasses.replace(dot, group=2)),
                 ("a_rows_dot_g4", fp8.ROWS, dataclasses.replace(dot, group=4))]
