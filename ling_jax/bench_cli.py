@@ -10,9 +10,10 @@ import sys
 from pathlib import Path
 
 from ling_jax.cli_common import (DEFAULT_DRAFTS, DTYPES, FP8, HF_DIR_HELP, MAX_DRAFTS, PREFILL_CHUNK,
-                                 _add_fp8_activations, _add_processes, _add_tp, _apply_fp8_activations, _check_backend, _check_backend_fits, _check_checkpoint_fp8, _check_memory,
-                                 _check_processes, _check_tp, _in_mesh, _is_main_process, _mesh, _model_config,
-                                 _param_shardings, _start_processes)
+                                 _add_fp8_activations, _add_processes, _add_tp, _apply_fp8_activations, _check_backend,
+                                 _check_backend_fits, _check_checkpoint_fp8, _check_memory, _check_processes,
+                                 _check_tp, _in_mesh, _is_main_process, _mesh, _model_config, _param_shardings,
+                                 _start_processes)
 
 RESULTS_NAME = "bench_<model>_<dtype>[_<spec><K>][_tp<N>].json"
 

@@ -94,3 +94,36 @@ def test_w8a8_lowers_for_cuda(monkeypatch):
             lowering_platforms=("cuda",)).as_text()
         assert txt.count('name = "gemv_w8a8"') == 1
         assert f"grid_x = {-(-n // tu.block_n)}" in txt and f"grid_y = {tu.k_splits}" in txt
+
+
+@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (tests/conftest.py sets jax_num_cpu_devices)")
+@pytest.mark.parametrize("tp", [2, 4])
+def test_w8a8_per_shard(tp):
+    """Under TP the W8A8 kernel runs per shard as ling_jax.layers.linear.dense places it: column-parallel (output
+    rows split, x replicated, the norm and the activations' quantisation per device) and row-parallel (K split in
+    whole 128-column blocks, so each device quantises the same groups the whole x has; partial sums added across
+    devices, then the residual). K = 512: TP4 leaves one group per device. float32 x: 1e-5 of the whole kernel's
+    own reference."""
+    from jax.sharding import PartitionSpec as P
+
+    x, w, residual, norm = _case(3, 512, 96, jnp.float32, seed=tp)
+    mesh = jax.make_mesh((tp,), ("tp",), devices=jax.devices()[:tp])
+
+    def put(a, spec):
+        return jax.device_put(a, jax.sharding.NamedSharding(mesh, spec))
+
+    def put_w(spec):
+        return fp8.Fp8Weight(put(w.q, spec), put(w.scale, spec), fp8.ROWS)
+
+    by_rows, by_cols = P("tp", None), P(None, "tp")
+    col = jax.jit(jax.shard_map(lambda x, w, r, g: w8a8.gemv(x, w, r, norm=(g, 1e-6)), mesh=mesh,
+                                in_specs=(P(), fp8.Fp8Weight(by_rows, by_rows, fp8.ROWS), by_cols, P()),
+                                out_specs=by_cols, check_vma=False))
+    row = jax.jit(jax.shard_map(lambda x, w: jax.lax.psum(w8a8.gemv(x, w), "tp"), mesh=mesh,
+                                in_specs=(by_cols, fp8.Fp8Weight(by_cols, by_cols, fp8.ROWS)), out_specs=P(),
+                                check_vma=False))
+    for xs, rs in ((x[:1], residual[:1]), (x, residual)):
+        got = col(put(xs, P()), put_w(by_rows), put(rs, by_cols), put(norm[0], P()))
+        _assert_close(got, w8a8.reference(xs, w, rs, norm=norm), jnp.float32, f"TP{tp} column-parallel")
+        got = row(put(xs, by_cols), put_w(by_cols)) + rs
+        _assert_close(got, w8a8.reference(xs, w, rs), jnp.float32, f"TP{tp} row-parallel")
