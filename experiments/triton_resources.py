@@ -204,7 +204,7 @@ def gemv_sass_row(layout, tuning, t, k, n, with_norm, with_res):
 
 def gemv_main(args):
     """--gemv: one line per shape, T and lever (module docstring)."""
-    from bench_gemv import LEVER_SHAPES, W8A8, fp8_levers
+    from bench_gemv import LEVER_SHAPES, TMA, W8A8, fp8_levers
 
     names = args.levers.split(",") if args.levers else None
     for shape, k, n, with_res, with_norm in LEVER_SHAPES:
@@ -212,7 +212,7 @@ def gemv_main(args):
             continue
         for t in map(int, args.ts.split(",")):
             for lever, layout, tu in fp8_levers(t, k, n):
-                if (names and lever not in names) or lever == W8A8:  # its kernel is w8a8.py's: not counted here
+                if (names and lever not in names) or lever == W8A8 or layout == TMA:  # w8a8.py, Mosaic GPU: not here
                     continue
                 r = gemv_sass_row(layout, tu, t, k, n, with_norm, with_res)
                 flag = " SPILLS" if r["stack"] else ""

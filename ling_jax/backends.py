@@ -16,8 +16,9 @@ from ling_jax.config import ConfigError, LingConfig
 OPS = ("kda", "moe_decode", "moe_prefill", "mla_decode", "mla_prefill", "gemv")
 NO_KERNEL: tuple[str, ...] = ()  # ops without a Pallas kernel (none today); they run the reference everywhere
 CHOICES = ("reference", "pallas")
-# The gemv op's third choice: the projections of FP8 weights through the W8A8 kernel (activations quantised per
-# token and 128 columns to E4M3, pallas_kernels/gemv/w8a8.py); other weights and the greedy head run "pallas".
+# The gemv op's third choice: the FP8 projections of decode and verify steps (the mixers' and the dense MLP's)
+# through the W8A8 kernel (activations quantised per token and 128 columns to E4M3, pallas_kernels/gemv/w8a8.py);
+# float weights and the greedy head run "pallas", the MoE experts and prefill their own kernels. FP8 configs only.
 W8A8 = "w8a8"
 OP_CHOICES = {op: CHOICES + ((W8A8,) if op == "gemv" else ()) for op in OPS}
 PROFILES = {
@@ -61,7 +62,7 @@ def with_fp8_activations(backend: str) -> str:
     chosen = dict(resolve(backend))
     if chosen["gemv"] == "reference":
         raise ValueError(f"--fp8-activations runs the W8A8 GEMV kernel, but backend={backend!r} runs the projections "
-                         "on XLA (gemv=reference): use --backend fast or pallas")
+                         "on XLA (gemv=reference): use --backend fast or pallas, or gemv=pallas in a per-op spec")
     chosen["gemv"] = W8A8
     return ",".join(f"{op}={choice}" for op, choice in chosen.items())
 
@@ -132,6 +133,14 @@ def check_config(cfg: LingConfig, backend: str) -> None:
     """Refuse, before any tracing, a backend whose Pallas kernels cannot take `cfg`'s sizes; the message names the
     config fields and the backend spec that runs this model."""
     chosen = resolve(backend)
+    if chosen["gemv"] == W8A8:
+        if cfg.quantization != "fp8":
+            raise ConfigError(f"backend={backend!r}: gemv=w8a8 quantises the activations of block-FP8 projections, but "
+                              "this model's weights are not FP8: load them with --dtype fp8 (fp8=True), or use "
+                              "gemv=pallas")
+        if w8a8_limits(cfg):
+            raise ConfigError(f"backend={backend!r}: the W8A8 kernel takes projection inputs in whole 128-column "
+                              f"groups, and this config has {', '.join(w8a8_limits(cfg))}: use gemv=pallas")
     limits = kernel_limits(cfg)
     blocked = {op: why for op, why in limits.items() if why and chosen[op] != "reference"}
     if not blocked:

@@ -56,7 +56,8 @@ def _add_bench(b: argparse.ArgumentParser) -> None:
     b.add_argument("--json", action="store_true", help="print the result row as one JSON object")
     b.add_argument("--results", metavar="PATH", default=None,
                    help="where the row is written as JSON: a file, or a directory to hold the default name (default: "
-                        f"{RESULTS_NAME} in the current directory; <dtype> is fp8 for block-FP8 weights)")
+                        f"{RESULTS_NAME} in the current directory; <dtype> is fp8 for block-FP8 weights, fp8_w8a8 "
+                        "with --fp8-activations)")
     _add_tp(b, "as `generate --tp`; the memory plan counts each device's share")
     _add_processes(b)
 
@@ -202,7 +203,8 @@ def _results_path(args, cfg, parser) -> Path:
     that name), checked writable before anything runs."""
     spec = "" if args.spec == "none" else f"_{args.spec}{args.num_draft}"
     tp = "" if args.tp == 1 else f"_tp{args.tp}"
-    name = f"bench_{_bench_name(args, cfg)}_{cfg.quantization or args.dtype}{spec}{tp}.json"
+    dtype = (cfg.quantization or args.dtype) + ("_w8a8" if args.fp8_activations else "")
+    name = f"bench_{_bench_name(args, cfg)}_{dtype}{spec}{tp}.json"
     given = Path(args.results) if args.results else Path.cwd()
     target = given / name if given.is_dir() or not args.results or args.results.endswith(os.sep) else given
     try:

@@ -255,7 +255,7 @@ def _generate(args, parser) -> int:
     _check_spec_options(args, parser)
     cfg = _model_config(args, parser)
     _apply_fp8_activations(args, cfg, parser)
-    _check_backend_fits(args.backend, cfg, parser)
+    _check_backend_fits(args.backend, _weights_config(args, cfg), parser)
     _check_prompt_fits(ids, args, cfg, parser)
     draft_cfg = _check_spec_model(args, cfg, parser)
     _check_checkpoint_fp8(args, cfg, parser)

@@ -125,9 +125,10 @@ def _hf_config(path: str, parser, *, orbax_fix: str):
 
 def _add_fp8_activations(p) -> None:
     p.add_argument("--fp8-activations", action="store_true",
-                   help="block-FP8 projections through the W8A8 kernel: activations quantised per token and 128 "
-                        "columns to E4M3 (SGLang's recipe; ~1e-2 from the weight-only numerics per projection, so "
-                        "not the reference's tokens); needs FP8 weights and a Pallas gemv")
+                   help="the decode and verify steps' block-FP8 projections (attention mixers, dense MLP) through "
+                        "the W8A8 kernel: activations quantised per token and 128 columns to E4M3 (SGLang's recipe; "
+                        "~2.5e-2 from the weight-only numerics per projection, so not the reference's tokens); the "
+                        "MoE experts and prefill stay weight-only; needs FP8 weights and a Pallas gemv")
 
 
 def _apply_fp8_activations(args, cfg, parser) -> None:

@@ -23,7 +23,7 @@ from conversion.load import CheckpointError, load_hf, read_catalog, validate
 from conversion.orbax_io import convert, load_params, save_params
 from conversion.synthetic import write_synthetic
 from ling_jax import memory, model
-from ling_jax.backends import resolve, w8a8_limits, with_fp8_activations
+from ling_jax.backends import check_config, resolve, w8a8_limits, with_fp8_activations
 from ling_jax.config import ConfigError, from_hf, preset, to_hf_dict
 from ling_jax.engine.generate import generate
 from ling_jax.engine.sampling import Greedy
@@ -137,11 +137,12 @@ def test_fp8_greedy_through_the_kernels_equals_the_dequantised_reference(fp8_dir
 
 
 def test_fp8_activations_run_the_w8a8_kernel_as_its_reference(fp8_dir, monkeypatch):
-    """`--fp8-activations` (gemv=w8a8): every FP8 projection of the decode step goes through the W8A8 kernel, whose
-    logits equal the model run with `w8a8.reference` in its place (float32: fp32 summation order only, 1e-5). The
-    distance from the weight-only path and the greedy agreement over 16 steps are printed, not bounded: E4M3
-    activations move each projection ~2.5e-2 (tests/ops/test_gemv_w8a8.py), and on random weights that flips
-    routes and near-ties (measured on this toy model: logits 0.36 apart, 1 of 16 tokens equal)."""
+    """`--fp8-activations` (gemv=w8a8): the decode step's FP8 projections (mixers, dense MLP; not the experts) go
+    through the W8A8 kernel, whose logits equal the model run with `w8a8.reference` in its place (float32: fp32
+    summation order only, 1e-5). The distance from the weight-only path and the greedy agreement over 16 steps are
+    printed, not bounded: E4M3 activations move each projection ~2.5e-2 (tests/ops/test_gemv_w8a8.py), and on
+    random weights that flips routes and near-ties (measured on this toy model: logits 0.36 apart, 1 of 16 tokens
+    equal)."""
     cfg, params = load_hf(fp8_dir, dtype=jnp.float32, progress=False)
     w8a8_backend = with_fp8_activations("pallas")
     state = model.prefill(params, PROMPT, cfg, max_len=32, backend="pallas")[1]
@@ -171,6 +172,11 @@ def test_fp8_activations_are_refused_where_they_cannot_run():
     assert_refused(run_ling_jax("bench", "--preset", "toy", "--random-weights", "--dtype", "fp8",
                                 "--fp8-activations", "--backend", "reference", timeout=120),
                    "--fp8-activations", "gemv=reference", "--backend fast or pallas")
+    with pytest.raises(ConfigError, match="gemv=w8a8 quantises the activations of block-FP8 projections"):
+        check_config(TOY, "gemv=w8a8")
+    with pytest.raises(ConfigError, match="intermediate_size = 200 .not a multiple of 128.: use gemv=pallas"):
+        check_config(TOY_FP8.replace(intermediate_size=200), "gemv=w8a8")
+    check_config(TOY_FP8, "gemv=w8a8")
     assert w8a8_limits(TOY) == [] and w8a8_limits(preset("ling-3.0-flash")) == []
     assert w8a8_limits(TOY.replace(intermediate_size=200)) == ["intermediate_size = 200 (not a multiple of 128)"]
 

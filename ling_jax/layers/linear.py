@@ -13,7 +13,7 @@ the compute dtype (prefill's XLA GEMMs, the reference backend: bf16 tensor cores
 (pallas_kernels/gemv/rows.py) keeps the dequantised weight in fp32, scaling each output row's partial sum over a
 128-column block by its scale (docs/model.md §4). The gemv op's "w8a8" choice (`--fp8-activations`) runs them
 through pallas_kernels/gemv/w8a8.py instead: the activations quantised per token and 128 columns to E4M3, SGLang's
-recipe, ~1e-2 from the weight-only numerics per projection. A weight's logical axes are in its stored order, so
+recipe, ~2.5e-2 from the weight-only numerics per projection. A weight's logical axes are in its stored order, so
 the input axes that decide row parallelism are the last n_in of a ROWS weight and the first n_in of any other.
 """
 

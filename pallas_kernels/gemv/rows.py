@@ -71,8 +71,8 @@ per-thread cap when unrolled. Each rule with its measurement:
   (6.6 / 7.0 against 7.8 / 7.5): its 45 looped programs are too few, but it is 1.5 MB of a step.
 
 Compiled for sm_90 on a CPU (experiments/triton_resources.py --gemv, SASS instructions per weight a thread streams,
-against ~7 issue slots per weight byte at 4.3 TB/s), the T = 1 defaults over a program: w_in's loop 5.8 (5.3 in
-the loop body, 38 registers), w_qg and gate|up unrolled in two splits 5.8 (72 registers, 10 16-byte loads issued
+against ~7 issue slots per weight byte at 4.3 TB/s), the T = 1 defaults over a program: w_in's two-block loop 5.5
+(5.1 in the loop body, 48 registers; one block a step 5.8, 5.3 and 38), w_qg and gate|up unrolled in two splits 5.8 (72 registers, 10 16-byte loads issued
 before the first wait), o_proj and down on 8 warps 7.3 and 7.1 (38 and 54 registers), kv_a's 256-column slices 10;
 unrolled over all of w_in's K it was 5.0 at 183 registers. The looped dot 4.6-5.0 per weight in the loop, 64-96
 registers, 20-24 KiB of shared memory; no default spills.
@@ -140,6 +140,9 @@ class RowsTuning:
         for name in ("unroll", "norm_in_kernel"):
             if getattr(self, name) not in (None, True, False):
                 raise ValueError(f"RowsTuning.{name}={getattr(self, name)!r} must be None, True or False")
+        if self.group > 1 and self.unroll:
+            raise ValueError(f"RowsTuning.group={self.group} groups the blocks of a loop step, and unroll=True has no "
+                             "loop: pass group=1 or unroll=False")
 
 
 def default_tuning(n_tokens: int, k: int, n: int, *, one_token_dot: bool = False,

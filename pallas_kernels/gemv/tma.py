@@ -21,11 +21,11 @@ Grid (Np / BN, KS): K-splits write fp32 partials [KS, Np, 8 or 16] that the epil
 multiple of 128.
 
 Measured (experiments/RESULTS.md, "FP8 GEMV levers"; H100, cold weights, the XLA fusions around the launch
-included): not yet faster than the Triton kernels. KDA's w_in at T = 1 27.6 µs against 23.3 for rows.py's FMAs,
+included): not yet faster than the Triton kernels. KDA's w_in at T = 1 27.7 µs against 23.3 for rows.py's FMAs,
 with 8 stages 31.7, 128-row CTAs 30.8, two K-splits 27.9; the short projections lose 2-4 µs to the two or three
-fusions around the launch. So the loads in flight, which the ring raises to ~75 KB per SM, are not what holds these
-kernels near 2.2 TB/s on the H100. A lever under measurement, in the levers bench only (experiments/bench_gemv.py
---fp8 --levers), not a model path.
+fusions around the launch. The ring keeps ~58 KB of weight in flight per SM at w_in, against ~40 KB for the FMA
+loop, and streams 1.96 TB/s against its 2.32: on the H100 the loads in flight are not what bounds these kernels. A
+lever under measurement, in the levers bench only (experiments/bench_gemv.py --fp8 --levers), not a model path.
 """
 
 from __future__ import annotations
@@ -52,6 +52,14 @@ class TmaTuning:
     stages: int = 4  # tiles in flight per CTA
     k_splits: int = 1
 
+    def __post_init__(self):
+        if self.block_n not in (64, ROWS_PAD):
+            raise ValueError(f"TmaTuning.block_n={self.block_n} must be 64 or {ROWS_PAD} (whole 64-row wgmmas "
+                             "within the prepared rows' padding)")
+        for name in ("stages", "k_splits"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"TmaTuning.{name}={getattr(self, name)} must be an integer >= 1")
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -74,12 +82,14 @@ def prepare(w: fp8.Fp8Weight) -> TmaWeight:
 
 def f16_tokens(x, rows=TOKENS):
     """x [T, K] -> (x·2^e_t in f16, padded to `rows`; 2^-e_t [T] f32): the per-token power of two that puts the
-    token's largest magnitude in [2^13, 2^14). x's own rounding is pinned first (XLA's excess precision may hand
-    over the fp32 value that produced it)."""
+    token's largest magnitude in [2^13, 2^14) (a token below 2^-112 is scaled by 2^126 and stays below it, so the
+    undoing 2^-126 is a normal float32 that no flush-to-zero drops; bf16 subnormals, which XLA may flush, are the
+    one loss). x's own rounding is pinned first (XLA's
+    excess precision may hand over the fp32 value that produced it)."""
     fi = jnp.finfo(x.dtype)
     x32 = lax.reduce_precision(x.astype(jnp.float32), exponent_bits=fi.nexp, mantissa_bits=fi.nmant)
     _, e = jnp.frexp(jnp.max(jnp.abs(x32), axis=-1))
-    shift = (14 - e).astype(jnp.int32)
+    shift = jnp.minimum(14 - e, 126).astype(jnp.int32)  # 2^-126: the undoing factor stays a normal f32
     x16 = (x32 * jnp.ldexp(jnp.float32(1), shift)[:, None]).astype(jnp.float16)
     return jnp.pad(x16, ((0, rows - x.shape[0]), (0, 0))), jnp.ldexp(jnp.float32(1), -shift)
 
@@ -143,6 +153,9 @@ def gemv(x, w: TmaWeight, residual=None, *, norm=None, tuning: TmaTuning | None 
     t, k = x.shape
     if not 1 <= t <= TOKENS or x.dtype != jnp.bfloat16:
         raise ValueError(f"x [{t}, {k}] {x.dtype}: the TMA GEMV takes 1..{TOKENS} bfloat16 tokens")
+    if not isinstance(w, TmaWeight) or w.q.shape[1] != k:
+        raise ValueError(f"w must be a TmaWeight (tma.prepare of a ROWS Fp8Weight) of K = x.shape[1] = {k} inputs, "
+                         f"not {type(w).__name__} {tuple(getattr(w, 'shape', getattr(getattr(w, 'q', None), 'shape', ())))}")
     tuning = tuning or TmaTuning()
     if (k // BLOCK) % tuning.k_splits or w.q.shape[0] % tuning.block_n:
         raise ValueError(f"TmaTuning {tuning}: k_splits must divide K/128 = {k // BLOCK} and block_n the padded "

@@ -3,12 +3,14 @@
 SGLang's and DeepSeek's recipe for block-FP8 checkpoints. The activations are quantised per token and 128-column
 group to E4M3 with the weights' convention (scale = group amax / 448; `fp8.quantize` of x as a ROWS [T, K] weight),
 so both operands of every 128-column block are E4M3 with one fp32 scale each: the block's [16, 128] x [128, BN] dot
-runs on FP8 tensor-core instructions straight from the loaded tiles (no widening of the weight), and its fp32
-result is scaled by x's scale per token and the weight's per row. The activations' quantisation, and the RMSNorm
+takes the loaded E4M3 tiles as they are, and its fp32 result is scaled by x's scale per token and the weight's per
+row. (Triton for sm_90 lowers that dot to mma.sync with the operands widened to f16 in registers, not to the FP8
+warpgroup MMA: compiled on a CPU by experiments/triton_resources.py, and on an H100 it was no faster than the
+weight-only kernel, experiments/RESULTS.md "FP8 GEMV levers".) The activations' quantisation, and the RMSNorm
 before it, run in one small XLA fusion ahead of the launch.
 
 Numerics: NOT the weight-only path's. x is rounded to E4M3 (3 mantissa bits, ~2^-4 relative per element), so the
-output moves ~1e-2 relative from `reference.gemv` (the weight-only reference, x in bf16); against `reference` below
+output moves ~2.5e-2 relative from `reference.gemv` (the weight-only reference, x in bf16); against `reference` below
 (x and w both dequantised in fp32, then multiplied in fp32) it agrees to fp32 summation order. An option, never the
 default.
 
@@ -92,6 +94,9 @@ def gemv(x, w, residual=None, *, norm=None, tuning: rows.RowsTuning | None = Non
     """`reference`'s contract for a ROWS `fp8.Fp8Weight` (q [N, K] E4M3, scale [N, K/128] fp32) and x [T, K],
     1 <= T <= 16, K a multiple of 128; `norm` None or (weight [K], eps: a Python float)."""
     t, k = x.shape
+    if tuning is not None and tuning.group != 1:
+        raise ValueError(f"RowsTuning.group={tuning.group}: the W8A8 kernel steps one 128-column block at a time "
+                         "(group=1)")
     if k % BLOCK:
         raise ValueError(f"x.shape[1]={k}: the W8A8 GEMV takes K a multiple of {BLOCK} (whole activation groups)")
     fp8.check_fp8("w", w, fp8.ROWS)

@@ -216,7 +216,9 @@ def test_rows_dispatch_errors():
                        (dict(k_splits=0), r"RowsTuning.k_splits=0 must be an integer >= 1"),
                        (dict(one_token_dot=1), r"RowsTuning.one_token_dot=1 must be a bool"),
                        (dict(unroll="yes"), r"RowsTuning.unroll='yes' must be None, True or False"),
-                       (dict(norm_in_kernel=0.5), r"RowsTuning.norm_in_kernel=0.5 must be None, True or False")]:
+                       (dict(norm_in_kernel=0.5), r"RowsTuning.norm_in_kernel=0.5 must be None, True or False"),
+                       (dict(group=0), r"RowsTuning.group=0 must be an integer >= 1"),
+                       (dict(group=2, unroll=True), r"RowsTuning.group=2 groups the blocks of a loop step")]:
         with pytest.raises(ValueError, match=match):
             RowsTuning(**bad)
 
@@ -244,7 +246,8 @@ def test_rows_default_tuning():
 # (results/bench_gemv_levers.json, µs; w_qg's one split measured 10.9 against these two splits' 11.0); w_in's loop
 # steps over two blocks, measured on an H100 (results/bench_gemv_levers_h100.json: 23.3 against 24.6 µs).
 T1_DEFAULTS = {
-    (2560, 32 * 641): RowsTuning(block_n=16, k_splits=1, num_warps=4, unroll=False, group=2),  # w_in, looped: 22.5
+    # w_in, looped: 22.5 one block a step (H200); two blocks a step 23.3 against 24.6 (H100)
+    (2560, 32 * 641): RowsTuning(block_n=16, k_splits=1, num_warps=4, unroll=False, group=2),
     (4096, 2560): RowsTuning(block_n=16, k_splits=4, num_warps=8, unroll=True),  # o_proj: 7.2
     (2560, 32 * 193): RowsTuning(block_n=16, k_splits=2, num_warps=4, unroll=True),  # w_qg: 11.0
     (2560, 576): RowsTuning(block_n=16, k_splits=10, num_warps=4, unroll=True),  # kv_a: 4.6

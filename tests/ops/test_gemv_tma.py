@@ -30,13 +30,14 @@ def test_tma_matches_the_reference(t, n, k_splits, stages, extras):
 
 
 def test_f16_tokens_hold_the_bf16_range():
-    """Tokens at 1e30, 1e-30 and zero: scaled exactly into f16's range, where a plain cast would overflow or
-    flush."""
-    x = jnp.asarray(np.random.default_rng(5).standard_normal((3, 256)), jnp.bfloat16)
-    x = x * jnp.asarray([[1e30], [1e-30], [0.0]], jnp.bfloat16)
+    """Tokens at 1e30, 1e-30, 1e-36 (under 2^-112: the largest scaling, 2^126) and zero: scaled exactly into
+    f16's range, where a plain cast would overflow or flush."""
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((4, 256)), jnp.bfloat16)
+    x = x * jnp.asarray([[1e30], [1e-30], [1e-36], [0.0]], jnp.bfloat16)
     x16, unscale = tma.f16_tokens(x)
-    assert x16.shape == (tma.TOKENS, 256) and x16.dtype == jnp.float16 and bool(jnp.all(x16[3:] == 0))
-    np.testing.assert_array_equal(np.asarray(x16[:3].astype(jnp.float32) * unscale[:, None]),
+    assert x16.shape == (tma.TOKENS, 256) and x16.dtype == jnp.float16 and bool(jnp.all(x16[4:] == 0))
+    assert bool(jnp.all(jnp.isfinite(x16))) and bool(jnp.all(jnp.isfinite(unscale)))
+    np.testing.assert_array_equal(np.asarray(x16[:4].astype(jnp.float32) * unscale[:, None]),
                                   np.asarray(x.astype(jnp.float32)))
     assert 2.0 ** 13 <= float(jnp.max(jnp.abs(x16[0].astype(jnp.float32)))) < 2.0 ** 14
 
@@ -47,3 +48,7 @@ def test_tma_refuses_what_it_cannot_run():
         tma.gemv(x, tma.prepare(w_rows), tuning=tma.TmaTuning(k_splits=2))
     with pytest.raises(ValueError, match="1..16 bfloat16 tokens"):
         tma.gemv(x.astype(jnp.float32), tma.prepare(w_rows))
+    with pytest.raises(ValueError, match="K = x.shape.1. = 256"):
+        tma.gemv(x[:, :256], tma.prepare(w_rows))
+    with pytest.raises(ValueError, match="block_n=32 must be 64 or 128"):
+        tma.TmaTuning(block_n=32)

@@ -76,6 +76,8 @@ def test_w8a8_bad_inputs_are_named():
         w8a8.gemv(x[:, :208], fp8.quantize(jnp.ones((64, 208), jnp.float32) * 0.5, fp8.ROWS))
     with pytest.raises(ValueError, match="layout"):
         w8a8.gemv(x, fp8.convert_layout(w, fp8.IN_OUT))
+    with pytest.raises(ValueError, match="group=2: the W8A8 kernel steps one 128-column block"):
+        w8a8.gemv(x, w, tuning=rows.RowsTuning(block_n=64, group=2))
 
 
 def test_w8a8_lowers_for_cuda(monkeypatch):
