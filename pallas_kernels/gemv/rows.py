@@ -72,10 +72,10 @@ per-thread cap when unrolled. Each rule with its measurement:
 
 Compiled for sm_90 on a CPU (experiments/triton_resources.py --gemv, SASS instructions per weight a thread streams,
 against ~7 issue slots per weight byte at 4.3 TB/s), the T = 1 defaults over a program: w_in's two-block loop 5.5
-(5.1 in the loop body, 48 registers; one block a step 5.8, 5.3 and 38), w_qg and gate|up unrolled in two splits 5.8 (72 registers, 10 16-byte loads issued
-before the first wait), o_proj and down on 8 warps 7.3 and 7.1 (38 and 54 registers), kv_a's 256-column slices 10;
-unrolled over all of w_in's K it was 5.0 at 183 registers. The looped dot 4.6-5.0 per weight in the loop, 64-96
-registers, 20-24 KiB of shared memory; no default spills.
+(5.1 in the loop body, 48 registers; one block a step 5.8, 5.3 and 38), w_qg and gate|up unrolled in two splits
+5.8 (72 registers, 10 16-byte loads issued before the first wait), o_proj and down on 8 warps 7.3 and 7.1 (38 and
+54 registers), kv_a's 256-column slices 10; unrolled over all of w_in's K it was 5.0 at 183 registers. The looped
+dot 4.6-5.0 per weight in the loop, 64-96 registers, 20-24 KiB of shared memory; no default spills.
 """
 
 from __future__ import annotations
@@ -409,6 +409,9 @@ def _gemv(x, q, scale, residual, *norm_weight, eps, tuning):
     bn, ks = tuning.block_n, tuning.k_splits
     rows = 1 if t == 1 and not tuning.one_token_dot else DOT_ROWS
     unroll = rows == 1 if tuning.unroll is None else tuning.unroll
+    if unroll and tuning.group > 1:
+        raise ValueError(f"RowsTuning.group={tuning.group} groups the blocks of a loop step, and this path is "
+                         "unrolled (T = 1 by FMAs unrolls by default): pass unroll=False or group=1")
     if norm_weight and not (t == 1 if tuning.norm_in_kernel is None else tuning.norm_in_kernel):
         x, norm_weight, eps = _rms_norm_pinned(x, norm_weight[0], eps), (), None  # once per step, by XLA
     split_out = ks > 1

@@ -154,8 +154,9 @@ def gemv(x, w: TmaWeight, residual=None, *, norm=None, tuning: TmaTuning | None 
     if not 1 <= t <= TOKENS or x.dtype != jnp.bfloat16:
         raise ValueError(f"x [{t}, {k}] {x.dtype}: the TMA GEMV takes 1..{TOKENS} bfloat16 tokens")
     if not isinstance(w, TmaWeight) or w.q.shape[1] != k:
+        shape = tuple(w.q.shape) if isinstance(w, TmaWeight) else getattr(w, "shape", ())
         raise ValueError(f"w must be a TmaWeight (tma.prepare of a ROWS Fp8Weight) of K = x.shape[1] = {k} inputs, "
-                         f"not {type(w).__name__} {tuple(getattr(w, 'shape', getattr(getattr(w, 'q', None), 'shape', ())))}")
+                         f"not {type(w).__name__} {tuple(shape)}")
     tuning = tuning or TmaTuning()
     if (k // BLOCK) % tuning.k_splits or w.q.shape[0] % tuning.block_n:
         raise ValueError(f"TmaTuning {tuning}: k_splits must divide K/128 = {k // BLOCK} and block_n the padded "

@@ -201,6 +201,8 @@ def test_rows_dispatch_errors():
         fp8.check_fp8("w", fp8.Fp8Weight(w_rows.q, jnp.ones((2,), jnp.float32), fp8.ROWS, 2))
     with pytest.raises(ValueError, match=r"greedy_head takes the lm_head w \[K, V\] in x's dtype .* not an Fp8Weight"):
         gemv.greedy_head(x, w_rows, backend="pallas")
+    with pytest.raises(ValueError, match=r"RowsTuning.group=2 groups the blocks of a loop step, and this path is "):
+        rows.gemv(x[:1], w_rows, tuning=RowsTuning(group=2))
     with pytest.raises(ValueError, match=r"RowsTuning.k_splits=3 must cut K=256 into equal slices of whole "
                                          r"128-column blocks \(K-splits of this K: \[1, 2\]\)"):
         rows.gemv(x, w_rows, tuning=RowsTuning(k_splits=3))
