@@ -143,7 +143,7 @@ def lever_list():
 def tma_tuning(k, n, block_n=64, ctas_per_sm=2):
     """The TMA lever's tuning: block_n-row CTAs, 4 stages, the fewest K-splits (of K/128 blocks) giving
     ctas_per_sm CTAs per SM."""
-    blocks, row_blocks = k // fp8.BLOCK, -(-n // tma.ROWS_PAD) * tma.ROWS_PAD // block_n
+    blocks, row_blocks = k // fp8.BLOCK, tma.padded_rows(n) // block_n
     ks = next((d for d in range(1, blocks + 1) if blocks % d == 0 and row_blocks * d >= ctas_per_sm * kernel.SMS),
               blocks)
     return tma.TmaTuning(block_n=block_n, k_splits=ks)
@@ -328,7 +328,7 @@ class _LeverRun:
 
 def _programs(n, layout, tuning):
     """The launch's programs (CTAs): row blocks x K-splits; the TMA layout's rows are padded first."""
-    rows_ = -(-n // tma.ROWS_PAD) * tma.ROWS_PAD if layout == TMA else n
+    rows_ = tma.padded_rows(n) if layout == TMA else n
     return -(-rows_ // tuning.block_n) * tuning.k_splits
 
 

@@ -366,6 +366,13 @@ def check_split(k: int, k_splits: int) -> int:
     return k // k_splits
 
 
+def pinned_f32(x):
+    """x in float32 with its own rounding pinned: inside a fusion XLA's excess precision may otherwise hand over
+    the fp32 value that produced x."""
+    fi = jnp.finfo(x.dtype)
+    return lax.reduce_precision(x.astype(jnp.float32), exponent_bits=fi.nexp, mantissa_bits=fi.nmant)
+
+
 def _rms_norm_pinned(x, weight, eps):
     """`reference.rms_norm` with its intermediate rounding pinned: XLA's excess precision (its default) may
     otherwise keep the normalised x in fp32 inside a fusion (a bf16 projection after it then 2.5e-3 from the

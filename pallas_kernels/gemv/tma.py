@@ -8,9 +8,9 @@ the current tile to f16 in registers and multiplies it on the tensor cores (wgmm
 column and added to the fp32 accumulator, so the numerics are rows.py's (`reference.gemv`: the weight dequantised in
 fp32, never rounded) up to fp32 summation order.
 
-Layout (`TmaWeight`, made once at load time by `prepare`): q [Np, K] E4M3, the ROWS weight with its rows padded to a
-multiple of BN; scale [K/128 · Np] fp32, block-major (all rows' scales of one 128-column block contiguous, so one
-bulk copy brings a tile's [BN] scales).
+Layout (`TmaWeight`, made once at load time by `prepare`): q [Np, K] E4M3, the ROWS weight with its rows padded to
+ROWS_PAD (128, a multiple of every BN); scale [K/128 · Np] fp32, block-major (all rows' scales of one 128-column
+block contiguous, so one bulk copy brings a tile's [BN] scales).
 
 x goes in as f16: each token scaled by the power of two that puts its largest magnitude in [2^13, 2^14) (exact for
 every bf16 value above 2^-30 of it; a smaller one moves by at most 2^-38 of it), padded to 8 rows (T <= 8) or 16
@@ -40,6 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import fp8, interpret_mode
+from pallas_kernels.gemv import rows
 
 BLOCK = fp8.BLOCK
 ROWS_PAD = 128  # the largest BN; prepared weights are padded to it
@@ -69,29 +70,32 @@ class TmaWeight:
     n: int = dataclasses.field(metadata=dict(static=True))  # the unpadded output rows
 
 
+def padded_rows(n: int) -> int:
+    """The rows of a prepared weight of n output rows."""
+    return -(-n // ROWS_PAD) * ROWS_PAD
+
+
 def prepare(w: fp8.Fp8Weight) -> TmaWeight:
     """A ROWS Fp8Weight [N, K] as this kernel reads it: rows padded to ROWS_PAD, the scales block-major."""
     n, k = w.q.shape
     if k % BLOCK:
         raise ValueError(f"w.shape[1]={k}: the TMA GEMV takes K a multiple of {BLOCK}")
-    np_ = -(-n // ROWS_PAD) * ROWS_PAD
+    np_ = padded_rows(n)
     q = jnp.pad(w.q, ((0, np_ - n), (0, 0)))
     scale = jnp.pad(w.scale, ((0, np_ - n), (0, 0))).T.reshape(-1)
     return TmaWeight(q, scale, n)
 
 
-def f16_tokens(x, rows=TOKENS):
-    """x [T, K] -> (x·2^e_t in f16, padded to `rows`; 2^-e_t [T] f32): the per-token power of two that puts the
+def f16_tokens(x, n_rows=TOKENS):
+    """x [T, K] -> (x·2^e_t in f16, padded to `n_rows`; 2^-e_t [T] f32): the per-token power of two that puts the
     token's largest magnitude in [2^13, 2^14) (a token below 2^-112 is scaled by 2^126 and stays below it, so the
     undoing 2^-126 is a normal float32 that no flush-to-zero drops; bf16 subnormals, which XLA may flush, are the
-    one loss). x's own rounding is pinned first (XLA's
-    excess precision may hand over the fp32 value that produced it)."""
-    fi = jnp.finfo(x.dtype)
-    x32 = lax.reduce_precision(x.astype(jnp.float32), exponent_bits=fi.nexp, mantissa_bits=fi.nmant)
+    one loss). x's own rounding is pinned first (`rows.pinned_f32`)."""
+    x32 = rows.pinned_f32(x)
     _, e = jnp.frexp(jnp.max(jnp.abs(x32), axis=-1))
     shift = jnp.minimum(14 - e, 126).astype(jnp.int32)  # 2^-126: the undoing factor stays a normal f32
     x16 = (x32 * jnp.ldexp(jnp.float32(1), shift)[:, None]).astype(jnp.float16)
-    return jnp.pad(x16, ((0, rows - x.shape[0]), (0, 0))), jnp.ldexp(jnp.float32(1), -shift)
+    return jnp.pad(x16, ((0, n_rows - x.shape[0]), (0, 0))), jnp.ldexp(jnp.float32(1), -shift)
 
 
 def _kernel_call(x16, q, scale, *, tuning: TmaTuning, interpret=None, a_via_smem=False):
@@ -166,11 +170,9 @@ def gemv(x, w: TmaWeight, residual=None, *, norm=None, tuning: TmaTuning | None 
 
 @functools.partial(jax.jit, static_argnames=("tuning", "interpret"))
 def _gemv(x, w, residual, norm, *, tuning, interpret):
-    from pallas_kernels.gemv.rows import _rms_norm_pinned
-
     t = x.shape[0]
     if norm is not None:
-        x = _rms_norm_pinned(x, norm[0], norm[1])
+        x = rows._rms_norm_pinned(x, norm[0], norm[1])
     x16, unscale = f16_tokens(x, 8 if t <= 8 else TOKENS)
     parts = _kernel_call(x16, w.q, w.scale, tuning=tuning, interpret=interpret, a_via_smem=interpret is not None)
     y = (parts.sum(0)[:w.n, :t].T * unscale[:, None]).astype(x.dtype)
