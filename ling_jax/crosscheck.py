@@ -140,17 +140,17 @@ def _tapped_model(layers: dict):
         current["ffn"] = y = run_dense(p, h, norm, cfg, **kw)
         return y if residual is None else residual + y
 
-    def moe_block(p, x, cfg, layer, *, residual=None, **kw):
-        y = run_moe(p, x, cfg, layer, residual=residual, **kw)
+    def moe_block(p, h, norm, cfg, layer, *, residual=None, **kw):
+        y = run_moe(p, h, norm, cfg, layer, residual=residual, **kw)
         # The MoE adds the block's residual itself (fused into its experts kernel), so the model runs as it does
         # and the residual is taken back out: ~1e-6 relative rounding at a residual 40x the FFN output.
         current["ffn"] = y if residual is None else y - residual
         return y
 
     def route(*args, **kw):
-        weights, ids = run_route(*args, **kw)
-        current["weights"], current["ids"] = weights, ids
-        return weights, ids
+        out = run_route(*args, **kw)  # (weights, ids), and the normed x when the router norms its input
+        current["weights"], current["ids"] = out[:2]
+        return out
 
     run_block, run_dense, run_moe, run_route = model.block, model.dense_mlp, model.moe_block, moe_ops.route
     with contextlib.ExitStack() as stack:

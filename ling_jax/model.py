@@ -104,9 +104,9 @@ def block(p: dict, h: jnp.ndarray, entry, start: jax.Array, cfg: LingConfig, lay
         h, entry = mla_block(p["mixer"], h, norm, entry, start, cfg, mode=mode, backend=op_backend(backend, mla_op),
                              gemv=gemv, residual=h)
     if ffn == MOE:
-        x = rms_norm(h, p["post_norm"], eps)
         moe_op = "moe_prefill" if mode in PREFILL_MODES else "moe_decode"
-        return moe_block(p["ffn"], x, cfg, layer, backend=op_backend(backend, moe_op), residual=h), entry
+        return moe_block(p["ffn"], h, (p["post_norm"], eps), cfg, layer, backend=op_backend(backend, moe_op),
+                         residual=h), entry
     return dense_mlp(p["ffn"], h, (p["post_norm"], eps), cfg, gemv=gemv, residual=h), entry
 
 

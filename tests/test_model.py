@@ -128,11 +128,13 @@ def test_clamped_layer_matches_float64_formula():
     p = init_params(cfg, jax.random.key(3), jnp.float32, with_mtp=False)["layers"][layer]["ffn"]
     # Scale weights up so many gate/up pre-activations exceed the limits (the clamp must bite).
     p = {k: v * 4.0 if k in ("we_gate", "we_up", "ws_gate", "ws_up") else v for k, v in p.items()}
-    x = jax.random.normal(jax.random.key(4), (5, cfg.hidden_size), jnp.float32)
-    got = moe_block(p, x, cfg, layer, backend="reference")
+    h = jax.random.normal(jax.random.key(4), (5, cfg.hidden_size), jnp.float32)
+    norm = (1 + 0.3 * jax.random.normal(jax.random.key(5), (cfg.hidden_size,), jnp.float32), cfg.rms_norm_eps)
+    got = moe_block(p, h, norm, cfg, layer, backend="reference")
 
     P = {k: np.asarray(v, np.float64) for k, v in p.items()}
-    X = np.asarray(x, np.float64)
+    H = np.asarray(h, np.float64)
+    X = H / np.sqrt(np.mean(H * H, axis=-1, keepdims=True) + cfg.rms_norm_eps) * np.asarray(norm[0], np.float64)
 
     def act(g, u, L):
         silu = g / (1 + np.exp(-g))
@@ -156,7 +158,7 @@ def test_clamped_layer_matches_float64_formula():
         want[n] += P["ws_down"] @ act(P["ws_gate"] @ X[n], P["ws_up"] @ X[n], shared_limit)
     assert clamped > 0, "test inputs never reach the clamp"
     assert rel(got, want) < TOL_F32
-    unclamped = moe_block(p, x, cfg.replace(apply_swiglu_clamps=False), layer, backend="reference")
+    unclamped = moe_block(p, h, norm, cfg.replace(apply_swiglu_clamps=False), layer, backend="reference")
     assert rel(unclamped, want) > 1e-3
 
 

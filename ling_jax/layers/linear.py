@@ -31,6 +31,7 @@ from ling_jax.layers.norms import rms_norm
 from ling_jax.params import scale_axes
 from ling_jax.sharding import RULES, TP, logical_to_spec, per_shard, tp_size
 from pallas_kernels.common.fp8 import ROWS, Fp8Weight, as_in_out
+from pallas_kernels.common.norm import GroupRMS
 from pallas_kernels.gemv.kernel import MAX_TOKENS as GEMV_MAX_TOKENS  # the kernel's token limit: one 16-row dot
 
 
@@ -60,11 +61,16 @@ def dense(x: jnp.ndarray, w: jnp.ndarray, axes: tuple, *, n_in: int = 1, backend
 
     `axes`: w's logical axes in its stored order (ling_jax/params.py), which place the kernel's shards. `norm`
     (weight, eps): x is `rms_norm(x, weight, eps)` first. `residual` [..., *out]: added after the rounding, as a
-    block's h + proj(x).
+    block's h + proj(x). x may be a `GroupRMS` (KDA's output with its per-head RMS scaling still to apply), which
+    the GEMV kernel applies in its prologue where it can (pallas_kernels/gemv/rows.py) and XLA first elsewhere.
     """
     if isinstance(w, Fp8Weight) and w.n_in != n_in:
         raise ValueError(f"dense: n_in={n_in} but the Fp8Weight has n_in={w.n_in}")
-    lead = x.shape[:x.ndim - n_in]
+    grouped = isinstance(x, GroupRMS)
+    values = x.values if grouped else x
+    lead = values.shape[:values.ndim - n_in]
+    if grouped and (not uses_gemv(backend, math.prod(lead)) or backend == W8A8):
+        x, grouped = x.apply(), False
     if not uses_gemv(backend, math.prod(lead)):
         xn = x if norm is None else rms_norm(x, norm[0], norm[1])
         letters = "abcdefghijklmnopqrstuvwxyz"
@@ -98,6 +104,10 @@ def _dense_gemv(x, w, axes, n_in, lead, norm, residual, w8a8=False):
                          "split over devices; normalise first")
     none = (None,) * len(lead)
     out_spec = logical_to_spec(none + out_axes)
+    grouped = isinstance(x, GroupRMS)
+    x_spec = logical_to_spec(none + in_axes)
+    if grouped:  # the sums of squares [*lead, G, P] split with the first input axis (heads)
+        x_spec = GroupRMS(x_spec, logical_to_spec(none + (in_axes[0], None)), x.eps, x.dtype)
     # Sharded row-parallel outputs are partial sums: the residual is added once, after the sum.
     fused_residual = None if row_parallel else residual
     extras = ([(norm[0], P())] if norm is not None else []) + (
@@ -107,13 +117,14 @@ def _dense_gemv(x, w, axes, n_in, lead, norm, residual, w8a8=False):
         it = iter(extra)
         nrm = (next(it), norm[1]) if norm is not None else None
         res = next(it).reshape(math.prod(lead), -1) if fused_residual is not None else None
-        y = project(x.reshape(math.prod(lead), -1), _as_matrix(w, n_in), res, norm=nrm)
+        flat = x.reshape(math.prod(lead)) if isinstance(x, GroupRMS) else x.reshape(math.prod(lead), -1)
+        y = project(flat, _as_matrix(w, n_in), res, norm=nrm)
         return y.reshape(lead + in_out_axes(w, w.shape, n_in)[1])
 
     w_spec = logical_to_spec(axes)
     if isinstance(w, Fp8Weight):
         w_spec = Fp8Weight(w_spec, logical_to_spec(scale_axes(axes, w.layout, w.n_in)), w.layout, w.n_in)
-    specs = (logical_to_spec(none + in_axes), w_spec) + tuple(s for _, s in extras)
+    specs = (x_spec, w_spec) + tuple(s for _, s in extras)
     y = per_shard(run, specs, out_spec, sum_outputs=row_parallel)(x, w, *(a for a, _ in extras))
     return y + residual if row_parallel and residual is not None else y
 

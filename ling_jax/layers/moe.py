@@ -27,19 +27,20 @@ def _partition_specs(cfg: LingConfig, names) -> tuple:
     return tuple(one(specs[name]) for name in names)
 
 
-def route_then_prefetch(route):
-    """route(x, router, bias, *prefetch): the arrays after the bias go to the router's `prefetch` hint."""
-    return lambda x, router, bias, *prefetch: route(x, router, bias, prefetch=prefetch)
-
-
-def moe_block(p: dict, x: jnp.ndarray, cfg: LingConfig, layer: int, *, backend: str,
+def moe_block(p: dict, h: jnp.ndarray, norm: tuple, cfg: LingConfig, layer: int, *, backend: str,
               residual: jnp.ndarray | None = None) -> jnp.ndarray:
-    """x [..., D] -> [..., D] (+ `residual` [..., D], the block's h); `layer` picks the SwiGLU clamp limits (MTP
-    layers index past num_layers)."""
-    flat = x.reshape(-1, x.shape[-1])
-    route = route_then_prefetch(functools.partial(
-        moe_ops.route, n_group=cfg.n_group, topk_group=cfg.topk_group, top_k=cfg.num_experts_per_tok,
-        routed_scaling_factor=cfg.routed_scaling_factor, norm_topk_prob=cfg.norm_topk_prob, backend=backend))
+    """The FFN of the block input h [..., D] normed by `norm` (weight, eps) -> [..., D] (+ `residual` [..., D], the
+    block's h); `layer` picks the SwiGLU clamp limits (MTP layers index past num_layers). The router norms h (on
+    Pallas in its GEMV's prologue, no launch of its own) and hands the normed x to the experts."""
+    flat = h.reshape(-1, h.shape[-1])
+    eps = norm[1]
+
+    def route(x, router, bias, norm_weight, *prefetch):
+        return moe_ops.route(x, router, bias, n_group=cfg.n_group, topk_group=cfg.topk_group,
+                             top_k=cfg.num_experts_per_tok, routed_scaling_factor=cfg.routed_scaling_factor,
+                             norm_topk_prob=cfg.norm_topk_prob, backend=backend, prefetch=prefetch,
+                             norm=(norm_weight, eps))
+
     limit, shared_limit = cfg.swiglu_limits(layer)
     experts = functools.partial(moe_ops.moe_experts, limit=limit, shared_limit=shared_limit, backend=backend)
     shared_names = _SHARED if "ws_gate" in p else ()
@@ -49,14 +50,14 @@ def moe_block(p: dict, x: jnp.ndarray, cfg: LingConfig, layer: int, *, backend: 
     if backend == "pallas":
         # Routing is replicated (every device routes alike); its top-k launch prefetches this device's shard of
         # the shared expert into L2 for the experts kernels (a hint; router.RouterTuning.prefetch_chunk_bytes).
-        route = per_shard(route, (P(),) + _partition_specs(cfg, ("router", "expert_bias")) + tuple(
-            s.q if isinstance(s, Fp8Weight) else s for s in _partition_specs(cfg, shared_names)), (P(), P()))
+        route = per_shard(route, (P(),) + _partition_specs(cfg, ("router", "expert_bias")) + (P(),) + tuple(
+            s.q if isinstance(s, Fp8Weight) else s for s in _partition_specs(cfg, shared_names)), (P(), P(), P()))
         experts = per_shard(experts, (P(), P(), P()) + _partition_specs(cfg, _ROUTED + shared_names), P(),
                             sum_outputs=True)
-    weights, ids = route(flat, p["router"], p["expert_bias"], *prefetch)
+    weights, ids, x = route(flat, p["router"], p["expert_bias"], norm[0], *prefetch)
     # One device: the experts kernels add the residual themselves (at T = 1 in the down kernel's epilogue, no add
     # launch). Sharded, each device's output is a partial sum, so the residual is added once, after the psum.
     fused = residual is not None and tp_size() <= 1
     res = {"residual": residual.reshape(flat.shape)} if fused else {}
-    y = experts(flat, weights, ids, *(p[name] for name in _ROUTED), *shared, **res).reshape(x.shape)
+    y = experts(x, weights, ids, *(p[name] for name in _ROUTED), *shared, **res).reshape(h.shape)
     return y + residual if residual is not None and not fused else y

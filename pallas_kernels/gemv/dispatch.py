@@ -8,10 +8,12 @@ anything else is an error naming the limit. `gemv` also takes a block-FP8 weight
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.common import COMPUTE_DTYPES, check_backend, check_dtype, check_rank, check_shape, fp8
+from pallas_kernels.common.norm import GroupRMS
 from pallas_kernels.gemv import reference
 
 
@@ -105,19 +107,46 @@ def gemv(x, w, residual=None, *, norm=None, backend="reference"):
         `ling_jax.layers.norms.rms_norm(x, weight, eps)`, its roundings exactly; the Pallas kernel does the norm in
         a prologue, saving the norm's own launch.
       backend: "reference" | "pallas" (1 <= T <= kernel.MAX_TOKENS, K % 16 == 0).
+    x may also be a `pallas_kernels.common.norm.GroupRMS` (values [T, K] float32, sum_sq [T, G, P]; no `norm`):
+    the projection of `x.apply()`, which the rows kernel applies in its prologue at T = 1 (`rows.takes_group_rms`),
+    saving the scaling's own launch; elsewhere XLA applies it first.
     Returns:
       [T, N] in x's dtype; `ling_jax.layers.linear.proj("td,dn->tn", x, w)` (+ residual) for the reference with a
       plain weight.
     """
     check_backend(backend)
-    t, k, n = _check_inputs(x, w, "N")
+    grouped = isinstance(x, GroupRMS)
+    if grouped:
+        _check_group_rms(x, norm)
+    t, k, n = _check_inputs(jax.ShapeDtypeStruct(x.values.shape, x.dtype) if grouped else x, w, "N")
     if residual is not None:
         check_shape("residual", residual, (t, n), "[T, N]")
         check_dtype("residual", residual, (x.dtype,))
     _check_norm(norm, k)
     if backend == "reference":
-        return reference.gemv(x, w, residual, norm=norm)
-    return _check_pallas(t, k, n, w).gemv(x, w, residual, norm=norm)
+        return reference.gemv(x.apply() if grouped else x, w, residual, norm=norm)
+    from pallas_kernels.gemv import rows
+
+    module = _check_pallas(t, k, n, w)
+    if grouped and module is not rows:  # kernel.py takes no GroupRMS: XLA scales x first
+        x = x.apply()
+    return module.gemv(x, w, residual, norm=norm)
+
+
+def _check_group_rms(x, norm):
+    """A GroupRMS x: values float32 [T, K], sum_sq float32 [T, G, P] with G dividing K, a compute dtype, no norm."""
+    check_rank("x.values", x.values, 2, "[T, K]")
+    check_dtype("x.values", x.values, (jnp.float32,))
+    check_rank("x.sum_sq", x.sum_sq, 3, "[T, G, P]")
+    check_dtype("x.sum_sq", x.sum_sq, (jnp.float32,))
+    t, k = x.values.shape
+    if x.sum_sq.shape[0] != t or k % x.sum_sq.shape[1]:
+        raise ValueError(f"x.sum_sq.shape={tuple(x.sum_sq.shape)} must be [T, G, P] with T = {t} and G dividing "
+                         f"K = {k} (groups of K/G columns)")
+    if jnp.dtype(x.dtype) not in COMPUTE_DTYPES:
+        raise ValueError(f"x.dtype={x.dtype!r} must name a compute dtype {[str(d) for d in COMPUTE_DTYPES]}")
+    if norm is not None:
+        raise ValueError("a GroupRMS x carries its own norm: pass norm=None")
 
 
 def greedy_head(x, w, *, norm=None, logits_dtype=None, backend="reference"):

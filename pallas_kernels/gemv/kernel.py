@@ -78,6 +78,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.common import fp8, interpret_mode
 from pallas_kernels.common.sizes import check_pow2_fields
+from pallas_kernels.common.norm import rms_normed as _rms_normed
 
 MAX_TOKENS = 16  # the tokens fill one 16-row dot; more would want blocks of tokens too (a GEMM kernel)
 DOT_ROWS = 16  # tensor-core dots take >= 16 rows: T > 1 tokens are padded to this
@@ -203,17 +204,6 @@ def _inv_rms(x_ref, *, K, BK, n_tok, rows, eps):
     shape = (BK,) if rows == 1 else (rows, BK)
     sum_sq = jnp.sum(lax.fori_loop(0, K // BK, body, jnp.zeros(shape, jnp.float32)), axis=-1)
     return lax.rsqrt(sum_sq / K + eps)
-
-
-def _rms_normed(xs, g, inv_rms):
-    """`rms_norm` of an x tile ([BK] or [rows, BK]) given its tokens' inv_rms and the norm weight's tile g [BK]:
-    x·inv_rms rounded to x's dtype, then g (rounded to x's dtype) times that, rounded again."""
-    dt = xs.dtype
-    if xs.ndim == 2:
-        inv_rms, g = inv_rms[:, None], g[None, :]
-    normed = (xs.astype(jnp.float32) * inv_rms).astype(dt)
-    # A product of two bf16 values is exact in fp32, so one rounding of it is the reference's bf16 multiply.
-    return (g.astype(dt).astype(jnp.float32) * normed.astype(jnp.float32)).astype(dt)
 
 
 def _scale_row(s_ref, k, *, n0, BN, n_cols):

@@ -90,7 +90,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.common import fp8, interpret_mode
-from pallas_kernels.common.sizes import check_pow2_fields
+from pallas_kernels.common.norm import GroupRMS
+from pallas_kernels.common.sizes import check_pow2_fields, is_pow2
 from pallas_kernels.gemv import kernel
 from pallas_kernels.gemv.kernel import DOT_ROWS, MIN_PROGRAMS, MIN_SPLIT_ROWS, _load, _norm_args, _rms_normed
 
@@ -202,6 +203,10 @@ class _Program:
     n_rows: int
     n_tok: int
     rows: int  # 1: the one token by FMAs; DOT_ROWS: the padded dot
+    ss_ref: object = None  # a GroupRMS input's sums of squares [1, G, P] (its values are x_ref, fp32)
+    rms_group: int = 0  # ... and its S columns per group
+    rms_eps: float = 0.0
+    out_dtype: object = None  # ... and the dtype its scaled values are rounded to
 
     def q(self, k, w):
         return _load(self.q_ref, (pl.ds(self.n0, self.BN), pl.ds(k, w)),
@@ -217,9 +222,17 @@ class _Program:
         """x's columns [k, k + w): [w] for one token (FMAs, or a dot row padded in registers: `_product`), else
         [rows, w] with the padded rows zero (masked, never read)."""
         if self.n_tok == 1:
-            return self.x_ref[0, pl.ds(k, w)]
+            xs = self.x_ref[0, pl.ds(k, w)]
+            return xs if self.ss_ref is None else self._rms_scaled(xs, k)
         ok = None if self.n_tok == self.rows else lax.broadcasted_iota(jnp.int32, (self.rows, w), 0) < self.n_tok
         return _load(self.x_ref, (pl.ds(0, self.rows), pl.ds(k, w)), ok)
+
+    def _rms_scaled(self, xs, k):
+        """A GroupRMS input's piece at column k (inside one group: groups are whole 128-column blocks), scaled by
+        its group's rsqrt(Σ sum_sq / S + eps) and rounded to the compute dtype."""
+        g = k // self.rms_group if isinstance(k, int) else lax.div(k, self.rms_group)
+        inv = lax.rsqrt(jnp.sum(self.ss_ref[0, g, :]) / self.rms_group + self.rms_eps)
+        return (xs * inv).astype(self.out_dtype)
 
     def norm_x(self):
         """x's pieces over all K, for the norm's sum of squares."""
@@ -314,19 +327,21 @@ def _looped(prog, k0, pieces, *, g_ref, K, eps, group=1):
 
 
 def rows_kernel(x_ref, q_ref, s_ref, *refs, K, k_rows, BN, n_rows, n_tok, rows, eps, unroll, split_out,
-                with_residual, group=1):
-    # x_ref [T, K] compute dtype, q_ref [N, K] E4M3, s_ref [N, ceil(K/128)] fp32, then g_ref [K] (the norm weight;
-    # eps not None) and r_ref [T, N] (with_residual); o_ref [T, N] in x's dtype, or [KS, T, N] fp32 partials
-    # (split_out). Program (j, s): rows [j·BN, (j+1)·BN), columns [s, s + 1)·k_rows.
+                with_residual, group=1, rms_group=0, rms_dtype=None):
+    # x_ref [T, K] compute dtype (a GroupRMS input, rms_group > 0: its fp32 values, T = 1), q_ref [N, K] E4M3, s_ref
+    # [N, ceil(K/128)] fp32, then g_ref [K] (the norm weight; eps not None) or ss_ref [1, G, P] (the GroupRMS
+    # input's sums of squares; its eps and compute dtype rms_dtype), and r_ref [T, N] (with_residual); o_ref [T, N] in the compute dtype, or
+    # [KS, T, N] fp32 partials (split_out). Program (j, s): rows [j·BN, (j+1)·BN), columns [s, s + 1)·k_rows.
     refs = list(refs)
     o_ref = refs.pop()
-    g_ref = refs.pop(0) if eps is not None else None
+    ss_ref = refs.pop(0) if rms_group else None
+    g_ref = refs.pop(0) if eps is not None and not rms_group else None
     r_ref = refs.pop(0) if with_residual else None
     j, s = pl.program_id(0), pl.program_id(1)
     n0 = j * BN
     k0 = 0 if k_rows == K else pl.multiple_of(s * k_rows, BLOCK)  # static when one program holds all of K
-    prog = _Program(x_ref, q_ref, s_ref, n0, BN, n_rows, n_tok, rows)
-    common = dict(g_ref=g_ref, K=K, eps=eps)
+    prog = _Program(x_ref, q_ref, s_ref, n0, BN, n_rows, n_tok, rows, ss_ref, rms_group, eps or 0.0, rms_dtype)
+    common = dict(g_ref=g_ref, K=K, eps=None if rms_group else eps)
     pieces = _pieces(k_rows)
     if unroll:
         acc = _unrolled(prog, k0, pieces, full_x=k_rows == K, **common)
@@ -398,16 +413,29 @@ def finish(y, residual, dtype):
     return y if residual is None else residual + y
 
 
+def takes_group_rms(x: GroupRMS) -> bool:
+    """Whether the kernel applies a GroupRMS input in its prologue: one token (more would scale every x tile of
+    every program again, as the norm would: module docstring), groups of whole 128-column blocks, and a power of two
+    of partial sums per group (a Triton block shape)."""
+    return x.lead[0] == 1 and x.group % BLOCK == 0 and is_pow2(x.sum_sq.shape[-1])
+
+
 def gemv(x, w, residual=None, *, norm=None, tuning: RowsTuning | None = None):
     """Same contract as `reference.gemv` for a ROWS `fp8.Fp8Weight` (q [N, K] E4M3, scale [N, ceil(K/128)] fp32;
     `norm` None or (weight [K], eps: a Python float)); shapes validated by the dispatcher. `tuning` None:
-    `default_tuning(T, K, N)`."""
+    `default_tuning(T, K, N)`. x may be a `GroupRMS` [T, K] (no `norm`): applied in the prologue where
+    `takes_group_rms`, else by XLA first."""
+    if isinstance(x, GroupRMS):
+        if not takes_group_rms(x):
+            return gemv(x.apply(), w, residual, tuning=tuning)
+        return _gemv(x.values, w.q, w.scale, residual, x.sum_sq, eps=x.eps, tuning=tuning, rms_dtype=x.dtype)
     norm_weight, eps = _norm_args(norm)
     return _gemv(x, w.q, w.scale, residual, *norm_weight, eps=eps, tuning=tuning)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "tuning"))
-def _gemv(x, q, scale, residual, *norm_weight, eps, tuning):
+@functools.partial(jax.jit, static_argnames=("eps", "tuning", "rms_dtype"))
+def _gemv(x, q, scale, residual, *prologue, eps, tuning, rms_dtype=None):
+    # prologue: (the norm weight,), (a GroupRMS input's sums of squares,) with rms_dtype, or ()
     t, k = x.shape
     n = q.shape[0]
     tuning = tuning or default_tuning(t, k, n)
@@ -419,18 +447,21 @@ def _gemv(x, q, scale, residual, *norm_weight, eps, tuning):
     if unroll and tuning.group > 1:
         raise ValueError(f"RowsTuning.group={tuning.group} groups the blocks of a loop step, and this path is "
                          "unrolled (T = 1 by FMAs unrolls by default): pass unroll=False or group=1")
-    if norm_weight and not (t == 1 if tuning.norm_in_kernel is None else tuning.norm_in_kernel):
-        x, norm_weight, eps = _rms_norm_pinned(x, norm_weight[0], eps), (), None  # once per step, by XLA
+    rms_group = k // prologue[0].shape[1] if rms_dtype is not None else 0
+    if prologue and not rms_group and not (t == 1 if tuning.norm_in_kernel is None else tuning.norm_in_kernel):
+        x, prologue, eps = _rms_norm_pinned(x, prologue[0], eps), (), None  # once per step, by XLA
+    out_dtype = jnp.dtype(rms_dtype) if rms_group else x.dtype
     split_out = ks > 1
     with_residual = residual is not None and not split_out
-    out_shape = output_shape(ks, t, n, x.dtype)
+    out_shape = output_shape(ks, t, n, out_dtype)
     y = pl.pallas_call(
         functools.partial(rows_kernel, K=k, k_rows=k_rows, BN=bn, n_rows=n, n_tok=t, rows=rows, eps=eps,
-                          unroll=unroll, split_out=split_out, with_residual=with_residual, group=tuning.group),
+                          unroll=unroll, split_out=split_out, with_residual=with_residual, group=tuning.group,
+                          rms_group=rms_group, rms_dtype=out_dtype if rms_group else None),
         grid=(pl.cdiv(n, bn), ks),
         out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
         interpret=interpret_mode(),
         name="gemv_rows_fwd_kernel",
-    )(x, q, scale, *norm_weight, *([residual] if with_residual else []))
-    return finish(y, residual, x.dtype)
+    )(x, q, scale, *prologue, *([residual] if with_residual else []))
+    return finish(y, residual, out_dtype)

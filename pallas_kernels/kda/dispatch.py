@@ -110,28 +110,31 @@ def kda_prefill(qkv, f, b, z, conv_window, state, conv_w, A_log, dt_bias, o_norm
 
 
 def kda_decode(x, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, *, lower_bound=-5.0, eps=1e-6,
-               backend="reference"):
+               backend="reference", defer_norm=False):
     """One token (T == 1) of the packed x. Returns ``(y, new_conv_window, new_state)``; the Pallas kernel
-    updates the state in place when the caller donates it."""
+    updates the state in place when the caller donates it. `defer_norm`: the Pallas kernel's y may come back as a
+    `pallas_kernels.common.norm.GroupRMS` (the gated norm's per-head RMS scaling not yet applied), which the o_proj
+    GEMV (`pallas_kernels.gemv.gemv`) applies in its prologue; `y.apply()` gives the plain y."""
     args = (conv_window, state, conv_w, A_log, dt_bias, o_norm_w)
     _check_packed(x, *args, lower_bound, backend, "decode")
     if backend == "reference":
         return _ref_layer(*reference.unpack(x), *args, lower_bound=lower_bound, eps=eps, mode="recurrent")
-    return recurrent.decode(x, *args, lower_bound=lower_bound, eps=eps)
+    return recurrent.decode(x, *args, lower_bound=lower_bound, eps=eps, defer_norm=defer_norm)
 
 
 def kda_verify(x, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, *, lower_bound=-5.0, eps=1e-6,
-               backend="reference"):
+               backend="reference", defer_norm=False):
     """T draft positions of the packed x from the committed ``state`` (read only).
 
     Returns ``(y, conv_rows, states)``: conv_rows [B, W-1+T, 3, H, K] = old window ++ q|k|v (the window after
     position t is ``conv_rows[:, t+1 : t+W]``) and states [B, T, H, K, V] fp32, every position's post-state.
+    `defer_norm` as in `kda_decode`.
     """
     args = (conv_window, state, conv_w, A_log, dt_bias, o_norm_w)
     _check_packed(x, *args, lower_bound, backend, "verify", max_t=64)
     if backend == "reference":
         return _ref_verify(*reference.unpack(x), *args, lower_bound=lower_bound, eps=eps)
-    return recurrent.verify(x, *args, lower_bound=lower_bound, eps=eps)
+    return recurrent.verify(x, *args, lower_bound=lower_bound, eps=eps, defer_norm=defer_norm)
 
 
 def kda_commit(conv_rows, states, n):

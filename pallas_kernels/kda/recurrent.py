@@ -8,8 +8,9 @@ One program per (sequence, head, V tile of BV columns) keeps a [K, BV] fp32 stat
 the T tokens: conv update + SiLU → L2 norm and scale → safe gate and beta → fp32 delta step → output. With
 BV == V the gated RMSNorm is fused (the program holds the whole head). Otherwise each program applies the
 per-column part of the norm (weight and sigmoid(g)) to its tile, emits it in fp32 with the tile's sum of
-squares of o, and one small XLA fusion after the kernel scales each head by its RMS: the RMS is the only
-quantity that spans the V tiles, and no XLA op has to read g out of x (a slice of x is a launch of its own).
+squares of o, and each head is scaled by its RMS after the kernel: the RMS is the only quantity that spans the V
+tiles, and no XLA op has to read g out of x (a slice of x is a launch of its own). The scaling is one small XLA
+fusion, or with `defer_norm` a `GroupRMS` handed to o_proj, whose GEMV prologue applies it (no launch of its own).
 
 Every program reads the conv window and q/k rows of its head in full (the L2 norm and Sᵀq reduce over K), so
 the conv window is never updated in place: the new window goes to a fresh buffer, written by V-tile 0 for q/k
@@ -28,6 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.common.interpret import interpret_mode
+from pallas_kernels.common.norm import GroupRMS
 from pallas_kernels.common.sizes import is_pow2
 
 
@@ -153,7 +155,7 @@ def recurrent_kda_fwd_kernel(
 
 
 def _recurrent_call(x, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, *, lower_bound, eps,
-                    mode, cfg):
+                    mode, cfg, defer_norm=False):
     B, T, H, _ = x.shape
     K = V = conv_w.shape[-1]
     W = conv_w.shape[0]
@@ -184,26 +186,27 @@ def _recurrent_call(x, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, *, 
     )(x, conv_window, state, conv_w, A_log, dt_bias, o_norm_w)
     if not fuse_norm:
         *rest, sum_sq = rest
-        # Unrolled adds, not a reduce: XLA emits a reduce as a launch of its own, the adds fuse with the scaling.
-        total = sum((sum_sq[..., j:j + 1] for j in range(1, V // BV)), sum_sq[..., :1])
-        y = (y * lax.rsqrt(total / V + eps)).astype(dtype)
+        y = GroupRMS(y, sum_sq, float(eps), jnp.dtype(dtype).name)
+        y = y if defer_norm else y.apply()
     return y, *rest
 
 
-@functools.partial(jax.jit, static_argnames=("lower_bound", "eps", "cfg"))
+@functools.partial(jax.jit, static_argnames=("lower_bound", "eps", "cfg", "defer_norm"))
 def decode(x, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, *, lower_bound=-5.0, eps=1e-6,
-           cfg=DEFAULT_DECODE):
+           cfg=DEFAULT_DECODE, defer_norm=False):
     """x: the packed [B, 1, H, 5K+1] -> (y, new_window, new_state); the state is updated in place when the
-    caller donates it."""
+    caller donates it. `defer_norm` (with BV < V): y is the `GroupRMS` whose per-head scaling is left to o_proj's
+    prologue."""
     return _recurrent_call(x, conv_window, state, conv_w, A_log, dt_bias, o_norm_w,
-                           lower_bound=lower_bound, eps=eps, mode="decode", cfg=cfg)
+                           lower_bound=lower_bound, eps=eps, mode="decode", cfg=cfg, defer_norm=defer_norm)
 
 
-@functools.partial(jax.jit, static_argnames=("lower_bound", "eps", "cfg"))
+@functools.partial(jax.jit, static_argnames=("lower_bound", "eps", "cfg", "defer_norm"))
 def verify(x, conv_window, state, conv_w, A_log, dt_bias, o_norm_w, *, lower_bound=-5.0, eps=1e-6,
-           cfg=DEFAULT_VERIFY):
+           cfg=DEFAULT_VERIFY, defer_norm=False):
     """x: the packed [B, T, H, 5K+1] -> (y, conv_rows [B, W-1+T, 3, H, K], states [B, T, H, K, V] fp32);
-    ``state`` is read only."""
+    ``state`` is read only. `defer_norm` as in `decode`."""
     y, states, conv_rows = _recurrent_call(x, conv_window, state, conv_w, A_log, dt_bias, o_norm_w,
-                                           lower_bound=lower_bound, eps=eps, mode="verify", cfg=cfg)
+                                           lower_bound=lower_bound, eps=eps, mode="verify", cfg=cfg,
+                                           defer_norm=defer_norm)
     return y, conv_rows, states

@@ -17,11 +17,12 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from pallas_kernels.common import COMPUTE_DTYPES, check_backend, check_dtype, check_rank, check_shape, fp8
+from pallas_kernels.gemv import reference as gemv_reference
 from pallas_kernels.moe import reference
 
 
 def route(x, router, expert_bias, *, n_group, topk_group, top_k, routed_scaling_factor, norm_topk_prob=True,
-          backend="reference", prefetch=()):
+          backend="reference", prefetch=(), norm=None):
     """Grouped top-k sigmoid router (docs/model.md §3.5 steps 1-7).
 
     Args:
@@ -38,8 +39,12 @@ def route(x, router, expert_bias, *, n_group, topk_group, top_k, routed_scaling_
         backend="pallas" and a tuning that prefetches (the defaults up to 16 tokens), the top-k launch hands their
         bytes to L2 while it computes (pallas_kernels/common/prefetch.py). A performance hint only: no result
         depends on it, and the reference backend has nothing to overlap it with, so it does not read them.
+      norm: None, or (weight [D] float, eps: a Python float): x is the block's input before its RMSNorm, routed as
+        `rms_norm(x, weight, eps)` (the model's roundings), which comes back as a third result for the experts. On
+        Pallas the router's GEMV norms x in its prologue and its first expert block writes the normed x, so the norm
+        takes no launch of its own; its sums of squares are left to XLA, which fuses them into x's producer.
     Returns:
-      weights [N, top_k] float32, ids [N, top_k] int32.
+      weights [N, top_k] float32, ids [N, top_k] int32 (and the normed x [N, D] with `norm`).
     """
     check_backend(backend)
     check_rank("x", x, 2, "[N, D]")
@@ -72,13 +77,29 @@ def route(x, router, expert_bias, *, n_group, topk_group, top_k, routed_scaling_
         if (a.size * jnp.dtype(a.dtype).itemsize) % 16:
             raise ValueError(f"prefetch[{j}] shape {tuple(a.shape)} {a.dtype} is not a multiple of 16 bytes, which an "
                              "L2 bulk prefetch needs; leave it out of `prefetch`")
+    if norm is not None:
+        _check_norm(norm, d)
     kw = dict(n_group=n_group, topk_group=topk_group, top_k=top_k, routed_scaling_factor=routed_scaling_factor,
               norm_topk_prob=norm_topk_prob)
     if backend == "reference":
-        return reference.route(x, router, expert_bias, **kw)
+        if norm is None:
+            return reference.route(x, router, expert_bias, **kw)
+        xn = gemv_reference.rms_norm(x, *norm)
+        return (*reference.route(xn, router, expert_bias, **kw), xn)
     from pallas_kernels.moe import router as router_kernel
 
-    return router_kernel.route(x, router, expert_bias, **kw, prefetch=prefetch)
+    norm_kw = {} if norm is None else dict(norm_weight=norm[0], eps=float(norm[1]))
+    return router_kernel.route(x, router, expert_bias, **kw, prefetch=prefetch, **norm_kw)
+
+
+def _check_norm(norm, d):
+    if not isinstance(norm, tuple) or len(norm) != 2:
+        raise ValueError(f"norm={norm!r} must be None or a pair (weight [D], eps)")
+    weight, eps = norm
+    check_shape("norm[0]", weight, (d,), "[D]")
+    check_dtype("norm[0]", weight, (jnp.float32, jnp.bfloat16))
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(f"norm eps={eps!r} must be a static Python float > 0")
 
 
 def _check_down(name, w, want, names):

@@ -41,6 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.common import interpret_mode
+from pallas_kernels.common.norm import rms_normed
 from pallas_kernels.common.prefetch import prefetch_l2
 from pallas_kernels.common.sizes import check_pow2_fields, next_pow2
 
@@ -108,23 +109,17 @@ def _f32(w):
     return w if w.dtype == jnp.float32 else w.astype(jnp.float32)  # exact for bf16
 
 
-def _gemv_rows(x_ref, w_ref, *, BK, n_chunks, one_row):
-    """Partial logits [BN, BE] fp32 of x_ref [BN, D/KS] (compute dtype) · w_ref [BE, D/KS]ᵀ (one D-split of BE fp32
-    or bf16 expert rows, read end to end, widened to fp32); `one_row`: BN = 1, by FMAs, else a dot (BN >= 16)."""
+def _gemv_rows(x_chunk, w_ref, *, bn, BK, n_chunks, one_row):
+    """Partial logits [BN, BE] fp32 of x [BN, D/KS] (compute dtype; `x_chunk(ks)` its columns ks) · w_ref
+    [BE, D/KS]ᵀ (one D-split of BE fp32 or bf16 expert rows, read end to end, widened to fp32); `one_row`: BN = 1,
+    by FMAs, else a dot (BN >= 16)."""
     be = w_ref.shape[0]
     if one_row:
         def body_fma(c, acc):
             ks = pl.ds(pl.multiple_of(c * BK, BK), BK)
-            return acc + jnp.sum(_f32(w_ref[:, ks]) * x_ref[:, ks].astype(jnp.float32), axis=1)[None, :]
+            return acc + jnp.sum(_f32(w_ref[:, ks]) * x_chunk(ks).astype(jnp.float32), axis=1)[None, :]
 
         return lax.fori_loop(0, n_chunks, body_fma, jnp.zeros((1, be), jnp.float32))
-
-    # bf16 x bf16 products are exact in fp32, so with bf16 tokens a tensor-core dot accumulating in fp32 computes
-    # the fp32 GEMV up to summation order: a bf16 router directly, an fp32 one as three exact bf16 pieces
-    # (hi + mid + lo = w: 3 x 8 significand bits hold fp32's 24). The full-precision FMA dot, left for fp32 tokens,
-    # ran 2.2 TFLOP/s at prefill sizes on the H200 (experiments/RESULTS.md, "Prefill").
-    tensor_cores = x_ref.dtype == jnp.bfloat16
-    dims = (((1,), (1,)), ((), ()))
 
     def pieces(w):
         if w.dtype == jnp.bfloat16:
@@ -134,24 +129,47 @@ def _gemv_rows(x_ref, w_ref, *, BK, n_chunks, one_row):
         mid = rest.astype(jnp.bfloat16)
         return hi, mid, (rest - mid.astype(jnp.float32)).astype(jnp.bfloat16)
 
+    dims = (((1,), (1,)), ((), ()))
+
     def body_dot(c, acc):
         ks = pl.ds(pl.multiple_of(c * BK, BK), BK)
-        if tensor_cores:
-            x = x_ref[:, ks]
+        x = x_chunk(ks)
+        # bf16 x bf16 products are exact in fp32, so with bf16 tokens a tensor-core dot accumulating in fp32
+        # computes the fp32 GEMV up to summation order: a bf16 router directly, an fp32 one as three exact bf16
+        # pieces (hi + mid + lo = w: 3 x 8 significand bits hold fp32's 24). The full-precision FMA dot, left for
+        # fp32 tokens, ran 2.2 TFLOP/s at prefill sizes on the H200 (experiments/RESULTS.md, "Prefill").
+        if x.dtype == jnp.bfloat16:
             for piece in pieces(w_ref[:, ks]):
                 acc = acc + lax.dot_general(piece, x, dims, preferred_element_type=jnp.float32)
             return acc
-        return acc + lax.dot_general(_f32(w_ref[:, ks]), x_ref[:, ks].astype(jnp.float32), dims,
+        return acc + lax.dot_general(_f32(w_ref[:, ks]), x.astype(jnp.float32), dims,
                                      precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
 
-    acc = lax.fori_loop(0, n_chunks, body_dot, jnp.zeros((be, x_ref.shape[0]), jnp.float32))
+    acc = lax.fori_loop(0, n_chunks, body_dot, jnp.zeros((be, bn), jnp.float32))
     return acc.T  # [BN, BE]
 
 
-def router_fwd_kernel_gemv(x_ref, w_ref, l_ref, *, BK, n_chunks, one_row):
+def router_fwd_kernel_gemv(x_ref, w_ref, *refs, BK, n_chunks, one_row, d, eps):
     # x_ref [BN, D/KS] compute dtype (BN = 1: one token); w_ref [BE, D/KS] fp32 or bf16, one D-split of BE rows;
-    # l_ref [BN, BE] fp32 partial logits of that split
-    l_ref[...] = _gemv_rows(x_ref, w_ref, BK=BK, n_chunks=n_chunks, one_row=one_row)
+    # refs: with the norm (eps not None) ss_ref [BN, 1] fp32, x's sums of squares over all D, and g_ref [1, D/KS]
+    # the norm weight's split; then l_ref [BN, BE] fp32 partial logits of that split, and with the norm xn_ref
+    # [BN, D/KS], the normed x, which the programs of expert block 0 write.
+    if eps is None:
+        (l_ref,) = refs
+        x_chunk = lambda ks: x_ref[:, ks]  # noqa: E731
+    else:
+        ss_ref, g_ref, l_ref, xn_ref = refs
+        inv_rms = lax.rsqrt(ss_ref[:, 0] / d + eps)  # [BN]
+        writes_x = pl.program_id(0) == 0
+
+        def x_chunk(ks):
+            xn = rms_normed(x_ref[:, ks], g_ref[0, ks], inv_rms)
+
+            @pl.when(writes_x)
+            def _():
+                xn_ref[:, ks] = xn
+            return xn
+    l_ref[...] = _gemv_rows(x_chunk, w_ref, bn=x_ref.shape[0], BK=BK, n_chunks=n_chunks, one_row=one_row)
 
 
 def _select_topk(logits, bias, *, topk_group, top_k, scale, norm):
@@ -252,9 +270,10 @@ def _prefetch_chunks(arrays, chunk_bytes):
     return tuple(out)
 
 
-def gemv_partials(x, router, tuning: RouterTuning):
-    """Kernel 1: partial logits [KS, N_pad, E] fp32 of x [N, D] · router [E, D]ᵀ over the KS D-splits (N_pad: N
-    padded to the tokens per program)."""
+def gemv_partials(x, router, tuning: RouterTuning, norm=None):
+    """Kernel 1 -> (partial logits [KS, N_pad, E] fp32 of x [N, D] · router [E, D]ᵀ over the KS D-splits, N_pad
+    being N padded to the tokens per program; the normed x [N, D] or None). `norm` (weight [D], eps): x is normed in
+    the prologue with `rms_norm`'s roundings, its sums of squares taken by XLA, where they fuse into x's producer."""
     n, d = x.shape
     e = router.shape[0]
     one_row = n == 1 or tuning.multi_token == "per_token"  # one token per GEMV program
@@ -273,33 +292,51 @@ def gemv_partials(x, router, tuning: RouterTuning):
                          "needs >= 16 (one-token FMA programs take any power of two)")
     bn = 1 if one_row else min(tuning.block_n, max(16, next_pow2(n)))
     n_pad = -(-n // bn) * bn
-    xp = x if n_pad == n else jnp.pad(x, ((0, n_pad - n), (0, 0)))
-    return pl.pallas_call(
-        functools.partial(router_fwd_kernel_gemv, BK=bk, n_chunks=dk // bk, one_row=one_row),
+    pad = lambda a: a if n_pad == n else jnp.pad(a, ((0, n_pad - n), (0, 0)))  # noqa: E731
+    x_spec = pl.BlockSpec((bn, dk), lambda j, k, i: (i, k))
+    in_specs = [x_spec, pl.BlockSpec((be, dk), lambda j, k, i: (j, k))]
+    out_specs = [pl.BlockSpec((None, bn, be), lambda j, k, i: (k, i, j))]
+    out_shape = [jax.ShapeDtypeStruct((ks, n_pad, e), jnp.float32)]
+    args = [pad(x), router]
+    eps = None
+    if norm is not None:
+        weight, eps = norm
+        x32 = x.astype(jnp.float32)
+        args += [pad(jnp.sum(x32 * x32, axis=1, keepdims=True)), weight.reshape(1, d)]
+        in_specs += [pl.BlockSpec((bn, 1), lambda j, k, i: (i, 0)), pl.BlockSpec((1, dk), lambda j, k, i: (0, k))]
+        out_specs.append(x_spec)
+        out_shape.append(jax.ShapeDtypeStruct((n_pad, d), x.dtype))
+    out = pl.pallas_call(
+        functools.partial(router_fwd_kernel_gemv, BK=bk, n_chunks=dk // bk, one_row=one_row, d=d,
+                          eps=None if eps is None else float(eps)),
         grid=(e // be, ks, n_pad // bn),
-        in_specs=[pl.BlockSpec((bn, dk), lambda j, k, i: (i, k)), pl.BlockSpec((be, dk), lambda j, k, i: (j, k))],
-        out_specs=pl.BlockSpec((None, bn, be), lambda j, k, i: (k, i, j)),
-        out_shape=jax.ShapeDtypeStruct((ks, n_pad, e), jnp.float32),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
         interpret=interpret_mode(),
         name="router_fwd_kernel_gemv",
-    )(xp, router)
+    )(*args)
+    return out[0], None if norm is None else out[1][:n]
 
 
 @functools.partial(jax.jit, static_argnames=("n_group", "topk_group", "top_k", "routed_scaling_factor",
-                                             "norm_topk_prob", "tuning"))
+                                             "norm_topk_prob", "tuning", "eps"))
 def route(x, router, expert_bias, *, n_group, topk_group, top_k, routed_scaling_factor, norm_topk_prob=True,
-          tuning: RouterTuning | None = None, prefetch=()):
+          tuning: RouterTuning | None = None, prefetch=(), norm_weight=None, eps=None):
     """Same contract as `reference.route` (router [E, D] fp32 or bf16); shapes already validated by the dispatcher.
     `tuning` None: `default_tuning(N, router.dtype)`. `prefetch`: arrays the caller reads next, handed to L2 by the
-    top-k launch when `tuning.prefetch_chunk_bytes` > 0 (a hint: no result depends on it)."""
+    top-k launch when `tuning.prefetch_chunk_bytes` > 0 (a hint: no result depends on it). `norm_weight` [D] and
+    `eps`: x is the block's input before its RMSNorm, normed in the GEMV's prologue, and the normed x [N, D] is a
+    third result."""
     n = x.shape[0]
     e = router.shape[0]
     tuning = tuning or default_tuning(n, router.dtype)
     for name, v in (("E", e), ("E/n_group", e // n_group), ("top_k", top_k)):
         if v & (v - 1):
             raise ValueError(f"the Pallas router needs power-of-two sizes: {name}={v}")
-    partial = gemv_partials(x, router, tuning)
+    norm = None if norm_weight is None else (norm_weight, eps)
+    partial, normed = gemv_partials(x, router, tuning, norm)
     ks, n_pad, _ = partial.shape
     gsz = e // n_group
     pref = [a.reshape(-1) for a in prefetch if a.size] if tuning.prefetch_chunk_bytes else []
@@ -317,4 +354,4 @@ def route(x, router, expert_bias, *, n_group, topk_group, top_k, routed_scaling_
         interpret=interpret_mode(),
         name="router_fwd_kernel_topk",
     )(partial.reshape(ks, n_pad, n_group, gsz), expert_bias.reshape(n_group, gsz), *pref)
-    return w, ids
+    return (w, ids) if normed is None else (w, ids, normed)

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import gemv
 from pallas_kernels.common import fp8
+from pallas_kernels.common.norm import GroupRMS
 from pallas_kernels.gemv import kernel, reference, rows
 from pallas_kernels.gemv.rows import RowsTuning
 from tests.numerics import input_seed, rel_err
@@ -115,6 +116,61 @@ def test_rows_fp8(case):
         assert rel_err(proj_only, want) > 0.05
     if with_norm:
         assert rel_err(reference.gemv(x, w_rows, r), want) > 0.05
+
+
+def _group_rms(seed, t, k, dtype, parts=8, group=fp8.BLOCK):
+    """A GroupRMS x [T, K] as KDA's decode kernel leaves it: values o·gate (fp32) and `parts` partial sums of squares
+    of o per group of `group` columns, rows at very different RMS so the scaling is far from one."""
+    rng = np.random.default_rng(input_seed(seed))
+    g = k // group
+    o = rng.standard_normal((t, g, group)) * np.exp(rng.standard_normal((t, g, 1)))
+    gate = 0.5 + rng.random((t, g, group))
+    sum_sq = (o * o).reshape(t, g, parts, group // parts).sum(-1)
+    return GroupRMS(jnp.asarray((o * gate).reshape(t, k), jnp.float32), jnp.asarray(sum_sq, jnp.float32), EPS,
+                    jnp.dtype(dtype).name)
+
+
+GROUP_RMS_CASES = {  # T, dtype, K, N, residual, tuning, group
+    "t1-bf16-k512-n100-res": (1, jnp.bfloat16, 512, 100, True, R16, 128),
+    "t1-f32-k512-n40": (1, jnp.float32, 512, 40, False, R16, 128),
+    "t1-bf16-k512-n40-ks2-res": (1, jnp.bfloat16, 512, 40, True, RowsTuning(block_n=16, k_splits=2), 128),
+    "t1-bf16-k640-n40-loop-group2": (1, jnp.bfloat16, 640, 40, False, RowsTuning(unroll=False, group=2), 128),
+    "t1-bf16-k512-n100-dot-res": (1, jnp.bfloat16, 512, 100, True, RowsTuning(block_n=64, one_token_dot=True), 256),
+    "t1-bf16-k512-n100-default-res": (1, jnp.bfloat16, 512, 100, True, None, 128),
+    # XLA scales x first: more tokens, and groups narrower than a 128-column block.
+    "t3-bf16-k512-n100-default-res": (3, jnp.bfloat16, 512, 100, True, None, 128),
+    "t1-f32-k512-n40-group64": (1, jnp.float32, 512, 40, False, R16, 64),
+}
+
+
+@pytest.mark.parametrize("case", list(GROUP_RMS_CASES))
+def test_rows_group_rms(case):
+    """A GroupRMS input (KDA's gated norm with its per-head RMS left to o_proj) against the reference on its applied
+    x, at TOL: the prologue sums each group's partial sums in another order, which may round a group's scaled x
+    the other way (bf16)."""
+    t, dtype, k, n, with_res, tuning, group = GROUP_RMS_CASES[case]
+    _, w, w_rows, r, _ = _inputs(260, t, k, n, dtype)
+    x = _group_rms(261, t, k, dtype, group=group)
+    r = r if with_res else None
+    assert rows.takes_group_rms(x) == (t == 1 and group % fp8.BLOCK == 0)
+    want = reference.gemv(x.apply(), w, r)
+    _check(rows.gemv(x, w_rows, r, tuning=tuning), want, dtype, (t, n))
+    _check(gemv.gemv(x, w_rows, r, backend="pallas"), want, dtype, (t, n))
+    np.testing.assert_array_equal(np.asarray(gemv.gemv(x, w_rows, r), np.float32), np.asarray(want, np.float32))
+    # The scaling is there: the values alone are far off.
+    assert rel_err(reference.gemv(x.values.astype(dtype), w, r), want) > 0.1
+
+
+def test_rows_group_rms_errors():
+    x = _group_rms(262, 1, 256, jnp.bfloat16)
+    _, _, w_rows, _, norm = _inputs(263, 1, 256, 40, jnp.bfloat16)
+    with pytest.raises(ValueError, match="carries its own norm"):
+        gemv.gemv(x, w_rows, norm=norm, backend="pallas")
+    bad = GroupRMS(x.values, jnp.concatenate([x.sum_sq, x.sum_sq[:, :1]], axis=1), x.eps, x.dtype)  # 3 groups
+    with pytest.raises(ValueError, match=r"G dividing K"):
+        gemv.gemv(bad, w_rows, backend="pallas")
+    with pytest.raises(ValueError, match=r"x.values.dtype"):
+        gemv.gemv(GroupRMS(x.values.astype(jnp.bfloat16), x.sum_sq, x.eps, x.dtype), w_rows, backend="pallas")
 
 
 def test_rows_reference_and_dispatch():
@@ -298,6 +354,24 @@ def test_rows_lowers_for_cuda(monkeypatch, t):
                                       sds((k,), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
             assert txt.count('name = "gemv_rows_fwd_kernel"') == 1
             assert f"grid_x = {-(-n // tu.block_n)}" in txt and f"grid_y = {tu.k_splits}" in txt
+
+
+def test_rows_group_rms_lowers_for_cuda(monkeypatch):
+    """KDA's o_proj at Flash size with its GroupRMS prologue (32 heads of 128, 8 partial sums each) and the
+    residual lowers to one Triton kernel with the default tuning's grid."""
+    from jax._src.pallas.triton import gpu_info
+
+    monkeypatch.setattr(gpu_info, "get_gpu_info", lambda *a, **k: gpu_info.get_gpu_info_from_version(
+        gpu_info.GpuVersion.H200))
+    monkeypatch.setattr(rows, "interpret_mode", lambda: False)
+    sds = jax.ShapeDtypeStruct
+    k, n = 4096, 2560
+    w = fp8.Fp8Weight(sds((n, k), fp8.FP8_DTYPE), sds((n, k // fp8.BLOCK), jnp.float32), fp8.ROWS)
+    x = GroupRMS(sds((1, k), jnp.float32), sds((1, 32, 8), jnp.float32), EPS, "bfloat16")
+    txt = jax.jit(rows.gemv).trace(x, w, sds((1, n), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
+    tu = rows.default_tuning(1, k, n)
+    assert txt.count('name = "gemv_rows_fwd_kernel"') == 1
+    assert f"grid_x = {n // tu.block_n}" in txt and f"grid_y = {tu.k_splits}" in txt
 
 
 @pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (tests/conftest.py sets jax_num_cpu_devices)")

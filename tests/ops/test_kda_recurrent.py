@@ -55,6 +55,30 @@ def test_decode_bv8():
     np.testing.assert_array_equal(np.asarray(w), np.asarray(w_r))
 
 
+@pytest.mark.parametrize("mode", ["decode", "verify"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_deferred_norm(mode, dtype):
+    """defer_norm: with V split over programs y comes back as the GroupRMS whose apply() is the plain y bit for bit
+    (the same fusion, moved), the other outputs unchanged; with BV == V (the norm fused) a plain y either way."""
+    from pallas_kernels.common.norm import GroupRMS
+
+    seed = input_seed()
+    t = 1 if mode == "decode" else 3
+    args = packed_inputs(seed, 1, t, 2, 32, dtype=dtype)
+    run = getattr(recurrent, mode)
+    for cfg in (RC(BV=8, num_warps=1), RC(BV=32, num_warps=4)):
+        y, *rest = run(*args, cfg=cfg)
+        y_d, *rest_d = run(*args, cfg=cfg, defer_norm=True)
+        assert isinstance(y_d, GroupRMS) == (cfg.BV < 32)
+        if cfg.BV < 32:
+            assert y_d.sum_sq.shape == (1, t, 2, 32 // cfg.BV) and y_d.group == 32
+        got = y_d.apply() if isinstance(y_d, GroupRMS) else y_d
+        assert got.dtype == y.dtype and got.shape == y.shape
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(y, np.float32))
+        for a, b in zip(rest, rest_d):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_config_validation():
     with pytest.raises(ValueError, match="BV=4 must be a power of two >= 8"):
         RC(BV=4)

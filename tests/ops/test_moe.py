@@ -277,6 +277,48 @@ def test_route_pallas(n):
         assert ids.dtype == jnp.int32 and w.dtype == jnp.float32
 
 
+@pytest.mark.parametrize("router_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("n", [1, 7, 40])
+def test_route_norm_prologue(n, dtype, router_dtype):
+    """The router norming its input (the block's post-attention RMSNorm, in the GEMV's prologue on Pallas): the
+    normed x it returns is `rms_norm`'s (float32 <= 1e-6; bf16 within one rounding, 4e-3, since a GPU's rsqrt may
+    differ from XLA's in the last bit) and the routing is the reference's on that x, ids exactly, at T = 1 (FMA
+    programs), 7 (per-token programs) and 40 (the dot), an fp32 and a bf16 router."""
+    from pallas_kernels.gemv.reference import rms_norm
+
+    tol = 1e-6 if dtype == jnp.float32 else 4e-3
+    for seed in range(3):
+        x, router, bias = _router_inputs(700 + seed, n)
+        rng = np.random.default_rng(input_seed(710 + seed))
+        # An unnormalised block input (RMS ~6, offset rows) and a norm weight away from one.
+        h = jnp.asarray(6.0 * x + rng.standard_normal((n, 1)), dtype)
+        weight = jnp.asarray(1.0 + 0.3 * rng.standard_normal(x.shape[1]), dtype)
+        norm = (weight, 1e-6)
+        args = (h, jnp.asarray(router, router_dtype), jnp.asarray(bias))
+        w, ids, xn = moe.route(*args, **ROUTE_KW, backend="pallas", norm=norm)
+        w_ref, ids_ref, xn_ref = moe.route(*args, **ROUTE_KW, norm=norm)
+        want = rms_norm(h, *norm)
+        assert xn.dtype == dtype and xn.shape == h.shape
+        np.testing.assert_array_equal(np.asarray(xn_ref), np.asarray(want))
+        assert rel_err(xn, want) <= tol, rel_err(xn, want)
+        assert rel_err(want, h) > 0.5  # the norm moved x
+        np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids_ref))
+        np.testing.assert_allclose(np.asarray(w), np.asarray(w_ref), rtol=1e-5, atol=1e-6)
+        w_plain, ids_plain = moe.route(want, *args[1:], **ROUTE_KW)
+        np.testing.assert_array_equal(np.asarray(ids_ref), np.asarray(ids_plain))
+
+
+def test_route_norm_refusals():
+    x, router, bias = (jnp.asarray(a) for a in _router_inputs(720, 1))
+    d = x.shape[1]
+    bad = (((jnp.ones(d + 1), 1e-6), r"norm\[0\]\.shape"), ((jnp.ones(d, jnp.int32), 1e-6), r"norm\[0\]\.dtype"),
+           ((jnp.ones(d), 0.0), "eps"), ((jnp.ones(d),), "pair"))
+    for norm, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            moe.route(x, router, bias, **ROUTE_KW, backend="pallas", norm=norm)
+
+
 @pytest.mark.parametrize("n,block_e", [(1, None), (1, 16), (7, None), (40, None)])
 def test_route_bf16_router_is_its_fp32_copy(n, block_e):
     """A bf16-stored router (the BF16 release's `mlp.gate.weight`, kept as stored) gives exactly what its fp32
