@@ -136,7 +136,7 @@ def main(argv=None):
           f"{'full model, extrapolated':>25s}")
     for r in rows:
         print(f"{r['backend']:10s} {r['tpot_us']:9.1f} {r['floor_us']:9.1f} {r['frac_of_floor']:9.1%} "
-              f"{r['kernels_per_step']:8d} {r['ttft_ms']:9.1f} {r['extrapolated_full_tpot_ms']:22.2f} ms")
+              f"{r['kernels_per_step']:8g} {r['ttft_ms']:9.1f} {r['extrapolated_full_tpot_ms']:22.2f} ms")
         print(f"{'':10s} kernels per layer: " + ", ".join(f"{k} {v}" for k, v in r["kernels_per_layer"].items()))
         for kind, launches in r["launches_of_first_layers"].items():
             print(f"{'':10s} {kind}: " + "; ".join(launches))

@@ -92,31 +92,39 @@ def step_bytes(cfg, context: int, dtype_bytes: int = 2, positions: int = 1,
 
 
 def kernels_per_step(params, cfg, backend: str, *, max_len: int = 16, steps: int = 1) -> dict:
-    """Kernel launches in one compiled decode step: fusions and custom calls (cuBLAS, Pallas) outside fused
-    computations, counted in the HLO of a decode block (its loop body is one step) -> {"step": total, "layers":
-    {layer scope: count}}. A launch belongs to the layer whose named scope (`layer{i}_{mixer}_{ffn}`,
-    ling_jax.model.forward) its op_name carries; the rest (embedding, lm_head, the block's own bookkeeping) to
-    "outside". `max_len` and `steps` as the timed generations used, so a persistent compilation cache serves it."""
+    """Kernel launches per compiled decode step: fusions and custom calls (cuBLAS, Pallas) outside fused
+    computations, counted in the HLO of a decode block of `steps` steps (`count_launches`) -> {"step": launches per
+    step, "layers": {layer scope: count}, "per_block": the block's launches outside its loop, "first_layers"}. A
+    launch belongs to the layer whose named scope (`layer{i}_{mixer}_{ffn}`, ling_jax.model.forward) its op_name
+    carries; the rest of the loop body (embedding, lm_head, the step's bookkeeping) to "outside". `max_len` and
+    `steps` as the timed generations used, so a persistent compilation cache serves it."""
     eos = jnp.zeros((0,), jnp.int32)
     # The loop state's shapes and shardings only: the step's program does not depend on the prefill's values.
     loop, _ = jax.eval_shape(functools.partial(G.start, cfg=cfg, sampler=Greedy(), max_len=max_len, backend=backend,
                                                pad_id=pad_id(cfg)), params, jnp.ones((1, 8), jnp.int32), jax.random.key(0), eos)
     hlo = G.decode_block.lower(params, loop, eos, cfg, Greedy(), steps=steps, backend=backend,
                                pad_id=pad_id(cfg)).compile().as_text()
-    return count_launches(hlo)
+    return count_launches(hlo, steps)
 
 
-def count_launches(hlo: str) -> dict:
-    """See kernels_per_step; `hlo` is a compiled module's text. Also "first_layers": {mixer_ffn kind: the launches
-    of the first layer of that kind, as `instruction <- op`}, to read where a layer's kernels come from."""
-    count, per_layer, computation = 0, collections.Counter(), ""
+def count_launches(hlo: str, steps: int = 1) -> dict:
+    """See kernels_per_step; `hlo` is a compiled module's text. The launches of a while loop's body run every step;
+    the others (the block's entry and exit around its loop: the loop state's layout copies, the step counter's
+    test) once per block, so each counts 1/steps of a step. Without a loop (one step) every launch counts. Also
+    "first_layers": {mixer_ffn kind: the launches of the first layer of that kind, as `instruction <- op`}, to read
+    where a layer's kernels come from."""
+    bodies = set(re.findall(r"\bwhile\(.*?\bbody=%?([\w.\-]+)", hlo))
+    per_step, per_block, per_layer, computation = 0, 0, collections.Counter(), ""
     names = collections.defaultdict(list)
     for line in hlo.splitlines():
         header = re.match(r"^(?:ENTRY )?%?([\w.\-]+) ", line)
         if header and line.rstrip().endswith("{"):
             computation = header.group(1)
         elif not computation.startswith(("fused", "wrapped")) and re.search(r"\b(fusion|custom-call)\(", line):
-            count += 1
+            if bodies and computation not in bodies:
+                per_block += 1
+                continue
+            per_step += 1
             scope = re.search(r"(layer\d+_\w+?_\w+?)/", line)
             layer = scope.group(1) if scope else "outside"
             per_layer[layer] += 1
@@ -127,7 +135,8 @@ def count_launches(hlo: str) -> dict:
     for layer in sorted(names, key=lambda n: (len(n), n)):
         kind = re.sub(r"^layer\d+_", "", layer)
         first.setdefault(kind, names[layer])
-    return {"step": count, "layers": dict(sorted(per_layer.items())), "first_layers": first}
+    return {"step": round(per_step + per_block / steps, 1), "layers": dict(sorted(per_layer.items())),
+            "per_block": per_block, "first_layers": first}
 
 
 # Which part of the step a kernel belongs to, by name (first match wins): the per-op breakdown of `--profile`.
@@ -215,7 +224,7 @@ def profile_step(params, cfg, backend: str, prompt, block: int, top: int = 25, d
 def kernel_counts(params, cfg, backend: str, **kw) -> dict:
     counts = kernels_per_step(params, cfg, backend, **kw)
     return dict(kernels_per_step=counts["step"], kernels_per_layer=counts["layers"],
-                launches_of_first_layers=counts["first_layers"])
+                kernels_per_block_outside_loop=counts["per_block"], launches_of_first_layers=counts["first_layers"])
 
 
 def print_breakdown(b: dict) -> None:

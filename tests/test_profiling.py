@@ -76,3 +76,45 @@ def test_layer_own_span():
     doubled = LAYER + (("experts_fwd_kernel_down_combine", 1.0),)
     calls = profiling.split_calls(_chain_call(0.0, 4, layer=doubled)[0])
     assert math.isnan(profiling.call_layer_span_us(calls, gemv, DOWN, 4))
+
+
+HLO_BLOCK = """\
+HloModule jit_decode_block
+
+%fused_add (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %add.1 = f32[4]{0} add(%p, %p)
+}
+
+%body.7 (arg: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %gemv = f32[4]{0} custom-call(%x), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(decode_block)/while/body/layer0_kda_moe/gemv_rows_fwd_kernel"}
+  %loop_add_fusion = f32[4]{0} fusion(%gemv), kind=kLoop, calls=%fused_add, metadata={op_name="jit(decode_block)/while/body/layer0_kda_moe/add"}
+  %router = f32[4]{0} custom-call(%y), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(decode_block)/while/body/layer1_mla_moe/router_fwd_kernel_gemv"}
+  %greedy = s32[1]{0} custom-call(%z), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(decode_block)/while/body/greedy_head"}
+}
+
+%cond.8 (arg: (s32[], f32[4])) -> pred[] {
+  %lt_fusion = pred[] fusion(%i), kind=kLoop, calls=%fused_add, metadata={op_name="jit(decode_block)/while/cond/lt"}
+}
+
+ENTRY %main.9 (a: f32[4]) -> f32[4] {
+  %wrapped_transpose = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused_add
+  %wrapped_transpose.1 = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused_add
+  %while.3 = (s32[], f32[4]) while(%tuple), condition=%cond.8, body=%body.7
+}
+"""
+
+
+def test_count_launches_per_step():
+    """A decode block's launches per step: its loop body's every step, the rest (entry copies, the loop test) once
+    per block of `steps`; none inside fused computations; each in-loop launch under its layer's scope."""
+    from ling_jax.bench import count_launches
+
+    counts = count_launches(HLO_BLOCK, steps=16)
+    assert counts["per_block"] == 3
+    assert counts["step"] == round(4 + 3 / 16, 1)
+    assert counts["layers"] == {"layer0_kda_moe": 2, "layer1_mla_moe": 1, "outside": 1}
+    assert counts["first_layers"]["kda_moe"] == ["gemv <- gemv_rows_fwd_kernel", "loop_add_fusion <- add"]
+    # Without a loop (a block of one step) every launch is the step's.
+    flat = HLO_BLOCK.replace(", condition=%cond.8, body=%body.7", "")
+    assert count_launches(flat.replace(" while(", " call("), steps=1)["step"] == 7
