@@ -136,6 +136,26 @@ def test_fp8_greedy_through_the_kernels_equals_the_dequantised_reference(fp8_dir
     assert got == want
 
 
+def test_kda_norm_scale_runs_in_o_proj_prologue(monkeypatch):
+    """At Flash's head_dim of 128 a KDA layer's decode leaves each head's RMS scale to o_proj's rows-GEMV prologue
+    (a GroupRMS, no XLA fusion between the two kernels), and the router norms the MoE input in its GEMV prologue.
+    The Pallas decode step's logits match the reference backend's from the same state within 1e-4 (float32: the
+    kernels sum in other orders, measured 7.8e-7)."""
+    from ling_jax.params import init_params
+    from pallas_kernels.gemv import rows
+
+    cfg = TOY_FP8.replace(head_dim=128, num_heads=2)
+    params = init_params(cfg, jax.random.key(input_seed(5)), jnp.float32, with_mtp=False)
+    taken = []
+    monkeypatch.setattr(rows, "takes_group_rms", lambda x, f=rows.takes_group_rms: taken.append(f(x)) or taken[-1])
+    logits = {}
+    for backend in ("reference", "pallas"):
+        _, state, _ = model.prefill(params, jnp.asarray(PROMPT), cfg, max_len=32)
+        logits[backend] = model.decode(params, state, jnp.asarray([17], jnp.int32), cfg, backend=backend)[0]
+    assert taken and all(taken)  # every KDA layer's o_proj took it in the prologue
+    assert rel_err(logits["pallas"], logits["reference"]) <= 1e-4
+
+
 def test_fp8_activations_run_the_w8a8_kernel_as_its_reference(fp8_dir, monkeypatch):
     """`--fp8-activations` (gemv=w8a8): the decode step's FP8 projections (mixers, dense MLP; not the experts) go
     through the W8A8 kernel, whose logits equal the model run with `w8a8.reference` in its place (float32: fp32

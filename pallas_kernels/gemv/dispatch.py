@@ -108,8 +108,8 @@ def gemv(x, w, residual=None, *, norm=None, backend="reference"):
         a prologue, saving the norm's own launch.
       backend: "reference" | "pallas" (1 <= T <= kernel.MAX_TOKENS, K % 16 == 0).
     x may also be a `pallas_kernels.common.norm.GroupRMS` (values [T, K] float32, sum_sq [T, G, P]; no `norm`):
-    the projection of `x.apply()`, which the rows kernel applies in its prologue at T = 1 (`rows.takes_group_rms`),
-    saving the scaling's own launch; elsewhere XLA applies it first.
+    the projection of `x.apply()`, which the kernels apply in their prologue at T = 1 (`rows.takes_group_rms`,
+    `kernel.takes_group_rms`), saving the scaling's own launch; elsewhere XLA applies it first.
     Returns:
       [T, N] in x's dtype; `ling_jax.layers.linear.proj("td,dn->tn", x, w)` (+ residual) for the reference with a
       plain weight.
@@ -125,12 +125,7 @@ def gemv(x, w, residual=None, *, norm=None, backend="reference"):
     _check_norm(norm, k)
     if backend == "reference":
         return reference.gemv(x.apply() if grouped else x, w, residual, norm=norm)
-    from pallas_kernels.gemv import rows
-
-    module = _check_pallas(t, k, n, w)
-    if grouped and module is not rows:  # kernel.py takes no GroupRMS: XLA scales x first
-        x = x.apply()
-    return module.gemv(x, w, residual, norm=norm)
+    return _check_pallas(t, k, n, w).gemv(x, w, residual, norm=norm)
 
 
 def _check_group_rms(x, norm):

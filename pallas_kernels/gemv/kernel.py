@@ -77,8 +77,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.common import fp8, interpret_mode
-from pallas_kernels.common.sizes import check_pow2_fields
-from pallas_kernels.common.norm import rms_normed as _rms_normed
+from pallas_kernels.common.norm import GroupRMS, rms_normed as _rms_normed
+from pallas_kernels.common.sizes import check_pow2_fields, is_pow2
 
 MAX_TOKENS = 16  # the tokens fill one 16-row dot; more would want blocks of tokens too (a GEMM kernel)
 DOT_ROWS = 16  # tensor-core dots take >= 16 rows: T > 1 tokens are padded to this
@@ -212,16 +212,33 @@ def _scale_row(s_ref, k, *, n0, BN, n_cols):
     return _load(s_ref, (lax.div(k, fp8.BLOCK), pl.ds(n0, BN)), col_ok)
 
 
+@dataclasses.dataclass(frozen=True)
+class _GroupScale:
+    """A GroupRMS input in a one-token program: its sums of squares ss_ref [1, G, P], S columns per group, eps, and
+    the compute dtype its scaled values are rounded to."""
+    ss_ref: object
+    S: int
+    eps: float
+    dtype: object
+
+    def scaled(self, xs, k):
+        """The fp32 piece xs at column k (inside one group) times its group's rsqrt(Σ sum_sq / S + eps), rounded."""
+        g = k // self.S if isinstance(k, int) else lax.div(k, self.S)
+        inv = lax.rsqrt(jnp.sum(self.ss_ref[0, g, :]) / self.S + self.eps)
+        return (xs * inv).astype(self.dtype)
+
+
 def _block_products(x_ref, w_ref, *, k0, n_steps, BK, n0, BN, n_cols, n_tok, rows, s_ref=None, g_ref=None,
-                    inv_rms=None):
+                    inv_rms=None, group_rms=None):
     """fp32 products of x_ref [T, K] (compute dtype) with w_ref [K, N] over rows [k0, k0 + n_steps·BK) and columns
     [n0, n0 + BN) -> [rows, BN] (rows = 1 at T = 1, else DOT_ROWS; padded rows are zero). Columns past n_cols are
     loaded as zeros. With s_ref the weight is FP8 (w_ref the E4M3 values, s_ref their [ceil(K/128), N] scales:
-    `_fp8_products`); with g_ref (the norm weight [K]) each x tile is RMS-normed first, by the tokens' inv_rms."""
+    `_fp8_products`); with g_ref (the norm weight [K]) each x tile is RMS-normed first, by the tokens' inv_rms;
+    with group_rms (`_GroupScale`, one token, plain weights) x_ref holds a GroupRMS input's fp32 values."""
     if s_ref is not None:
         return _fp8_products(x_ref, w_ref, s_ref, k0=k0, n_steps=n_steps, BK=BK, n0=n0, BN=BN, n_cols=n_cols,
                              n_tok=n_tok, rows=rows, g_ref=g_ref, inv_rms=inv_rms)
-    dt = x_ref.dtype
+    dt = x_ref.dtype if group_rms is None else group_rms.dtype
     col_ok = _col_mask(n0, BK, BN=BN, n_cols=n_cols)
     row_ok = _token_mask(BK=BK, n_tok=n_tok, rows=rows)
 
@@ -230,6 +247,8 @@ def _block_products(x_ref, w_ref, *, k0, n_steps, BK, n0, BN, n_cols, n_tok, row
 
     def load_x(k):
         xs = _load_x(x_ref, k, BK=BK, rows=rows, row_ok=row_ok)
+        if group_rms is not None:
+            return group_rms.scaled(xs, k)
         return xs if g_ref is None else _rms_normed(xs, g_ref[pl.ds(k, BK)], inv_rms)
 
     if rows == 1:
@@ -364,20 +383,22 @@ def _out_mask(n0, *, BN, n_cols, n_tok, rows):
 
 
 def gemv_kernel(x_ref, w_ref, *refs, K, k_rows, BK, BN, n_cols, n_tok, rows, split_out, with_residual, eps,
-                with_scale):
+                with_scale, rms_group=0, rms_dtype=None):
     # x_ref [T, K], w_ref [K, N] (x's dtype, or E4M3), then s_ref [ceil(K/128), N] fp32 (with_scale: FP8), g_ref [K]
-    # (the norm weight, any float dtype; eps not None) and r_ref [T, N] (with_residual) in the compute dtype; o_ref
-    # [T, N] compute dtype, or [KS, T, N] fp32 partials (split_out).
+    # (the norm weight, any float dtype; eps not None) or ss_ref [1, G, P] (rms_group > 0: x_ref is a GroupRMS
+    # input's fp32 values, these its sums of squares; eps and rms_dtype its), and r_ref [T, N] (with_residual) in the
+    # compute dtype; o_ref [T, N] compute dtype, or [KS, T, N] fp32 partials (split_out).
     # Program (j, s): columns [j·BN, (j+1)·BN), K rows [s, s + 1)·k_rows.
     refs = list(refs)
     o_ref = refs.pop()
     s_ref = refs.pop(0) if with_scale else None
-    g_ref, inv_rms = _norm_inputs(x_ref, refs, eps=eps, K=K, BK=BK, n_tok=n_tok, rows=rows)
+    group_rms = _GroupScale(refs.pop(0), rms_group, eps, jnp.dtype(rms_dtype)) if rms_group else None
+    g_ref, inv_rms = _norm_inputs(x_ref, refs, eps=None if rms_group else eps, K=K, BK=BK, n_tok=n_tok, rows=rows)
     r_ref = refs.pop(0) if with_residual else None
     j, s = pl.program_id(0), pl.program_id(1)
     n0 = j * BN
     acc = _block_products(x_ref, w_ref, k0=s * k_rows, n_steps=k_rows // BK, BK=BK, n0=n0, BN=BN, n_cols=n_cols,
-                          n_tok=n_tok, rows=rows, s_ref=s_ref, g_ref=g_ref, inv_rms=inv_rms)
+                          n_tok=n_tok, rows=rows, s_ref=s_ref, g_ref=g_ref, inv_rms=inv_rms, group_rms=group_rms)
     mask = _out_mask(n0, BN=BN, n_cols=n_cols, n_tok=n_tok, rows=rows)
     idx = (pl.ds(0, rows), pl.ds(n0, BN))
     if split_out:
@@ -445,38 +466,58 @@ def _norm_args(norm):
     return (weight,), float(eps)
 
 
+def takes_group_rms(x, w, tuning: GemvTuning | None = None) -> bool:
+    """Whether the kernel applies a GroupRMS input x in its prologue: one token, a plain weight, and K-steps that
+    stay inside one group (a group's S columns a multiple of the tuning's block_k)."""
+    if x.lead[0] != 1 or isinstance(w, fp8.Fp8Weight) or not is_pow2(x.sum_sq.shape[-1]):
+        return False
+    k, n = w.shape
+    tuning = tuning or default_tuning(1, k, n, jnp.dtype(w.dtype).itemsize)
+    bk = min(tuning.block_k, (k // tuning.k_splits) & -(k // tuning.k_splits))
+    return x.group % bk == 0
+
+
 def gemv(x, w, residual=None, *, norm=None, tuning: GemvTuning | None = None):
     """Same contract as `reference.gemv` (w [K, N] in x's dtype, or an IN_OUT `fp8.Fp8Weight` of that shape; `norm`
     None or (weight [K], eps: a Python float)); shapes validated by the dispatcher. `tuning` None:
-    `default_tuning(T, K, N, weight itemsize)`."""
+    `default_tuning(T, K, N, weight itemsize)`. x may be a `GroupRMS` [T, K] (no `norm`): applied in the prologue
+    where `takes_group_rms`, else by XLA first."""
+    if isinstance(x, GroupRMS):
+        if not takes_group_rms(x, w, tuning):
+            return gemv(x.apply(), w, residual, tuning=tuning)
+        return _gemv(x.values, w, (), residual, x.sum_sq, eps=x.eps, tuning=tuning, rms_dtype=x.dtype)
     norm_weight, eps = _norm_args(norm)
     q, scale = (w.q, (w.scale,)) if isinstance(w, fp8.Fp8Weight) else (w, ())
     return _gemv(x, q, scale, residual, *norm_weight, eps=eps, tuning=tuning)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "tuning"))
-def _gemv(x, w, scale, residual, *norm_weight, eps, tuning):
+@functools.partial(jax.jit, static_argnames=("eps", "tuning", "rms_dtype"))
+def _gemv(x, w, scale, residual, *prologue, eps, tuning, rms_dtype=None):
     # w: [K, N] in x's dtype, or the E4M3 values with scale = (their fp32 scales,); scale () for a plain weight.
+    # prologue: (the norm weight,), (a GroupRMS input's sums of squares,) with rms_dtype, or ().
     tuning = tuning or default_tuning(x.shape[0], *w.shape, jnp.dtype(w.dtype).itemsize)
     t, k, n, k_rows, bk = _split_rows(x, w, tuning, tuning.k_splits)
     bn, ks = tuning.block_n, tuning.k_splits
     rows = 1 if t == 1 and not tuning.one_token_dot else DOT_ROWS
+    rms_group = k // prologue[0].shape[1] if rms_dtype is not None else 0
+    out_dtype = jnp.dtype(rms_dtype) if rms_group else x.dtype
     split_out = ks > 1
     with_residual = residual is not None and not split_out
     out_shape = (jax.ShapeDtypeStruct((ks, t, n), jnp.float32) if split_out
-                 else jax.ShapeDtypeStruct((t, n), x.dtype))
+                 else jax.ShapeDtypeStruct((t, n), out_dtype))
     y = pl.pallas_call(
         functools.partial(gemv_kernel, K=k, k_rows=k_rows, BK=bk, BN=bn, n_cols=n, n_tok=t, rows=rows,
-                          split_out=split_out, with_residual=with_residual, eps=eps, with_scale=bool(scale)),
+                          split_out=split_out, with_residual=with_residual, eps=eps, with_scale=bool(scale),
+                          rms_group=rms_group, rms_dtype=out_dtype if rms_group else None),
         grid=(pl.cdiv(n, bn), ks),
         out_shape=out_shape,
         compiler_params=_params(tuning),
         interpret=interpret_mode(),
         name="gemv_fwd_kernel",
-    )(x, w, *scale, *norm_weight, *([residual] if with_residual else []))
+    )(x, w, *scale, *prologue, *([residual] if with_residual else []))
     if not split_out:
         return y
-    y = y.sum(0).astype(x.dtype)
+    y = y.sum(0).astype(out_dtype)
     return y if residual is None else residual + y
 
 

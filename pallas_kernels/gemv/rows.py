@@ -36,6 +36,11 @@ x's dtype, rounded again), once per step rather than once per walk (`RowsTuning.
   instructions per weight against 4.9, 46 loads of x before the first weight wait) and re-read all of x [T, K]
   (80 KB at T = 16) under K-splits.
 
+A `GroupRMS` input (KDA's gated norm with each head's RMS scale still to apply; `takes_group_rms`: one token,
+groups of whole 128-column blocks): x_ref holds its fp32 values and each piece, which lies inside one group, is
+scaled by rsqrt(Σ sum_sq / S + eps) of its group and rounded to the compute dtype before its products, so the
+scaling takes no launch of its own; a program reads only its own slice's groups' P partial sums.
+
 Grid (N / BN, KS), the row block fastest. With KS = 1 the program rounds its [T, BN] block to x's dtype and adds
 the optional residual in its epilogue; with KS > 1 (short N: o_proj 4096 -> 2560 has 160 blocks of 16 rows) each
 program writes its slice's fp32 partial [KS, T, N] and one XLA fusion sums the KS partials, rounds once and adds the

@@ -15,6 +15,10 @@ tokens. Split-K keeps enough programs in flight: one-row one-warp programs strea
 with 5 splits against 4.45 with none on the H200 (experiments/RESULTS.md, "MoE").
 A one-token program (T = 1, or N > 1 with `multi_token="per_token"`) reduces each tile's products x[k]·w[e, k] into
 [1, BE] by FMAs. N > 1 with `multi_token="dot"` takes dots W·xᵀ of BN >= 16 tokens per program, BE >= 16.
+With `norm_weight` (the block's post-attention RMSNorm) kernel 1 norms x in its prologue: each program scales its
+split's x tiles by rsqrt(Σx²/D + eps), the sums of squares taken by XLA where they fuse into x's producer (o_proj's
+K-split sum), and the programs of expert block 0 write the normed x the experts read, so the norm takes no launch
+of its own (one fewer per MoE layer).
 
 Kernel 2 (`router_fwd_kernel_topk`), grid (N + prefetch chunks,), one program per token over its scores laid out
 [G, E/G]: sums the KS partials in split order, sigmoid, then few serial reductions: per-group top-2 sums for all

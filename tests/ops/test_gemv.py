@@ -94,6 +94,40 @@ def test_gemv_pallas(case):
         assert rel_err(reference.gemv(x, w), want) > 0.1
 
 
+GROUP_RMS_CASES = {  # T, dtype, K, tuning, group, applied in the prologue
+    # One token, plain weights: the K-steps (32 rows) inside each 64-column group, by the dot or by FMAs, K-split.
+    "t1-bf16-dot": (1, jnp.bfloat16, 256, SMALL, 64, True),
+    "t1-f32-fma-ks2": (1, jnp.float32, 256, GemvTuning(block_n=64, block_k=32, k_splits=2, one_token_dot=False), 64,
+                       True),
+    "t1-bf16-default": (1, jnp.bfloat16, 256, None, 128, True),
+    # XLA scales x first: more tokens, or K-steps wider than a group.
+    "t3-bf16": (3, jnp.bfloat16, 256, SMALL, 64, False),
+    "t1-bf16-group16": (1, jnp.bfloat16, 256, SMALL, 16, False),
+}
+
+
+@pytest.mark.parametrize("case", list(GROUP_RMS_CASES))
+def test_gemv_pallas_group_rms(case):
+    """A GroupRMS input (KDA's gated norm with each head's RMS scale still to apply) through kernel.py's plain-weight
+    path against the reference on its applied x, within TOL (the prologue sums a group's partial sums of squares in
+    another order, which may round that group's scaled x the other way in bf16)."""
+    from pallas_kernels.common.norm import GroupRMS
+
+    t, dtype, k, tuning, group, in_prologue = GROUP_RMS_CASES[case]
+    rng = np.random.default_rng(input_seed(30))
+    g = k // group
+    o = rng.standard_normal((t, g, group)) * np.exp(rng.standard_normal((t, g, 1)))
+    x = GroupRMS(jnp.asarray((o * (0.5 + rng.random(o.shape))).reshape(t, k), jnp.float32),
+                 jnp.asarray((o * o).reshape(t, g, 4, group // 4).sum(-1), jnp.float32), 1e-6, jnp.dtype(dtype).name)
+    w, r = _normal(rng, (k, N), dtype, k ** -0.5), _normal(rng, (t, N), dtype)
+    assert kernel.takes_group_rms(x, w, tuning) == in_prologue
+    want = reference.gemv(x.apply(), w, r)
+    for y in (kernel.gemv(x, w, r, tuning=tuning), gemv.gemv(x, w, r, backend="pallas")):
+        assert y.dtype == dtype and y.shape == (t, N)
+        assert rel_err(y, want) <= TOL[dtype]
+    assert rel_err(reference.gemv(x.values.astype(dtype), w, r), want) > 0.1
+
+
 def test_gemv_dispatch_pallas_matches_reference():
     x, w, r = _gemv_inputs(20, 2, K, N, jnp.bfloat16)
     y = gemv.gemv(x, w, r, backend="pallas")
