@@ -107,13 +107,32 @@ def kernels_per_step(params, cfg, backend: str, *, max_len: int = 16, steps: int
     return count_launches(hlo, steps)
 
 
+def outside_loop(hlo: str) -> set[str]:
+    """The computations of a compiled module that run once per call around its loop: the entry computation and its
+    while loops' conditions, when the entry holds a loop (the decode block's steps); none without one."""
+    entry = re.search(r"^ENTRY %?([\w.\-]+) .*\{$(.*?)^\}", hlo, re.M | re.S)
+    if entry is None:
+        return set()
+    conditions = re.findall(r"\bwhile\(.*?\bcondition=%?([\w.\-]+)", entry.group(2))
+    return {entry.group(1), *conditions} if conditions else set()
+
+
+def loop_trips(hlo: str) -> int | None:
+    """The known trip count of the entry computation's loop (XLA's double buffering halves it, its body then holding
+    two steps), or None."""
+    entry = re.search(r"^ENTRY .*?\{$(.*?)^\}", hlo, re.M | re.S)
+    trips = re.search(r'\bwhile\(.*?"known_trip_count":\{"n":"(\d+)"', entry.group(1)) if entry else None
+    return int(trips.group(1)) if trips else None
+
+
 def count_launches(hlo: str, steps: int = 1) -> dict:
-    """See kernels_per_step; `hlo` is a compiled module's text. The launches of a while loop's body run every step;
-    the others (the block's entry and exit around its loop: the loop state's layout copies, the step counter's
-    test) once per block, so each counts 1/steps of a step. Without a loop (one step) every launch counts. Also
+    """See kernels_per_step; `hlo` is a compiled module's text. The launches of the loop's body (and of what it
+    calls) run every step; those around the loop (`outside_loop`: the block's entry and exit, the loop state's
+    layout copies, the step counter's test) once per block, so each counts 1/steps of a step. A body XLA unrolled
+    holds two steps (`loop_trips`), so its launches count half. Without a loop (one step) every launch counts. Also
     "first_layers": {mixer_ffn kind: the launches of the first layer of that kind, as `instruction <- op`}, to read
     where a layer's kernels come from."""
-    bodies = set(re.findall(r"\bwhile\(.*?\bbody=%?([\w.\-]+)", hlo))
+    around = outside_loop(hlo)
     per_step, per_block, per_layer, computation = 0, 0, collections.Counter(), ""
     names = collections.defaultdict(list)
     for line in hlo.splitlines():
@@ -121,7 +140,7 @@ def count_launches(hlo: str, steps: int = 1) -> dict:
         if header and line.rstrip().endswith("{"):
             computation = header.group(1)
         elif not computation.startswith(("fused", "wrapped")) and re.search(r"\b(fusion|custom-call)\(", line):
-            if bodies and computation not in bodies:
+            if computation in around:
                 per_block += 1
                 continue
             per_step += 1
@@ -131,12 +150,15 @@ def count_launches(hlo: str, steps: int = 1) -> dict:
             inst = re.match(r"\s*%?([\w\-]+?)(?:[.\d]*) = ", line)
             op = re.search(r'op_name="([^"]*)"', line)
             names[layer].append(f"{inst.group(1) if inst else '?'} <- {op.group(1).split('/')[-1] if op else '?'}")
+    # Steps per pass of the body: 1, or 2 where XLA unrolled the loop (its trip count then half the steps).
+    per_pass = steps // (loop_trips(hlo) or steps) if around else 1
     first = {}
     for layer in sorted(names, key=lambda n: (len(n), n)):
         kind = re.sub(r"^layer\d+_", "", layer)
-        first.setdefault(kind, names[layer])
-    return {"step": round(per_step + per_block / steps, 1), "layers": dict(sorted(per_layer.items())),
-            "per_block": per_block, "first_layers": first}
+        first.setdefault(kind, names[layer][:len(names[layer]) // per_pass])
+    return {"step": round(per_step / per_pass + per_block / steps, 1),
+            "layers": {k: v // per_pass for k, v in sorted(per_layer.items())}, "per_block": per_block,
+            "first_layers": first}
 
 
 # Which part of the step a kernel belongs to, by name (first match wins): the per-op breakdown of `--profile`.

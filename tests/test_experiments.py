@@ -44,6 +44,7 @@ SMOKE_OUTPUT = {  # what each smoke run must print beyond exiting 0
     "bench_mla_prefill": [r"^\| kind \| T \| L \|"],
     "bench_prefill": [r"^\| prompt \| chunk \| ttft_ms \|"],
     "bench_gemv": [r"^\| kind \| shape \| T \|"],
+    "decode_copies": [r"^\| where \| shape \| copies \|", r"^\| every step \| "],
 }
 
 

@@ -87,20 +87,20 @@ HloModule jit_decode_block
 }
 
 %body.7 (arg: (s32[], f32[4])) -> (s32[], f32[4]) {
-  %gemv = f32[4]{0} custom-call(%x), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(decode_block)/while/body/layer0_kda_moe/gemv_rows_fwd_kernel"}
-  %loop_add_fusion = f32[4]{0} fusion(%gemv), kind=kLoop, calls=%fused_add, metadata={op_name="jit(decode_block)/while/body/layer0_kda_moe/add"}
-  %router = f32[4]{0} custom-call(%y), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(decode_block)/while/body/layer1_mla_moe/router_fwd_kernel_gemv"}
-  %greedy = s32[1]{0} custom-call(%z), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(decode_block)/while/body/greedy_head"}
+  %gemv = f32[4]{0} custom-call(%x), metadata={op_name="body/layer0_kda_moe/gemv_rows_fwd_kernel"}
+  %loop_add_fusion = f32[4]{0} fusion(%gemv), kind=kLoop, calls=%fused_add, metadata={op_name="body/layer0_kda_moe/add"}
+  %router = f32[4]{0} custom-call(%y), metadata={op_name="body/layer1_mla_moe/router_fwd_kernel_gemv"}
+  %greedy = s32[1]{0} custom-call(%z), metadata={op_name="body/greedy_head"}
 }
 
 %cond.8 (arg: (s32[], f32[4])) -> pred[] {
-  %lt_fusion = pred[] fusion(%i), kind=kLoop, calls=%fused_add, metadata={op_name="jit(decode_block)/while/cond/lt"}
+  %lt_fusion = pred[] fusion(%i), kind=kLoop, calls=%fused_add, metadata={op_name="cond/lt"}
 }
 
 ENTRY %main.9 (a: f32[4]) -> f32[4] {
   %wrapped_transpose = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused_add
   %wrapped_transpose.1 = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused_add
-  %while.3 = (s32[], f32[4]) while(%tuple), condition=%cond.8, body=%body.7
+  %while.3 = (s32[]) while(%tuple), condition=%cond.8, body=%body.7, backend_config={"known_trip_count":{"n":"16"}}
 }
 """
 
@@ -115,6 +115,10 @@ def test_count_launches_per_step():
     assert counts["step"] == round(4 + 3 / 16, 1)
     assert counts["layers"] == {"layer0_kda_moe": 2, "layer1_mla_moe": 1, "outside": 1}
     assert counts["first_layers"]["kda_moe"] == ["gemv <- gemv_rows_fwd_kernel", "loop_add_fusion <- add"]
+    # XLA's double buffering: the body holds two steps and the loop runs half the trips.
+    body = HLO_BLOCK.split("%body.7 (")[1].split("\n}")[0].split("\n", 1)[1]
+    unrolled = HLO_BLOCK.replace(body, body + "\n" + body).replace('"n":"16"', '"n":"8"')
+    assert count_launches(unrolled, steps=16) == counts
     # Without a loop (a block of one step) every launch is the step's.
     flat = HLO_BLOCK.replace(", condition=%cond.8, body=%body.7", "")
     assert count_launches(flat.replace(" while(", " call("), steps=1)["step"] == 7

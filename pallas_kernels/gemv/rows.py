@@ -335,8 +335,9 @@ def rows_kernel(x_ref, q_ref, s_ref, *refs, K, k_rows, BN, n_rows, n_tok, rows, 
                 with_residual, group=1, rms_group=0, rms_dtype=None):
     # x_ref [T, K] compute dtype (a GroupRMS input, rms_group > 0: its fp32 values, T = 1), q_ref [N, K] E4M3, s_ref
     # [N, ceil(K/128)] fp32, then g_ref [K] (the norm weight; eps not None) or ss_ref [1, G, P] (the GroupRMS
-    # input's sums of squares; its eps and compute dtype rms_dtype), and r_ref [T, N] (with_residual); o_ref [T, N] in the compute dtype, or
-    # [KS, T, N] fp32 partials (split_out). Program (j, s): rows [j·BN, (j+1)·BN), columns [s, s + 1)·k_rows.
+    # input's sums of squares; its eps and compute dtype rms_dtype), and r_ref [T, N] (with_residual); o_ref [T, N]
+    # in the compute dtype, or [KS, T, N] fp32 partials (split_out). Program (j, s): rows [j·BN, (j+1)·BN), columns
+    # [s, s + 1)·k_rows.
     refs = list(refs)
     o_ref = refs.pop()
     ss_ref = refs.pop(0) if rms_group else None
