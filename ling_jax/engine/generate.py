@@ -84,10 +84,12 @@ def start(params, prompt, key, eos, cfg: LingConfig, sampler, *, max_len: int, b
 def sample_step(params, loop: LoopState, eos, cfg: LingConfig, sampler, *, backend: str, pad_id: int):
     """Feed `loop.last`, sample the next token -> (LoopState, token [B]). Greedy takes the argmax inside the
     lm_head (`ling_jax.model.greedy_tokens`): the step never writes the logits."""
-    key, sub = jax.random.split(loop.key)
     if isinstance(sampler, Greedy):
+        # The key passes through untouched: a new one would be a fresh buffer XLA copies back into the loop's.
+        key = loop.key
         token, model, _ = decode_forward(params, loop.model, loop.last, cfg, backend=backend, head="greedy")
     else:
+        key, sub = jax.random.split(loop.key)
         logits, model, _ = decode_forward(params, loop.model, loop.last, cfg, backend=backend)
         token = sampler.sample(logits, sub)
     token, done = _mask_eos(token, loop.done, eos, pad_id)
