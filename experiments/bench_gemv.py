@@ -34,7 +34,8 @@ bench_gemv_fp8.json.
 KDA w_in and o_proj, MLA w_qg and kv_a, the dense MLP's gate|up and down, each with the model's norm prologue or
 residual) at T = 1, 4, 16: `before` (kernel.py's default: IN_OUT, FMAs at T = 1, the hand-pipelined dot above),
 `d_rows_fma` (rows.py over the ROWS layout, T = 1, FMAs at `rows.default_tuning`: looped in two-block steps at KDA's
-w_in, unrolled elsewhere), `d_rows_fma_g2` / `_g4` (T = 1: the FMAs looped, 2 or 4 blocks a step),
+w_in, unrolled elsewhere), `d_rows_fma_g2` / `_g4` (T = 1: the FMAs looped, 2 or 4 blocks a step; `_g2_early`: the
+first step's loads issued before the norm walks x),
 `a_rows_dot_g2` / `_g4` (T > 1: the looped dot, 2 or 4 blocks a step), `d_rows_dot` (rows.py, the unrolled dot),
 `a_rows_dot` (rows.py, the dot in a loop Triton pipelines), `c_w8a8` (w8a8.py: E4M3 activations quantised by an XLA
 fusion, then an FP8 x FP8 dot; held to `w8a8.reference`, its own numerics), `b_tma` (tma.py: Mosaic GPU, the weight
@@ -115,9 +116,9 @@ LEVERS_BUDGET_S = 200
 LEVERS_HARD_S = 290
 
 
-def fp8_levers(t, k, n):
+def fp8_levers(t, k, n, norm=True):
     """[(lever, layout, tuning)] of one shape and T, side by side (module docstring, --levers): each lever with its
-    own heuristic default."""
+    own heuristic default; `norm`: the shape has the norm prologue (which `_g2_early` needs)."""
     out = [("before", fp8.IN_OUT, kernel.default_tuning(t, k, n, 1))]
     dot = rows.default_tuning(t, k, n, one_token_dot=True, unroll=False)
     if t == 1:
@@ -125,6 +126,8 @@ def fp8_levers(t, k, n):
         looped = dataclasses.replace(fma, unroll=False, num_warps=4)
         out += [("d_rows_fma", fp8.ROWS, fma), ("d_rows_fma_g2", fp8.ROWS, dataclasses.replace(looped, group=2)),
                 ("d_rows_fma_g4", fp8.ROWS, dataclasses.replace(looped, group=4))]
+        if norm:
+            out.insert(-1, ("d_rows_fma_g2_early", fp8.ROWS, dataclasses.replace(looped, group=2, early_loads=True)))
     else:
         out += [("a_rows_dot_g2", fp8.ROWS, dataclasses.replace(dot, group=2)),
                 ("a_rows_dot_g4", fp8.ROWS, dataclasses.replace(dot, group=4))]
@@ -378,7 +381,7 @@ def run_levers(args):
             # Op by op: under jit XLA's excess precision may skip rms_norm's bf16 rounding inside a fusion.
             want = reference.gemv(xs[0], run.data[shape[0]][fp8.IN_OUT][0], None if rs is None else rs[0], norm=norm)
             inputs[shape[0], t] = (xs, rs, norm, want)
-            for lever, layout, tu in fp8_levers(t, shape[1], shape[2]):
+            for lever, layout, tu in fp8_levers(t, shape[1], shape[2], norm=shape[4]):
                 run.measure(shape, t, lever, layout, tu, inputs[shape[0], t], hard)
             write_results("bench_gemv_levers.json", results, to_repo=not args.smoke)
     for t in [t for t in sweep_ts if t in ts]:

@@ -59,7 +59,8 @@ per-thread cap when unrolled. Each rule with its measurement:
   1282 took 22.5 µs looped, 33.1 unrolled, 27.2 unrolled in two K-splits. The loop steps over FMA_LOOP_GROUP = 2
   blocks, both blocks' loads issued together (`RowsTuning.group`; on an H100: w_in 23.3 µs against 24.6 one block a
   step, 26.6 four; w_qg looped in two-block steps 11.2 against 12.2 for its unrolled default there, not adopted
-  without an H200 run, where unrolled beat one-block looping 11.0 to 12.1). Fewer rows: unrolled (gate|up, 768
+  without an H200 run, where unrolled beat one-block looping 11.0 to 12.1; `RowsTuning.early_loads`, the first step's
+  loads issued before the norm's walk of x, is a lever not yet timed). Fewer rows: unrolled (gate|up, 768
   programs: 18.3 unrolled in two splits, 18.4 looped; o_proj 7.2 unrolled against 8.6 looped; w_qg 11.0 against
   12.1), every load of the slice in flight before the first FMA.
 - Unrolled slices of at most FMA_BYTES_PER_THREAD weight bytes per thread (16 rows x 1280 columns on 4 warps), half
@@ -134,6 +135,9 @@ class RowsTuning:
     norm_in_kernel: bool | None = None  # the RMSNorm in the kernel, or x normed by XLA first; None: T = 1 only
     # Looped: 128-column blocks per loop step, their loads issued together (each row's group·128 bytes at once)
     group: int = 1
+    # Looped with the norm in the kernel: the first step's weight tiles and scales are loaded before the norm walks
+    # x, so they are in flight behind the norm rather than after it
+    early_loads: bool = False
 
     def __post_init__(self):
         check_pow2_fields(self, ("block_n",), 16)
@@ -141,14 +145,18 @@ class RowsTuning:
         for name in ("k_splits", "num_stages", "group"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"RowsTuning.{name}={getattr(self, name)} must be an integer >= 1")
-        if not isinstance(self.one_token_dot, bool):
-            raise ValueError(f"RowsTuning.one_token_dot={self.one_token_dot!r} must be a bool")
+        for name in ("one_token_dot", "early_loads"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"RowsTuning.{name}={getattr(self, name)!r} must be a bool")
         for name in ("unroll", "norm_in_kernel"):
             if getattr(self, name) not in (None, True, False):
                 raise ValueError(f"RowsTuning.{name}={getattr(self, name)!r} must be None, True or False")
         if self.group > 1 and self.unroll:
             raise ValueError(f"RowsTuning.group={self.group} groups the blocks of a loop step, and unroll=True has no "
                              "loop: pass group=1 or unroll=False")
+        if self.early_loads and (self.unroll or self.norm_in_kernel is False):
+            raise ValueError("RowsTuning.early_loads=True moves a loop's first loads ahead of the kernel's norm; with "
+                             "unroll=True every load already comes first, and norm_in_kernel=False has no norm there")
 
 
 def default_tuning(n_tokens: int, k: int, n: int, *, one_token_dot: bool = False,
@@ -302,18 +310,23 @@ def _unrolled(prog, k0, pieces, *, full_x, g_ref, K, eps):
     return acc
 
 
-def _looped(prog, k0, pieces, *, g_ref, K, eps, group=1):
+def _looped(prog, k0, pieces, *, g_ref, K, eps, group=1, early=False):
     """The slice's whole blocks as a fori_loop over groups of `group` blocks (Triton pipelines the tiles feeding a
     dot; a group's weight tiles and scales load before its first product, `group` x 128 contiguous bytes of each
-    row), the blocks left over and the narrower pieces after; the kernel's norm first walks all of x."""
+    row), the blocks left over and the narrower pieces after; the kernel's norm first walks all of x (`early`: after
+    the first group's loads are issued, that group then taken out of the loop)."""
+    full = [p for p in pieces if p[1] == BLOCK]
+    n_groups = len(full) // group
+    first_ks = [k0 + j * BLOCK for j in range(group)]
+    early = early and g_ref is not None and n_groups > 0
+    first = [(prog.q(k, BLOCK), prog.scale(k)) for k in first_ks] if early else None
     inv = None
     if g_ref is not None:
         inv = _inv_rms(prog.norm_x(), K=K, eps=eps)
-    full = [p for p in pieces if p[1] == BLOCK]
     shape = (prog.BN,) if prog.rows == 1 else (prog.rows, prog.BN)
 
-    def steps(ks, w, acc):
-        loaded = [(prog.q(k, w), prog.scale(k)) for k in ks]
+    def steps(ks, w, acc, loaded=None):
+        loaded = loaded if loaded is not None else [(prog.q(k, w), prog.scale(k)) for k in ks]
         for k, (q, sc) in zip(ks, loaded):
             acc = acc + _product(_normed(prog.x(k, w), k, w, g_ref, inv), q, sc, rows=prog.rows)
         return acc
@@ -323,16 +336,17 @@ def _looped(prog, k0, pieces, *, g_ref, K, eps, group=1):
         return steps([k + j * BLOCK for j in range(group)], BLOCK, acc)
 
     acc = jnp.zeros(shape, jnp.float32)
-    n_groups = len(full) // group
-    if n_groups:  # a loop of no steps would still trace a 128-wide tile past a narrower K
-        acc = lax.fori_loop(0, n_groups, body, acc)
+    if early:
+        acc = steps(first_ks, BLOCK, acc, first)
+    if n_groups > early:  # a loop of no steps would still trace a 128-wide tile past a narrower K
+        acc = lax.fori_loop(int(early), n_groups, body, acc)
     for off, w in pieces[n_groups * group:]:
         acc = steps([k0 + off], w, acc)
     return acc
 
 
 def rows_kernel(x_ref, q_ref, s_ref, *refs, K, k_rows, BN, n_rows, n_tok, rows, eps, unroll, split_out,
-                with_residual, group=1, rms_group=0, rms_dtype=None):
+                with_residual, group=1, rms_group=0, rms_dtype=None, early=False):
     # x_ref [T, K] compute dtype (a GroupRMS input, rms_group > 0: its fp32 values, T = 1), q_ref [N, K] E4M3, s_ref
     # [N, ceil(K/128)] fp32, then g_ref [K] (the norm weight; eps not None) or ss_ref [1, G, P] (the GroupRMS
     # input's sums of squares; its eps and compute dtype rms_dtype), and r_ref [T, N] (with_residual); o_ref [T, N]
@@ -352,7 +366,7 @@ def rows_kernel(x_ref, q_ref, s_ref, *refs, K, k_rows, BN, n_rows, n_tok, rows, 
     if unroll:
         acc = _unrolled(prog, k0, pieces, full_x=k_rows == K, **common)
     else:
-        acc = _looped(prog, k0, pieces, group=group, **common)
+        acc = _looped(prog, k0, pieces, group=group, early=early, **common)
     _store(o_ref, r_ref, acc, s, n0=n0, BN=BN, n_rows=n_rows, n_tok=n_tok, rows=rows, split_out=split_out)
 
 
@@ -450,12 +464,15 @@ def _gemv(x, q, scale, residual, *prologue, eps, tuning, rms_dtype=None):
     bn, ks = tuning.block_n, tuning.k_splits
     rows = 1 if t == 1 and not tuning.one_token_dot else DOT_ROWS
     unroll = rows == 1 if tuning.unroll is None else tuning.unroll
-    if unroll and tuning.group > 1:
-        raise ValueError(f"RowsTuning.group={tuning.group} groups the blocks of a loop step, and this path is "
-                         "unrolled (T = 1 by FMAs unrolls by default): pass unroll=False or group=1")
+    if unroll and (tuning.group > 1 or tuning.early_loads):
+        raise ValueError(f"RowsTuning group={tuning.group}, early_loads={tuning.early_loads} shape a loop, and this "
+                         "path is unrolled (T = 1 by FMAs unrolls by default): pass unroll=False")
     rms_group = k // prologue[0].shape[1] if rms_dtype is not None else 0
     if prologue and not rms_group and not (t == 1 if tuning.norm_in_kernel is None else tuning.norm_in_kernel):
         x, prologue, eps = _rms_norm_pinned(x, prologue[0], eps), (), None  # once per step, by XLA
+    if tuning.early_loads and (not prologue or rms_group):
+        raise ValueError("RowsTuning.early_loads=True moves a loop's first loads ahead of the kernel's norm, and this "
+                         "call has no norm in the kernel: pass early_loads=False")
     out_dtype = jnp.dtype(rms_dtype) if rms_group else x.dtype
     split_out = ks > 1
     with_residual = residual is not None and not split_out
@@ -463,7 +480,8 @@ def _gemv(x, q, scale, residual, *prologue, eps, tuning, rms_dtype=None):
     y = pl.pallas_call(
         functools.partial(rows_kernel, K=k, k_rows=k_rows, BN=bn, n_rows=n, n_tok=t, rows=rows, eps=eps,
                           unroll=unroll, split_out=split_out, with_residual=with_residual, group=tuning.group,
-                          rms_group=rms_group, rms_dtype=out_dtype if rms_group else None),
+                          rms_group=rms_group, rms_dtype=out_dtype if rms_group else None,
+                          early=tuning.early_loads),
         grid=(pl.cdiv(n, bn), ks),
         out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),

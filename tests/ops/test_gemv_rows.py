@@ -79,6 +79,14 @@ ROWS_CASES = {  # T, dtype, K, N, norm, residual, tuning
     "t1-bf16-k640-n100-fma-group2-norm-res": (1, jnp.bfloat16, 640, 100, True, True,
                                               RowsTuning(unroll=False, group=2)),
     "t3-f32-k640-n40-dot-group3-res": (3, jnp.float32, 640, 40, False, True, RowsTuning(block_n=32, group=3)),
+    # The first step's loads issued before the norm walks x, that step then out of the loop (one, two, three
+    # blocks a step: a loop of 4, 1 and 0 steps after it, K = 640, 640, 384).
+    "t1-bf16-k640-n100-fma-early-norm-res": (1, jnp.bfloat16, 640, 100, True, True,
+                                             RowsTuning(unroll=False, early_loads=True)),
+    "t1-bf16-k640-n40-fma-group2-early-norm": (1, jnp.bfloat16, 640, 40, True, False,
+                                               RowsTuning(unroll=False, group=2, early_loads=True)),
+    "t1-f32-k384-n40-ks1-fma-group3-early-norm": (1, jnp.float32, 384, 40, True, False,
+                                                  RowsTuning(unroll=False, group=3, early_loads=True)),
     # One token by the padded dot (rows 1..15 masked), unrolled and looped; the norm by XLA instead.
     "t1-bf16-k256-n100-dot-res": (1, jnp.bfloat16, 256, 100, False, True,
                                   RowsTuning(num_warps=1, one_token_dot=True, unroll=True)),
@@ -257,8 +265,14 @@ def test_rows_dispatch_errors():
         fp8.check_fp8("w", fp8.Fp8Weight(w_rows.q, jnp.ones((2,), jnp.float32), fp8.ROWS, 2))
     with pytest.raises(ValueError, match=r"greedy_head takes the lm_head w \[K, V\] in x's dtype .* not an Fp8Weight"):
         gemv.greedy_head(x, w_rows, backend="pallas")
-    with pytest.raises(ValueError, match=r"RowsTuning.group=2 groups the blocks of a loop step, and this path is "):
-        rows.gemv(x[:1], w_rows, tuning=RowsTuning(group=2))
+    for tu in (RowsTuning(group=2), RowsTuning(early_loads=True)):
+        with pytest.raises(ValueError, match=r"RowsTuning group=\d, early_loads=\w+ shape a loop, and this path is "
+                                             r"unrolled"):
+            rows.gemv(x[:1], w_rows, tuning=tu)
+    with pytest.raises(ValueError, match=r"early_loads=True moves a loop's first loads ahead of the kernel's norm"):
+        RowsTuning(early_loads=True, unroll=True)
+    with pytest.raises(ValueError, match=r"this call has no norm in the kernel: pass early_loads=False"):
+        rows.gemv(x[:1], w_rows, tuning=RowsTuning(unroll=False, early_loads=True))
     with pytest.raises(ValueError, match=r"RowsTuning.k_splits=3 must cut K=256 into equal slices of whole "
                                          r"128-column blocks \(K-splits of this K: \[1, 2\]\)"):
         rows.gemv(x, w_rows, tuning=RowsTuning(k_splits=3))
