@@ -110,7 +110,7 @@ def kernels_per_step(params, cfg, backend: str, *, max_len: int = 16, steps: int
 def outside_loop(hlo: str) -> set[str]:
     """The computations of a compiled module that run once per call around its loop: the entry computation and its
     while loops' conditions, when the entry holds a loop (the decode block's steps); none without one."""
-    entry = re.search(r"^ENTRY %?([\w.\-]+) .*\{$(.*?)^\}", hlo, re.M | re.S)
+    entry = re.search(r"^ENTRY %?([\w.\-]+) [^\n]*\{$(.*?)^\}", hlo, re.M | re.S)
     if entry is None:
         return set()
     conditions = re.findall(r"\bwhile\(.*?\bcondition=%?([\w.\-]+)", entry.group(2))
@@ -120,7 +120,7 @@ def outside_loop(hlo: str) -> set[str]:
 def loop_trips(hlo: str) -> int | None:
     """The known trip count of the entry computation's loop (XLA's double buffering halves it, its body then holding
     two steps), or None."""
-    entry = re.search(r"^ENTRY .*?\{$(.*?)^\}", hlo, re.M | re.S)
+    entry = re.search(r"^ENTRY [^\n]*\{$(.*?)^\}", hlo, re.M | re.S)
     trips = re.search(r'\bwhile\(.*?"known_trip_count":\{"n":"(\d+)"', entry.group(1)) if entry else None
     return int(trips.group(1)) if trips else None
 
