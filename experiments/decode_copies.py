@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from ling_jax import bench
+from ling_jax.cache import cache_len
 from ling_jax.config import preset
 from ling_jax.engine import generate as G
 from ling_jax.engine.sampling import Greedy
@@ -34,9 +35,11 @@ def compiled_block(cfg, *, max_len: int, steps: int, double_buffer: bool) -> str
     """The optimised HLO text of `generate.decode_block` for cfg (bf16 compute, the `fast` backend)."""
     params = abstract_params(cfg, jnp.bfloat16, with_mtp=False)
     eos = jnp.zeros((0,), jnp.int32)
-    start = functools.partial(G.start, cfg=cfg, sampler=Greedy(), max_len=max_len, backend="fast", pad_id=0)
+    start = functools.partial(G.start, cfg=cfg, sampler=Greedy(), max_len=max_len, backend="fast",
+                              pad_id=bench.pad_id(cfg))
     loop, _ = jax.eval_shape(start, params, jnp.ones((1, 8), jnp.int32), jax.random.key(0), eos)
-    lowered = G.decode_block.lower(params, loop, eos, cfg, Greedy(), steps=steps, backend="fast", pad_id=0)
+    lowered = G.decode_block.lower(params, loop, eos, cfg, Greedy(), steps=steps, backend="fast",
+                                   pad_id=bench.pad_id(cfg))
     return lowered.compile(compiler_options=DOUBLE_BUFFER if double_buffer else None).as_text()
 
 
@@ -66,8 +69,9 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="the toy preset on the CPU")
     args = ap.parse_args()
     cfg = preset("toy") if args.smoke else bench.bench_config("ling-3.0-flash", args.layers, args.dtype)
-    hlo = compiled_block(cfg, max_len=64 if args.smoke else 8192 + 1040, steps=args.steps,
-                         double_buffer=args.double_buffer)
+    # The latent caches of SGLang's workload (an 8192-token prompt, 1024 tokens out), as `ling-jax bench` sizes them.
+    max_len = 64 if args.smoke else cache_len(8192 + 1024 + args.steps)
+    hlo = compiled_block(cfg, max_len=max_len, steps=args.steps, double_buffer=args.double_buffer)
     print(f"{jax.devices()[0].device_kind}, {cfg.num_layers} layers, double buffering "
           f"{'on' if args.double_buffer else 'off'}")
     print("| where | shape | copies |\n|---|---|---|")

@@ -211,7 +211,7 @@ def gemv_main(args):
         if args.shapes and shape not in args.shapes.split(","):
             continue
         for t in map(int, args.ts.split(",")):
-            for lever, layout, tu in fp8_levers(t, k, n):
+            for lever, layout, tu in fp8_levers(t, k, n, norm=with_norm):
                 if (names and lever not in names) or lever == W8A8 or layout == TMA:  # w8a8.py, Mosaic GPU: not here
                     continue
                 r = gemv_sass_row(layout, tu, t, k, n, with_norm, with_res)

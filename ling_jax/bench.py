@@ -108,8 +108,9 @@ def kernels_per_step(params, cfg, backend: str, *, max_len: int = 16, steps: int
 
 
 def outside_loop(hlo: str) -> set[str]:
-    """The computations of a compiled module that run once per call around its loop: the entry computation and its
-    while loops' conditions, when the entry holds a loop (the decode block's steps); none without one."""
+    """The computations of a compiled module that run at most once per call around its loop, when the entry holds
+    one (the decode block's steps): the entry computation and its loops' conditions, which XLA's GPU runtime skips
+    for a loop of known trip count (a decode block's); none without a loop."""
     entry = re.search(r"^ENTRY %?([\w.\-]+) [^\n]*\{$(.*?)^\}", hlo, re.M | re.S)
     if entry is None:
         return set()
@@ -128,7 +129,7 @@ def loop_trips(hlo: str) -> int | None:
 def count_launches(hlo: str, steps: int = 1) -> dict:
     """See kernels_per_step; `hlo` is a compiled module's text. The launches of the loop's body (and of what it
     calls) run every step; those around the loop (`outside_loop`: the block's entry and exit, the loop state's
-    layout copies, the step counter's test) once per block, so each counts 1/steps of a step. A body XLA unrolled
+    layout copies) once per block, so each counts 1/steps of a step. A body XLA unrolled
     holds two steps (`loop_trips`), so its launches count half. Without a loop (one step) every launch counts. Also
     "first_layers": {mixer_ffn kind: the launches of the first layer of that kind, as `instruction <- op`}, to read
     where a layer's kernels come from."""

@@ -10,7 +10,7 @@ reads a block's tokens only after the next block has been dispatched, so the dev
       model  ModelState           caches + length
       last   int32 [B]            token to feed next
       done   bool [B]             sequence has emitted an EOS
-      key    PRNG key             split once per step
+      key    PRNG key             split once per step by a sampling sampler; greedy passes it through
 """
 
 from __future__ import annotations

@@ -18,7 +18,6 @@ from ling_jax.layers.linear import dense
 from ling_jax.params import kda_in_parts, kda_specs, param_axes
 from ling_jax.sharding import logical_to_spec, per_shard
 from pallas_kernels import kda as kda_ops
-from pallas_kernels.common.norm import GroupRMS
 
 # A later prefill chunk ("extend") is the chunked prefill from the state and window the previous chunk left.
 _MODES = {"prefill": kda_ops.kda_prefill, "extend": kda_ops.kda_prefill, "decode": kda_ops.kda_decode,
@@ -67,18 +66,12 @@ def kda_block(p: dict, h: jnp.ndarray, norm: tuple, cache: KDACache, cfg: LingCo
         inputs = (qkv, parts["f"], parts["b"][..., 0], parts["g"])
     args = (*inputs, cache.conv_window, cache.state, p["conv_qkv"], p["A_log"], p["dt_bias"], p["o_norm"])
     op = functools.partial(_MODES[mode], lower_bound=cfg.kda_lower_bound, eps=cfg.rms_norm_eps, backend=backend)
-    if backend == "pallas" and packed:
-        # The gated norm's per-head RMS scaling is left to o_proj's GEMV prologue (a GroupRMS y), saving a launch.
-        op = functools.partial(op, defer_norm=True)
-        y_spec = jax.eval_shape(op, *args)[0]
-        if isinstance(y_spec, GroupRMS):
-            y_spec = GroupRMS(_PER_HEAD, _PER_HEAD, y_spec.eps, y_spec.dtype)
-        else:
-            y_spec = _PER_HEAD
-        out_specs = (y_spec, _ROWS, _STATES if mode == "verify" else _STATE)
-        op = per_shard(op, _in_specs(cfg, packed), out_specs)
-    elif backend == "pallas":
-        op = per_shard(op, _in_specs(cfg, packed), (_PER_HEAD, _ROWS, _STATE))
+    if backend == "pallas":
+        y_spec = _PER_HEAD
+        if packed:  # the gated norm's per-head RMS scale left to o_proj's GEMV prologue (a GroupRMS y): no launch
+            op = functools.partial(op, defer_norm=True)
+            y_spec = jax.tree.map(lambda _: _PER_HEAD, jax.eval_shape(op, *args)[0])  # its values and sums per head
+        op = per_shard(op, _in_specs(cfg, packed), (y_spec, _ROWS, _STATES if mode == "verify" else _STATE))
     y, rows, state = op(*args)
     new_cache = KDAStaged(rows, state) if mode == "verify" else KDACache(rows, state)
     return dense(y, p["w_o"], axes["w_o"], n_in=2, backend=gemv, residual=residual), new_cache

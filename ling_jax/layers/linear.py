@@ -69,8 +69,9 @@ def dense(x: jnp.ndarray, w: jnp.ndarray, axes: tuple, *, n_in: int = 1, backend
     grouped = isinstance(x, GroupRMS)
     values = x.values if grouped else x
     lead = values.shape[:values.ndim - n_in]
+    # XLA's GEMMs and the W8A8 kernel (which quantises the scaled x) take it applied.
     if grouped and (not uses_gemv(backend, math.prod(lead)) or backend == W8A8):
-        x, grouped = x.apply(), False
+        x = x.apply()
     if not uses_gemv(backend, math.prod(lead)):
         xn = x if norm is None else rms_norm(x, norm[0], norm[1])
         letters = "abcdefghijklmnopqrstuvwxyz"

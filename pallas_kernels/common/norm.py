@@ -21,6 +21,13 @@ def rms_normed(xs, g, inv_rms):
     return (g.astype(dt).astype(jnp.float32) * normed.astype(jnp.float32)).astype(dt)
 
 
+def group_rms_scaled(xs, sum_sq, group: int, eps: float, dtype):
+    """A GroupRMS piece inside one group, in a kernel's prologue: the fp32 values xs times rsqrt(Σ sum_sq / S + eps)
+    of its group's partial sums `sum_sq` [P], rounded to `dtype`. The partial sums add in a tree here and in order in
+    `GroupRMS.apply`, so a bf16 rounding of the two may differ."""
+    return (xs * lax.rsqrt(jnp.sum(sum_sq) / group + eps)).astype(dtype)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class GroupRMS:

@@ -138,8 +138,14 @@ def _check_group_rms(x, norm):
     if x.sum_sq.shape[0] != t or k % x.sum_sq.shape[1]:
         raise ValueError(f"x.sum_sq.shape={tuple(x.sum_sq.shape)} must be [T, G, P] with T = {t} and G dividing "
                          f"K = {k} (groups of K/G columns)")
-    if jnp.dtype(x.dtype) not in COMPUTE_DTYPES:
+    try:
+        dtype = jnp.dtype(x.dtype)
+    except TypeError:
+        dtype = None
+    if dtype not in COMPUTE_DTYPES:
         raise ValueError(f"x.dtype={x.dtype!r} must name a compute dtype {[str(d) for d in COMPUTE_DTYPES]}")
+    if isinstance(x.eps, bool) or not isinstance(x.eps, (float, np.floating)) or not 0 < x.eps < float("inf"):
+        raise ValueError(f"x.eps={x.eps!r} must be a positive finite Python float (the kernel compiles it in)")
     if norm is not None:
         raise ValueError("a GroupRMS x carries its own norm: pass norm=None")
 

@@ -77,7 +77,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.common import fp8, interpret_mode
-from pallas_kernels.common.norm import GroupRMS, rms_normed as _rms_normed
+from pallas_kernels.common.norm import GroupRMS, group_rms_scaled, rms_normed as _rms_normed
 from pallas_kernels.common.sizes import check_pow2_fields, is_pow2
 
 MAX_TOKENS = 16  # the tokens fill one 16-row dot; more would want blocks of tokens too (a GEMM kernel)
@@ -224,8 +224,7 @@ class _GroupScale:
     def scaled(self, xs, k):
         """The fp32 piece xs at column k (inside one group) times its group's rsqrt(Σ sum_sq / S + eps), rounded."""
         g = k // self.S if isinstance(k, int) else lax.div(k, self.S)
-        inv = lax.rsqrt(jnp.sum(self.ss_ref[0, g, :]) / self.S + self.eps)
-        return (xs * inv).astype(self.dtype)
+        return group_rms_scaled(xs, self.ss_ref[0, g, :], self.S, self.eps, self.dtype)
 
 
 def _block_products(x_ref, w_ref, *, k0, n_steps, BK, n0, BN, n_cols, n_tok, rows, s_ref=None, g_ref=None,

@@ -96,10 +96,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.common import fp8, interpret_mode
-from pallas_kernels.common.norm import GroupRMS
+from pallas_kernels.common.norm import GroupRMS, group_rms_scaled, rms_normed as _rms_normed
 from pallas_kernels.common.sizes import check_pow2_fields, is_pow2
 from pallas_kernels.gemv import kernel
-from pallas_kernels.gemv.kernel import DOT_ROWS, MIN_PROGRAMS, MIN_SPLIT_ROWS, _load, _norm_args, _rms_normed
+from pallas_kernels.gemv.kernel import DOT_ROWS, MIN_PROGRAMS, MIN_SPLIT_ROWS, _load, _norm_args
 
 BLOCK = fp8.BLOCK
 # Weight bytes a thread of an unrolled program holds in flight: the probe's 16 rows x 2560 columns over 4 warps, 80
@@ -244,8 +244,7 @@ class _Program:
         """A GroupRMS input's piece at column k (inside one group: groups are whole 128-column blocks), scaled by
         its group's rsqrt(Σ sum_sq / S + eps) and rounded to the compute dtype."""
         g = k // self.rms_group if isinstance(k, int) else lax.div(k, self.rms_group)
-        inv = lax.rsqrt(jnp.sum(self.ss_ref[0, g, :]) / self.rms_group + self.rms_eps)
-        return (xs * inv).astype(self.out_dtype)
+        return group_rms_scaled(xs, self.ss_ref[0, g, :], self.rms_group, self.rms_eps, self.out_dtype)
 
     def norm_x(self):
         """x's pieces over all K, for the norm's sum of squares."""
@@ -318,7 +317,10 @@ def _looped(prog, k0, pieces, *, g_ref, K, eps, group=1, early=False):
     full = [p for p in pieces if p[1] == BLOCK]
     n_groups = len(full) // group
     first_ks = [k0 + j * BLOCK for j in range(group)]
-    early = early and g_ref is not None and n_groups > 0
+    early = early and g_ref is not None
+    if early and not n_groups:
+        raise ValueError(f"RowsTuning.early_loads=True takes a loop's first step out of it, and this program's "
+                         f"{len(full)} block(s) make no step of {group}: pass early_loads=False or a smaller group")
     first = [(prog.q(k, BLOCK), prog.scale(k)) for k in first_ks] if early else None
     inv = None
     if g_ref is not None:

@@ -94,7 +94,8 @@ def route(x, router, expert_bias, *, n_group, topk_group, top_k, routed_scaling_
 
 def _check_norm(norm, d):
     if not isinstance(norm, tuple) or len(norm) != 2:
-        raise ValueError(f"norm={norm!r} must be None or a pair (weight [D], eps)")
+        raise ValueError(f"norm (a {type(norm).__name__} of length {len(norm) if isinstance(norm, tuple) else '-'}) "
+                         "must be None or a pair (weight [D], eps)")
     weight, eps = norm
     check_shape("norm[0]", weight, (d,), "[D]")
     check_dtype("norm[0]", weight, (jnp.float32, jnp.bfloat16))

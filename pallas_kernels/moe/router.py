@@ -339,6 +339,8 @@ def route(x, router, expert_bias, *, n_group, topk_group, top_k, routed_scaling_
     for name, v in (("E", e), ("E/n_group", e // n_group), ("top_k", top_k)):
         if v & (v - 1):
             raise ValueError(f"the Pallas router needs power-of-two sizes: {name}={v}")
+    if (norm_weight is None) != (eps is None):
+        raise ValueError("the router's norm prologue takes norm_weight and eps together (both or neither)")
     norm = None if norm_weight is None else (norm_weight, eps)
     partial, normed = gemv_partials(x, router, tuning, norm)
     ks, n_pad, _ = partial.shape

@@ -242,7 +242,7 @@ def test_rows_quantize_blocks():
 
 
 def test_rows_dispatch_errors():
-    x, w, w_rows, r, _ = _inputs(0, 2, 256, 96, jnp.float32)
+    x, w, w_rows, r, norm = _inputs(0, 2, 256, 96, jnp.float32)
     cases = [
         # an IN_OUT-shaped q under the ROWS name: [K, N] where [N, K] is due
         (fp8.Fp8Weight(w.q, jnp.ones((256, 1), jnp.float32), fp8.ROWS),
@@ -273,6 +273,8 @@ def test_rows_dispatch_errors():
         RowsTuning(early_loads=True, unroll=True)
     with pytest.raises(ValueError, match=r"this call has no norm in the kernel: pass early_loads=False"):
         rows.gemv(x[:1], w_rows, tuning=RowsTuning(unroll=False, early_loads=True))
+    with pytest.raises(ValueError, match=r"this program's 2 block\(s\) make no step of 4: pass early_loads=False"):
+        rows.gemv(x[:1], w_rows, norm=norm, tuning=RowsTuning(unroll=False, group=4, early_loads=True))
     with pytest.raises(ValueError, match=r"RowsTuning.k_splits=3 must cut K=256 into equal slices of whole "
                                          r"128-column blocks \(K-splits of this K: \[1, 2\]\)"):
         rows.gemv(x, w_rows, tuning=RowsTuning(k_splits=3))
