@@ -1,6 +1,10 @@
 """The model on its own: cache consistency across modes, clamps, decode-loop structure, EOS masking, sampling."""
 
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -70,6 +74,36 @@ def test_verify_equals_decode_steps(toy, tokens):
     assert int(committed.length) == P + T
     for mine, ref in zip(jax.tree.leaves(committed.layers), jax.tree.leaves(state.layers)):
         assert rel(mine, ref) < TOL_F32
+
+
+_COMPILE_VERIFY = """
+import time, jax, jax.numpy as jnp
+from ling_jax import model
+from ling_jax.config import preset
+from ling_jax.params import init_params
+cfg = preset("toy")
+params = init_params(cfg, jax.random.key(0), jnp.float32, with_mtp=False)
+tokens = jax.random.randint(jax.random.key(1), (2, 57), 0, cfg.vocab_size)
+_, state, _ = model.prefill(params, tokens[:, :50], cfg, max_len=128)
+start = time.perf_counter()
+jax.block_until_ready(model.verify(params, state, tokens[:, 50:], cfg)[0])
+print(f"{time.perf_counter() - start:.1f}")
+"""
+
+
+def test_verify_step_compiles_in_seconds():
+    """The toy's reference verify step (batch 2, 7 tokens) compiles and runs in 2 s on the CPU; a residual stream
+    whose reshapes XLA chains across layers compiled it for more than 5 minutes (ling_jax/layers/moe.py). Run apart,
+    so a relapse fails here by name within 120 s instead of stalling the suite."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    try:
+        run = subprocess.run([sys.executable, "-c", _COMPILE_VERIFY], capture_output=True, text=True, env=env,
+                             timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the toy's verify step did not compile within 120 s (2 s expected): look for a fusion chained "
+                    "across layers in its optimised HLO (XLA_FLAGS=--xla_dump_to=...)")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert float(run.stdout.split()[-1]) < 60, run.stdout
 
 
 @pytest.mark.parametrize("keep", [1, 3, 6])

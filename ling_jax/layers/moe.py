@@ -55,9 +55,11 @@ def moe_block(p: dict, h: jnp.ndarray, norm: tuple, cfg: LingConfig, layer: int,
         experts = per_shard(experts, (P(), P(), P()) + _partition_specs(cfg, _ROUTED + shared_names), P(),
                             sum_outputs=True)
     weights, ids, x = route(flat, p["router"], p["expert_bias"], norm[0], *prefetch)
-    # One device: the experts kernels add the residual themselves (at T = 1 in the down kernel's epilogue, no add
-    # launch). Sharded, each device's output is a partial sum, so the residual is added once, after the psum.
-    fused = residual is not None and tp_size() <= 1
+    # One token on one device: the Pallas down kernel adds the residual in its epilogue (no add launch). Sharded,
+    # each device's output is a partial sum, so the residual is added once, after the psum. Elsewhere XLA adds it in
+    # h's own shape: a residual stream that goes through [N, D] in every layer chains bitcasts that XLA's CPU
+    # fusion tiling expands exponentially (the toy's verify step compiled in 2 s that way, not in 20 min).
+    fused = residual is not None and tp_size() <= 1 and backend == "pallas" and flat.shape[0] == 1
     res = {"residual": residual.reshape(flat.shape)} if fused else {}
     y = experts(x, weights, ids, *(p[name] for name in _ROUTED), *shared, **res).reshape(h.shape)
     return y + residual if residual is not None and not fused else y
