@@ -43,10 +43,10 @@ def compiled_block(cfg, *, max_len: int, steps: int, double_buffer: bool) -> str
     return lowered.compile(compiler_options=DOUBLE_BUFFER if double_buffer else None).as_text()
 
 
-def copies(hlo: str) -> collections.Counter:
-    """{(where, shape): count} of the copy instructions outside fused computations: "every step" in the decode loop
-    (and what it calls), else "around the loop" (bench.outside_loop)."""
-    around = bench.outside_loop(hlo)
+def copies(hlo: str, steps: int) -> collections.Counter:
+    """{(where, shape): count} of the copy instructions outside fused computations of a block of `steps` steps:
+    "every step" in the decode loop (and what it calls), else "around the loop" (bench.block_loop)."""
+    around, _ = bench.block_loop(hlo, steps)
     found, computation = collections.Counter(), ""
     for line in hlo.splitlines():
         header = re.match(r"^(?:ENTRY )?%?([\w.\-]+) ", line)
@@ -75,7 +75,7 @@ def main():
     print(f"{jax.devices()[0].device_kind}, {cfg.num_layers} layers, double buffering "
           f"{'on' if args.double_buffer else 'off'}")
     print("| where | shape | copies |\n|---|---|---|")
-    for (where, shape), n in sorted(copies(hlo).items()):
+    for (where, shape), n in sorted(copies(hlo, args.steps).items()):
         print(f"| {where} | {shape} | {n} |")
 
 

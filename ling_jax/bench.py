@@ -107,33 +107,32 @@ def kernels_per_step(params, cfg, backend: str, *, max_len: int = 16, steps: int
     return count_launches(hlo, steps)
 
 
-def outside_loop(hlo: str) -> set[str]:
-    """The computations of a compiled module that run at most once per call around its loop, when the entry holds
-    one (the decode block's steps): the entry computation and its loops' conditions, which XLA's GPU runtime skips
-    for a loop of known trip count (a decode block's); none without a loop."""
+def block_loop(hlo: str, steps: int) -> tuple[set[str], int]:
+    """The decode block's loop in a compiled module of `steps` steps -> (the computations around it, steps per pass
+    of its body). The loop is the entry computation's while of known trip count `steps`, or `steps / 2` where XLA's
+    double buffering unrolled two steps into its body. Around it run the entry and its loops' conditions (which
+    XLA's GPU runtime skips for a known trip count), once per block. No such loop (one step; or only a kernel's own
+    loops, as interpreted Pallas programs on the CPU): ({}, 1), every launch the step's."""
     entry = re.search(r"^ENTRY %?([\w.\-]+) [^\n]*\{$(.*?)^\}", hlo, re.M | re.S)
-    if entry is None:
-        return set()
-    conditions = re.findall(r"\bwhile\(.*?\bcondition=%?([\w.\-]+)", entry.group(2))
-    return {entry.group(1), *conditions} if conditions else set()
-
-
-def loop_trips(hlo: str) -> int | None:
-    """The known trip count of the entry computation's loop (XLA's double buffering halves it, its body then holding
-    two steps), or None."""
-    entry = re.search(r"^ENTRY [^\n]*\{$(.*?)^\}", hlo, re.M | re.S)
-    trips = re.search(r'\bwhile\(.*?"known_trip_count":\{"n":"(\d+)"', entry.group(1)) if entry else None
-    return int(trips.group(1)) if trips else None
+    if entry is None or steps < 2:
+        return set(), 1
+    loops = [(re.search(r"\bcondition=%?([\w.\-]+)", line).group(1),
+              re.search(r'"known_trip_count":\{"n":"(\d+)"', line)) for line in entry.group(2).splitlines()
+             if re.search(r"\bwhile\(.*\bcondition=", line)]
+    trips = [int(n.group(1)) for _, n in loops if n and int(n.group(1)) in (steps, steps / 2)]
+    if not trips:
+        return set(), 1
+    return {entry.group(1), *(cond for cond, _ in loops)}, steps // trips[0]
 
 
 def count_launches(hlo: str, steps: int = 1) -> dict:
     """See kernels_per_step; `hlo` is a compiled module's text. The launches of the loop's body (and of what it
-    calls) run every step; those around the loop (`outside_loop`: the block's entry and exit, the loop state's
-    layout copies) once per block, so each counts 1/steps of a step. A body XLA unrolled
-    holds two steps (`loop_trips`), so its launches count half. Without a loop (one step) every launch counts. Also
+    calls) run every step; those around the loop (`block_loop`: the block's entry and exit, the loop state's
+    layout copies) once per block, so each counts 1/steps of a step. A body XLA unrolled holds two steps, so its
+    launches count half. Without the block's loop (one step) every launch counts. Also
     "first_layers": {mixer_ffn kind: the launches of the first layer of that kind, as `instruction <- op`}, to read
     where a layer's kernels come from."""
-    around = outside_loop(hlo)
+    around, per_pass = block_loop(hlo, steps)
     per_step, per_block, per_layer, computation = 0, 0, collections.Counter(), ""
     names = collections.defaultdict(list)
     for line in hlo.splitlines():
@@ -151,8 +150,6 @@ def count_launches(hlo: str, steps: int = 1) -> dict:
             inst = re.match(r"\s*%?([\w\-]+?)(?:[.\d]*) = ", line)
             op = re.search(r'op_name="([^"]*)"', line)
             names[layer].append(f"{inst.group(1) if inst else '?'} <- {op.group(1).split('/')[-1] if op else '?'}")
-    # Steps per pass of the body: 1, or 2 where XLA unrolled the loop (its trip count then half the steps).
-    per_pass = steps // (loop_trips(hlo) or steps) if around else 1
     first = {}
     for layer in sorted(names, key=lambda n: (len(n), n)):
         kind = re.sub(r"^layer\d+_", "", layer)

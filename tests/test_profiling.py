@@ -122,3 +122,7 @@ def test_count_launches_per_step():
     # Without a loop (a block of one step) every launch is the step's.
     flat = HLO_BLOCK.replace(", condition=%cond.8, body=%body.7", "")
     assert count_launches(flat.replace(" while(", " call("), steps=1)["step"] == 7
+    # A loop whose trip count is not the block's (an interpreted kernel's own loop on the CPU) is not the block's:
+    # at one step, or at a trip count that is neither the steps nor half of them, every launch is the step's.
+    assert count_launches(HLO_BLOCK, steps=1)["step"] == 7
+    assert count_launches(HLO_BLOCK, steps=4)["per_block"] == 0

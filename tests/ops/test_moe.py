@@ -1048,3 +1048,54 @@ def test_fp8_lowers_for_cuda(monkeypatch, n):
         assert f"grid_x = {d // experts_mod.DECODE_TUNING_FP8.block_d}" in calls[down]
         assert "stablehlo.add" not in txt  # the residual: added inside the down kernel
         assert re.search(r"tensor<9x1x768xf32>", txt)  # h: float32 between the two kernels (experts.h_dtype)
+
+
+def _near_tie_router(d=256, e=512):
+    """An fp32 router and bias where experts c = 300 and b = 301 tie for the last of 8 places up to their third bf16
+    piece: per weight b = a + s·(2^-15 + 2^-24) and c = a + s·2^-15 (a bf16-exact, |a| in [2^-5, 2^-4), s = ±1), so
+    b's pieces are (a, s·2^-15, s·2^-24) and c's (a, s·2^-15, 0). With s = sign(x), b's logit exceeds c's by
+    2^-24·Σ|x| (~1e-5), 100x the fp32 sums' rounding; without the third piece the two tie and the lower index, c,
+    would win. Seven experts in groups 0 and 2 lead by their bias; every other expert trails by its bias."""
+    rng = np.random.default_rng(input_seed(53))
+    x = np.asarray(jnp.asarray(rng.standard_normal((1, d)), jnp.bfloat16), np.float32)
+    sign = np.where(x[0] >= 0, 1.0, -1.0).astype(np.float32)
+    mag = (2.0 ** -5) * (1 + rng.integers(0, 128, (e, d)) / 128)  # bf16-exact: 8 significant bits
+    router = (mag * rng.choice([-1.0, 1.0], (e, d))).astype(np.float32)
+    router[301] = router[300] + sign * np.float32(2.0 ** -15 + 2.0 ** -24)
+    router[300] = router[300] + sign * np.float32(2.0 ** -15)
+    bias = np.full(e, -1.0, np.float32)
+    bias[[0, 1, 2, 3, 128, 129, 130]] = 1.0  # groups 0 and 2 (64 experts a group)
+    bias[[300, 301]] = 0.0  # group 4
+    return x, router, bias
+
+
+@pytest.mark.parametrize("n", [1, 7, 40, 300])
+def test_route_fp32_router_resolves_a_near_tie_exactly(n):
+    """An fp32-stored router keeps exact fp32 sums at every token count: with bf16 tokens its dot paths (N > 16:
+    the wide and the prefill tuning) take it as three bf16 pieces, and the constructed near tie (`_near_tie_router`)
+    picks expert 301 over 300 only if the third piece is summed. The reference and float64 agree."""
+    x1, router, bias = _near_tie_router()
+    x = np.repeat(x1, n, axis=0)
+    assert (x1 @ router.astype(np.float64).T)[0, 301] > (x1 @ router.astype(np.float64).T)[0, 300]
+    args = (jnp.asarray(x, jnp.bfloat16), jnp.asarray(router), jnp.asarray(bias))
+    for backend in ("reference", "pallas"):
+        _, ids = moe.route(*args, **ROUTE_KW, backend=backend)
+        chosen = np.asarray(ids)
+        assert (chosen == 301).any(axis=1).all() and not (chosen == 300).any(), \
+            f"{backend} at N={n} chose {chosen[0]}: expert 301 wins over 300 only by its router's third bf16 piece"
+    np.testing.assert_array_equal(np.sort(chosen, axis=1), np.sort(np_route(x, router, bias, **ROUTE_KW)[1], axis=1))
+
+
+@pytest.mark.parametrize("n", [1, 7, 40, 300])
+def test_router_logits_of_an_fp32_router_are_fp32_sums(n):
+    """The router GEMV's logits (its partial sums added) of bf16 tokens and an fp32-stored router against float64:
+    within 1e-6 relative at every tuning by token count (fp32 sums of exact products measure 0.7-1.2e-7; an fp32
+    weight cut to two bf16 pieces, 16 of its 24 bits, measures 2.5e-6)."""
+    from pallas_kernels.moe import router as router_mod
+
+    x, router, _ = _router_inputs(57, n)
+    xb = jnp.asarray(x, jnp.bfloat16)
+    partials, _ = router_mod.gemv_partials(xb, jnp.asarray(router), router_mod.default_tuning(n))
+    logits = np.asarray(partials.sum(0)[:n])
+    want = np.asarray(xb, np.float64) @ router.astype(np.float64).T
+    assert rel_err(logits, want) <= 1e-6
