@@ -112,7 +112,7 @@ def block_loop(hlo: str, steps: int) -> tuple[set[str], int]:
     of its body). The loop is the entry computation's while of known trip count `steps`, or `steps / 2` where XLA's
     double buffering unrolled two steps into its body. Around it run the entry and its loops' conditions (which
     XLA's GPU runtime skips for a known trip count), once per block. No such loop (one step; or only a kernel's own
-    loops, as interpreted Pallas programs on the CPU): ({}, 1), every launch the step's."""
+    loops, as interpreted Pallas programs on the CPU): (set(), 1), every launch the step's."""
     entry = re.search(r"^ENTRY %?([\w.\-]+) [^\n]*\{$(.*?)^\}", hlo, re.M | re.S)
     if entry is None or steps < 2:
         return set(), 1

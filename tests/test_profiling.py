@@ -119,6 +119,7 @@ def test_count_launches_per_step():
     body = HLO_BLOCK.split("%body.7 (")[1].split("\n}")[0].split("\n", 1)[1]
     unrolled = HLO_BLOCK.replace(body, body + "\n" + body).replace('"n":"16"', '"n":"8"')
     assert count_launches(unrolled, steps=16) == counts
+    assert count_launches(unrolled.replace('"n":"8"', '"n":"1"'), steps=2)["step"] == round(4 + 3 / 2, 1)
     # Without a loop (a block of one step) every launch is the step's.
     flat = HLO_BLOCK.replace(", condition=%cond.8, body=%body.7", "")
     assert count_launches(flat.replace(" while(", " call("), steps=1)["step"] == 7

@@ -57,8 +57,8 @@ def moe_block(p: dict, h: jnp.ndarray, norm: tuple, cfg: LingConfig, layer: int,
     weights, ids, x = route(flat, p["router"], p["expert_bias"], norm[0], *prefetch)
     # One token on one device: the Pallas down kernel adds the residual in its epilogue (no add launch). Sharded,
     # each device's output is a partial sum, so the residual is added once, after the psum. Elsewhere XLA adds it in
-    # h's own shape: a residual stream that goes through [N, D] in every layer chains bitcasts that XLA's CPU
-    # fusion tiling expands exponentially (the toy's verify step compiled in 2 s that way, not in 20 min).
+    # h's own shape: a residual stream reshaped to [N, D] and back in every layer chains bitcasts through fusions
+    # that XLA's CPU tiling expands exponentially (the toy's verify step compiles in 2 s, against over 5 minutes).
     fused = residual is not None and tp_size() <= 1 and backend == "pallas" and flat.shape[0] == 1
     res = {"residual": residual.reshape(flat.shape)} if fused else {}
     y = experts(x, weights, ids, *(p[name] for name in _ROUTED), *shared, **res).reshape(h.shape)
