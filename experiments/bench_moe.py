@@ -86,17 +86,20 @@ EXPERTS_SWEEP = [
     dataclasses.replace(_D, block_d=2, warps_down=2),
     dataclasses.replace(_D, block_ki=128),
 ]
-# --fp8, T = 1: around DECODE_TUNING_FP8 (gate/up 4 rows and down 2 features per one-warp program, per-lane FFMA
-# chains): the gate/up chunks written out, 8-row two-warp gate/up programs (the same lane shape, half the programs),
-# 8-feature down programs, 256-wide gate/up chunks. Five tunings, each one compiled check and one profiled
-# chain (device time, no wall slope): `--fp8 --no-ts` ends after this sweep and the T = 1 profile.
+# --fp8, T = 1: DECODE_TUNING_FP8 and the down kernel as one program per (slot, BD features) over all of I, its
+# weighted partial combined by XLA (down_t1="slots"): BD rows on 1-8 warps (16 weights of a row per lane and 128-wide
+# block: BD = 4 · warps), per-tile reductions, and more rows per lane. Each tuning: one compiled check and one
+# profiled chain (device time, no wall slope): `--fp8 --no-ts` ends after this sweep and the T = 1 profile.
 _F = DECODE_TUNING_FP8
+_S = dataclasses.replace(_F, down_t1="slots")
 EXPERTS_SWEEP_FP8 = [
     _F,
-    dataclasses.replace(_F, unroll_gate_up=True),
-    dataclasses.replace(_F, block_i=8, warps_gate_up=2),
-    dataclasses.replace(_F, block_d=8),
-    dataclasses.replace(_F, block_k=256),
+    dataclasses.replace(_S, block_d=16, warps_down=4),
+    dataclasses.replace(_S, block_d=8, warps_down=2),
+    dataclasses.replace(_S, block_d=4, warps_down=1),
+    dataclasses.replace(_S, block_d=32, warps_down=8),
+    dataclasses.replace(_S, block_d=32, warps_down=4),
+    dataclasses.replace(_S, block_d=16, warps_down=4, t1_products="reduce"),
 ]
 # The router is [E, D]: a GEMV program streams BE expert rows' D-split (KS splits, BK-wide tiles). T = 1 sweep
 # around router.DECODE_TUNING (BE 1, KS 5, BK 512, 1 warp): rows, splits, warps, stages, and the top-k program's

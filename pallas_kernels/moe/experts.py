@@ -81,6 +81,10 @@ VERIFY_GATE_UP_MODES = ("dot", "fma_tokens")
 # accumulator, or "accumulate" them elementwise into a [BI, BW] / [BD, BW] fp32 tile reduced once at the end (an FP8
 # tile: each lane's sum of its adjacent weights of a row, scaled, into [BI, BW / G], `_lane_sums`).
 T1_PRODUCTS = ("reduce", "accumulate")
+# T = 1 down: "fused" (programs of BD output features walk every slot and combine in the same launch, adding the
+# shared expert and the residual) or "slots" (a program per (slot, BD features) over all of I, its weighted fp32
+# partial combined by one XLA fusion, as at T > 1).
+DOWN_T1_MODES = ("fused", "slots")
 EVICTION_POLICIES = (None, "evict_first")
 
 
@@ -227,6 +231,7 @@ class ExpertsTuning:
     # 18.9 -> 18.5-18.6 µs on the H200.
     routed_eviction: str | None = None
     t1_products: str = "reduce"  # T1_PRODUCTS
+    down_t1: str = "fused"  # DOWN_T1_MODES
     # T = 1 gate/up: the D chunks written out rather than a loop, so that later chunks' loads may be issued before
     # earlier chunks' math (the compiler pipelines loads only into dots; the T = 1 down kernel is written out too)
     unroll_gate_up: bool = False
@@ -244,6 +249,8 @@ class ExpertsTuning:
                              f"{EVICTION_POLICIES}")
         if self.t1_products not in T1_PRODUCTS:
             raise ValueError(f"ExpertsTuning.t1_products={self.t1_products!r} must be one of {T1_PRODUCTS}")
+        if self.down_t1 not in DOWN_T1_MODES:
+            raise ValueError(f"ExpertsTuning.down_t1={self.down_t1!r} must be one of {DOWN_T1_MODES}")
 
 
 # T = 1: 2-row one-warp gate/up programs; down programs of one output feature and one warp (2560 at Flash size, all
@@ -496,6 +503,52 @@ def experts_fwd_kernel_down_t1(h_ref, ids_ref, w_ref, wd_ref, sd_ref, r_ref, wd_
     y_ref[...] = y
 
 
+def experts_fwd_kernel_down_slots(h_ref, ids_ref, w_ref, wd_ref, sd_ref, wd_scale_ref, sd_scale_ref, o_ref, *, BKI,
+                                  n_routed, dtype, early_launch=False, eviction=None, accumulate=False, lanes=32):
+    # T = 1, down_t1="slots". h_ref [S, 1, I] (`h_dtype`: float32 holding `dtype` values with an FP8 W_down); ids_ref [K] int32; w_ref [K] fp32; wd_ref [E, D, I];
+    # sd_ref [D, I] or None; wd_scale_ref / sd_scale_ref the FP8 block scales or None (plain); o_ref [1, BD] fp32:
+    # slot s's weighted output for BD features (s = K: the shared expert's, unweighted), 0 for a non-owner slot
+    if early_launch:
+        launch_dependents()
+    s = pl.program_id(0)
+    bd = o_ref.shape[1]
+    feats = pl.ds(pl.multiple_of(pl.program_id(1) * bd, bd), bd)
+    i = h_ref.shape[-1]
+
+    def expert_out(slot, load_d, scale_ref):
+        bw = sub_width(BKI, scale_ref)
+        load_h = ((lambda ks: h_ref[slot, :, ks]) if scale_ref is None else
+                  (lambda ks: rows_load(h_ref, (slot,), bd, ks)))
+        # Every weight tile of the program is loaded before the first product, and a CTA barrier keeps ptxas from
+        # sinking the loads to their products (it would issue one tile, wait, compute, issue the next).
+        tiles = [load_d(pl.ds(c * bw, bw)) for c in range(i // bw)]
+        if not interpret_mode():
+            pltriton.debug_barrier()
+        return _down_fma(load_h, lambda ks: tiles[ks.start // bw], BKI=bw, n_chunks=i // bw, dt=dtype, lanes=lanes,
+                         accumulate=accumulate)
+
+    @pl.when(s < n_routed)
+    def _():
+        ids, wts = ids_ref[...], w_ref[...]
+        e, owner = _ownership(ids, s, n_routed)
+        w_e = jnp.sum(jnp.where(ids == e, wts, 0.0))  # a repeated id: its owner takes every weight
+
+        @pl.when(owner)
+        def _():
+            out = expert_out(s, lambda ks: _load_w(wd_ref, wd_scale_ref, (e,), feats, ks, eviction), wd_scale_ref)
+            o_ref[...] = (w_e * out)[None, :]
+
+        @pl.when(jnp.logical_not(owner))
+        def _():
+            o_ref[...] = jnp.zeros(o_ref.shape, jnp.float32)
+
+    if sd_ref is not None:
+        @pl.when(s == n_routed)
+        def _():
+            out = expert_out(n_routed, lambda ks: _load_w(sd_ref, sd_scale_ref, (), feats, ks, None), sd_scale_ref)
+            o_ref[...] = out[None, :]
+
+
 def experts_fwd_kernel_down(h_ref, ids_ref, ids2_ref, w_ref, wd_ref, sd_ref, wd_scale_ref, sd_scale_ref, o_ref, *,
                             BKI, n_chunks, n_routed, group, n_groups, early_launch=False, eviction=None):
     # T > 1. h_ref [S, TO, I] (after SwiGLU); ids_ref [P]; ids2_ref [TO, K]; w_ref [TO, K] fp32; wd_ref [E, D, I];
@@ -634,9 +687,12 @@ def down_and_combine(h, ids, weights, we_down, ws_down, *, n, tuning: ExpertsTun
     bd = min(tuning.block_d, d & -d)
     bki = min(tuning.block_ki, i & -i)
     check_fp8_rows(tuning, "block_d", bd, wd_s, sd_s)
-    if n == 1:
+    if n == 1 and tuning.down_t1 == "fused":
         return _down_t1(h, ids, weights, (wd, wd_s), (sd, sd_s), residual, bd=bd, bki=bki, tuning=tuning,
                         dtype=dtype)
+    if n == 1:
+        partials = _down_slots(h, ids, weights, (wd, wd_s), (sd, sd_s), bd=bd, bki=bki, tuning=tuning, dtype=dtype)
+        return combine(partials, k, has_shared, dtype, residual)
     if bd < 16:
         raise ValueError(f"ExpertsTuning.block_d={tuning.block_d} at T={n}: the T > 1 down kernel's tensor-core dots "
                          "need >= 16 output features per program (block_d >= 16; VERIFY_TUNING has 64)")
@@ -656,13 +712,21 @@ def down_and_combine(h, ids, weights, we_down, ws_down, *, n, tuning: ExpertsTun
         interpret=interpret_mode(),
         name="experts_fwd_kernel_down",
     )(*inputs)
-    # fp32 combine of the routed experts, rounded once: a reduce_precision, which XLA keeps where it may drop a bare
-    # cast feeding the next add (excess precision, its default), moving bf16 outputs by 2.6e-3 at D 256, I 192
+    if residual is not None:
+        residual = jnp.pad(residual, ((0, to - n), (0, 0)))
+    return combine(partials, n_groups, has_shared, dtype, residual)
+
+
+def combine(partials, n_groups, has_shared, dtype, residual=None):
+    """One XLA fusion: the fp32 sum of the routed experts' weighted partials [n_groups, TO, D] rounded once, plus the
+    shared expert's output (partials[n_groups]) and the residual [TO, D] in the compute dtype."""
+    # A reduce_precision, which XLA keeps where it may drop a bare cast feeding the next add (excess precision, its
+    # default), moving bf16 outputs by 2.6e-3 at D 256, I 192.
     y = round_to(jnp.sum(partials[:n_groups], axis=0), dtype)
     if has_shared:
         y = y + partials[n_groups].astype(dtype)  # compute-dtype add of the shared expert
     if residual is not None:
-        y = jnp.pad(residual, ((0, to - n), (0, 0))) + y
+        y = residual + y
     return y
 
 
@@ -686,6 +750,30 @@ def _down_t1(h, ids, weights, routed, shared, residual, *, bd, bki, tuning, dtyp
         compiler_params=pltriton.CompilerParams(num_warps=tuning.warps_down, num_stages=1),
         interpret=interpret_mode(),
         name="experts_fwd_kernel_down_t1",
+    )(*inputs)
+
+
+def _down_slots(h, ids, weights, routed, shared, *, bd, bki, tuning, dtype):
+    """T = 1, down_t1="slots": one program per (slot, BD features), each over all of I -> fp32 partials
+    [K (+ 1 shared), 1, D] for `combine`."""
+    k = ids.shape[1]
+    (wd, wd_s), (sd, sd_s) = routed, shared
+    d = wd.shape[1]
+    n_slots = k + int(sd is not None)
+    kernel, inputs = with_optional(
+        functools.partial(experts_fwd_kernel_down_slots, BKI=bki, n_routed=k, dtype=jnp.dtype(dtype),
+                          early_launch=tuning.early_launch_down, eviction=tuning.routed_eviction,
+                          accumulate=tuning.t1_products == "accumulate", lanes=32 * tuning.warps_down),
+        [h, ids.reshape(-1), weights.reshape(-1), wd, sd, wd_s, sd_s])
+    return pl.pallas_call(
+        kernel,
+        grid=(n_slots, d // bd),
+        in_specs=[pl.no_block_spec] * len(inputs),
+        out_specs=pl.BlockSpec((None, 1, bd), lambda s, j: (s, 0, j)),
+        out_shape=jax.ShapeDtypeStruct((n_slots, 1, d), jnp.float32),
+        compiler_params=pltriton.CompilerParams(num_warps=tuning.warps_down, num_stages=1),
+        interpret=interpret_mode(),
+        name="experts_fwd_kernel_down_slots",
     )(*inputs)
 
 

@@ -591,12 +591,16 @@ _TUNINGS = {  # every gate/up product form, rows per program and down shape
     "down_bd1": dict(_SMALL, block_d=1, warps_down=1),  # T = 1 down: the decode default's shape, 4 chunks
     "down_bd4": dict(_SMALL, block_d=4, warps_down=1),  # T = 1 down, 4 features per program
     "fma_tokens": dict(_SMALL, verify_gate_up="fma_tokens", block_i=2, warps_gate_up=1),  # T > 1, per-token FMAs
+    # T = 1 down as (slot, 16 features) programs over all of I (4 chunks), the partials combined by XLA
+    "down_slots": dict(_SMALL, block_d=16, warps_down=4, down_t1="slots"),
+    "down_slots_reduce": dict(_SMALL, block_d=4, warps_down=1, down_t1="slots", t1_products="reduce"),
 }
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("n,tu", [(1, "bi16"), (1, "bi2"), (1, "down_bd1"), (1, "down_bd4"), (3, "dot"),
-                                  (3, "dot_w"), (16, "dot"), (2, "fma_tokens"), (5, "fma_tokens")])
+@pytest.mark.parametrize("n,tu", [(1, "bi16"), (1, "bi2"), (1, "down_bd1"), (1, "down_bd4"), (1, "down_slots"),
+                                  (1, "down_slots_reduce"), (3, "dot"), (3, "dot_w"), (16, "dot"), (2, "fma_tokens"),
+                                  (5, "fma_tokens")])
 def test_experts_pallas_tunings(n, tu, dtype):
     """ExpertsTuning variants (product form, rows per program, multi-chunk loops) vs the reference, clamps on."""
     from pallas_kernels.moe.experts import ExpertsTuning, moe_experts_fused
@@ -610,7 +614,8 @@ def test_experts_pallas_tunings(n, tu, dtype):
     assert rel_err(y, y_ref) <= (1e-5 if dtype == jnp.float32 else BF16_EXPERTS_TOL)
 
 
-@pytest.mark.parametrize("n,tu", [(1, "bi16"), (1, "bi2"), (1, "down_bd1"), (3, "dot"), (3, "fma_tokens")])
+@pytest.mark.parametrize("n,tu", [(1, "bi16"), (1, "bi2"), (1, "down_bd1"), (1, "down_slots"), (3, "dot"),
+                                  (3, "fma_tokens")])
 def test_experts_pallas_repeated_ids_in_a_token(n, tu):
     """The router never repeats an expert within a token, but moe_experts accepts any ids in [0, E): a repeat must
     count twice (gate/up writes h once, for the expert's first slot; the down kernel reads it from there and gives
@@ -709,8 +714,8 @@ def lower_for_cuda(monkeypatch, modules, fn, *avals, gpu=None):
     return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("n,tu", [(1, None), (1, "bi16"), (1, "down_bd4"), (2, None), (3, None), (4, None),
-                                  (3, "dot_w"), (9, "fma_tokens")])
+@pytest.mark.parametrize("n,tu", [(1, None), (1, "bi16"), (1, "down_bd4"), (1, "down_slots"), (2, None), (3, None),
+                                  (4, None), (3, "dot_w"), (9, "fma_tokens")])
 def test_pallas_lowers_for_cuda(monkeypatch, n, tu):
     """Every product form lowers to Triton at Flash size (None: the defaults by T, experts.default_tuning)."""
     from pallas_kernels.common import pdl
@@ -730,9 +735,12 @@ def test_pallas_lowers_for_cuda(monkeypatch, n, tu):
                          sds((e,), f32), sds((e, i, d), bf), sds((e, i, d), bf), sds((e, d, i), bf), sds((i, d), bf),
                          sds((i, d), bf), sds((d, i), bf))
     calls = {re.search(r'name = "([^"]+)"', c).group(1): c for c in txt.split("stablehlo.custom_call")[1:]}
-    down = "experts_fwd_kernel_down_t1" if n == 1 else "experts_fwd_kernel_down"
+    down = "experts_fwd_kernel_down" if n > 1 else (
+        "experts_fwd_kernel_down_slots" if tu == "down_slots" else "experts_fwd_kernel_down_t1")
     assert sorted(calls) == sorted(["router_fwd_kernel_gemv", "router_fwd_kernel_topk", "experts_fwd_kernel_gate_up",
                                     down])
+    if tu == "down_slots":  # 8 routed slots + the shared one, 16 features each
+        assert "grid_x = 9" in calls[down] and f"grid_y = {d // 16}" in calls[down]
     if tu is None:  # the defaults by T: 2-row gate/up programs up to T = 3 (FMAs), 16-row ones from T = 4 (dots);
         # at T = 1 one down program per output feature
         assert f"grid_y = {i // (2 if n <= 3 else 16)}" in calls["experts_fwd_kernel_gate_up"]
@@ -935,14 +943,15 @@ def test_experts_pallas_fp8(n, d, i, shared, limits, dtype):
 
 
 @pytest.mark.parametrize("n,tu", [(1, "decode_bf16"), (1, "reduce"), (1, "lanes4_unroll"), (1, "lanes1"),
-                                  (1, "plain_acc"), (2, "fma_tokens_bf16"), (4, "dot_w"), (3, "dot_bk32")])
+                                  (1, "plain_acc"), (1, "slots"), (1, "slots_reduce"), (2, "fma_tokens_bf16"),
+                                  (4, "dot_w"), (3, "dot_bk32")])
 def test_experts_pallas_fp8_tunings(n, tu):
     """FP8 experts with other tunings (float32): the bf16 defaults (per-tile reductions, 512-wide chunks taken as
     two 128-wide sub-blocks at D 256); DECODE_TUNING_FP8 with per-tile reductions; 2-row programs over 64-wide chunks
     (4 weights per lane, `experts.lane_group`) with the gate/up chunks written out; 4-warp programs of 16-wide chunks
     (fewer weights than lanes: the products summed as they are); the per-token FMAs, W·xᵀ dots and 32-wide chunks
-    (four per scale block); and plain weights with the FP8 T = 1 default (t1_products="accumulate" with 256-wide
-    chunks)."""
+    (four per scale block); plain weights with the FP8 T = 1 default (t1_products="accumulate" with 256-wide
+    chunks); and the T = 1 down as (slot, features) programs with an XLA combine, both product forms."""
     from pallas_kernels.moe import experts as em
 
     f = em.DECODE_TUNING_FP8
@@ -954,7 +963,9 @@ def test_experts_pallas_fp8_tunings(n, tu):
                "plain_acc": f,
                "fma_tokens_bf16": em.FMA_TOKENS_TUNING,
                "dot_w": dataclasses.replace(em.VERIFY_TUNING_FP8, dot_gate_up="dot_w"),
-               "dot_bk32": dataclasses.replace(em.VERIFY_TUNING, block_k=32, block_ki=32, block_d=16)}
+               "dot_bk32": dataclasses.replace(em.VERIFY_TUNING, block_k=32, block_ki=32, block_d=16),
+               "slots": dataclasses.replace(f, down_t1="slots", block_d=16, warps_down=4),
+               "slots_reduce": dataclasses.replace(f, down_t1="slots", block_d=8, warps_down=2, t1_products="reduce")}
     if tu in ("lanes4_unroll", "lanes1"):  # the per-lane groups these shapes give (2x64 and 4x16 tiles)
         assert em.lane_group(2, 64, 32) == 4 and em.lane_group(4, 16, 128) == 1
     args, ws, _ = _fp8_expert_inputs(100 + n, n)
