@@ -85,6 +85,10 @@ T1_PRODUCTS = ("reduce", "accumulate")
 # shared expert and the residual) or "slots" (a program per (slot, BD features) over all of I, its weighted fp32
 # partial combined by one XLA fusion, as at T > 1).
 DOWN_T1_MODES = ("fused", "slots")
+# T = 1 gate/up: "fma" (the products above) or "dot" (the token padded to 16 rows through the T > 1 tensor-core
+# gate/up, `dot_gate_up`, whose weight loads Triton pipelines `stages_gate_up` deep through shared memory; h then
+# has 16 rows, of which the "slots" down reads the first).
+T1_GATE_UP_MODES = ("fma", "dot")
 EVICTION_POLICIES = (None, "evict_first")
 
 
@@ -232,6 +236,7 @@ class ExpertsTuning:
     routed_eviction: str | None = None
     t1_products: str = "reduce"  # T1_PRODUCTS
     down_t1: str = "fused"  # DOWN_T1_MODES
+    t1_gate_up: str = "fma"  # T1_GATE_UP_MODES
     # T = 1 gate/up: the D chunks written out rather than a loop, so that later chunks' loads may be issued before
     # earlier chunks' math (the compiler pipelines loads only into dots; the T = 1 down kernel is written out too)
     unroll_gate_up: bool = False
@@ -251,6 +256,11 @@ class ExpertsTuning:
             raise ValueError(f"ExpertsTuning.t1_products={self.t1_products!r} must be one of {T1_PRODUCTS}")
         if self.down_t1 not in DOWN_T1_MODES:
             raise ValueError(f"ExpertsTuning.down_t1={self.down_t1!r} must be one of {DOWN_T1_MODES}")
+        if self.t1_gate_up not in T1_GATE_UP_MODES:
+            raise ValueError(f"ExpertsTuning.t1_gate_up={self.t1_gate_up!r} must be one of {T1_GATE_UP_MODES}")
+        if self.t1_gate_up == "dot" and self.down_t1 != "slots":
+            raise ValueError("ExpertsTuning.t1_gate_up='dot' writes h with 16 token rows, which only the 'slots' T = 1 "
+                             "down reads: set down_t1='slots'")
 
 
 # T = 1: 2-row one-warp gate/up programs; down programs of one output feature and one warp (2560 at Flash size, all
@@ -505,9 +515,11 @@ def experts_fwd_kernel_down_t1(h_ref, ids_ref, w_ref, wd_ref, sd_ref, r_ref, wd_
 
 def experts_fwd_kernel_down_slots(h_ref, ids_ref, w_ref, wd_ref, sd_ref, wd_scale_ref, sd_scale_ref, o_ref, *, BKI,
                                   n_routed, dtype, early_launch=False, eviction=None, accumulate=False, lanes=32):
-    # T = 1, down_t1="slots". h_ref [S, 1, I] (`h_dtype`: float32 holding `dtype` values with an FP8 W_down); ids_ref [K] int32; w_ref [K] fp32; wd_ref [E, D, I];
-    # sd_ref [D, I] or None; wd_scale_ref / sd_scale_ref the FP8 block scales or None (plain); o_ref [1, BD] fp32:
-    # slot s's weighted output for BD features (s = K: the shared expert's, unweighted), 0 for a non-owner slot
+    # T = 1, down_t1="slots". h_ref [S, TO, I] (TO = 16 after the "dot" gate/up: row 0 is the token; `h_dtype`:
+    # float32 holding `dtype` values with an FP8 W_down); ids_ref [K·TO] int32; w_ref [K·TO] fp32 (the padded rows'
+    # ids -1); wd_ref [E, D, I]; sd_ref [D, I] or None; wd_scale_ref / sd_scale_ref the FP8 block scales or None
+    # (plain); o_ref [1, BD] fp32: slot s's weighted output for BD features (s = K: the shared expert's,
+    # unweighted), 0 for a non-owner slot
     if early_launch:
         launch_dependents()
     s = pl.program_id(0)
@@ -517,7 +529,7 @@ def experts_fwd_kernel_down_slots(h_ref, ids_ref, w_ref, wd_ref, sd_ref, wd_scal
 
     def expert_out(slot, load_d, scale_ref):
         bw = sub_width(BKI, scale_ref)
-        load_h = ((lambda ks: h_ref[slot, :, ks]) if scale_ref is None else
+        load_h = ((lambda ks: h_ref[slot, pl.ds(0, 1), ks]) if scale_ref is None else  # the token's row
                   (lambda ks: rows_load(h_ref, (slot,), bd, ks)))
         # Every weight tile of the program is loaded before the first product, and a CTA barrier keeps ptxas from
         # sinking the loads to their products (it would issue one tile, wait, compute, issue the next).
@@ -617,16 +629,17 @@ def moe_experts_fused(x, weights, ids, we_gate, we_up, we_down, ws_gate, ws_up, 
     bi = min(tuning.block_i, i & -i)
     bk = min(tuning.block_k, d & -d)
     check_fp8_rows(tuning, "block_i", bi, wg_s, wu_s, sg_s, su_s)
-    if n == 1:
+    t1_dot = n == 1 and tuning.t1_gate_up == "dot"
+    if n == 1 and not t1_dot:
         mode = "fma_acc" if tuning.t1_products == "accumulate" else "fma_reduce"
     else:
-        mode = tuning.dot_gate_up if tuning.verify_gate_up == "dot" else tuning.verify_gate_up
+        mode = tuning.dot_gate_up if tuning.verify_gate_up == "dot" or t1_dot else tuning.verify_gate_up
     if mode.startswith("dot") and bi < 16:
         raise ValueError(f"ExpertsTuning.block_i={tuning.block_i} with gate/up mode {mode!r} at T={n}: tensor-core "
                          "dots need >= 16 rows; only the FMA products take fewer (T = 1, or "
                          "verify_gate_up='fma_tokens' at T > 1), or use VERIFY_TUNING")
     tp = max(16, next_pow2(n))
-    to = 1 if n == 1 else tp
+    to = 1 if n == 1 and not t1_dot else tp
     if to != n:
         x = jnp.pad(x, ((0, tp - n), (0, 0)))
         ids = jnp.pad(ids, ((0, tp - n), (0, 0)), constant_values=-1)

@@ -943,7 +943,8 @@ def test_experts_pallas_fp8(n, d, i, shared, limits, dtype):
 
 
 @pytest.mark.parametrize("n,tu", [(1, "decode_bf16"), (1, "reduce"), (1, "lanes4_unroll"), (1, "lanes1"),
-                                  (1, "plain_acc"), (1, "slots"), (1, "slots_reduce"), (2, "fma_tokens_bf16"),
+                                  (1, "plain_acc"), (1, "slots"), (1, "slots_reduce"), (1, "slots_dot"),
+                                  (2, "fma_tokens_bf16"),
                                   (4, "dot_w"), (3, "dot_bk32")])
 def test_experts_pallas_fp8_tunings(n, tu):
     """FP8 experts with other tunings (float32): the bf16 defaults (per-tile reductions, 512-wide chunks taken as
@@ -951,7 +952,8 @@ def test_experts_pallas_fp8_tunings(n, tu):
     (4 weights per lane, `experts.lane_group`) with the gate/up chunks written out; 4-warp programs of 16-wide chunks
     (fewer weights than lanes: the products summed as they are); the per-token FMAs, W·xᵀ dots and 32-wide chunks
     (four per scale block); plain weights with the FP8 T = 1 default (t1_products="accumulate" with 256-wide
-    chunks); and the T = 1 down as (slot, features) programs with an XLA combine, both product forms."""
+    chunks); and the T = 1 down as (slot, features) programs with an XLA combine, both product forms, also after
+    the T > 1 dot gate/up (16 token rows, the down reading the first)."""
     from pallas_kernels.moe import experts as em
 
     f = em.DECODE_TUNING_FP8
@@ -965,7 +967,9 @@ def test_experts_pallas_fp8_tunings(n, tu):
                "dot_w": dataclasses.replace(em.VERIFY_TUNING_FP8, dot_gate_up="dot_w"),
                "dot_bk32": dataclasses.replace(em.VERIFY_TUNING, block_k=32, block_ki=32, block_d=16),
                "slots": dataclasses.replace(f, down_t1="slots", block_d=16, warps_down=4),
-               "slots_reduce": dataclasses.replace(f, down_t1="slots", block_d=8, warps_down=2, t1_products="reduce")}
+               "slots_reduce": dataclasses.replace(f, down_t1="slots", block_d=8, warps_down=2, t1_products="reduce"),
+               "slots_dot": dataclasses.replace(em.VERIFY_TUNING_FP8, down_t1="slots", t1_gate_up="dot", block_d=16,
+                                                t1_products="accumulate")}
     if tu in ("lanes4_unroll", "lanes1"):  # the per-lane groups these shapes give (2x64 and 4x16 tiles)
         assert em.lane_group(2, 64, 32) == 4 and em.lane_group(4, 16, 128) == 1
     args, ws, _ = _fp8_expert_inputs(100 + n, n)
@@ -1020,6 +1024,10 @@ def test_dispatch_fp8_errors():
 
     with pytest.raises(ValueError, match=r"ExpertsTuning.t1_products='sum' must be one of \('reduce', 'accumulate'\)"):
         em.ExpertsTuning(t1_products="sum")
+    with pytest.raises(ValueError, match=r"ExpertsTuning.down_t1='rows' must be one of \('fused', 'slots'\)"):
+        em.ExpertsTuning(down_t1="rows")
+    with pytest.raises(ValueError, match=r"t1_gate_up='dot' writes h with 16 token rows, .*set down_t1='slots'"):
+        em.ExpertsTuning(t1_gate_up="dot")
     # A tile must lie in one 128-row scale block (D = 256: 256 down rows per program).
     with pytest.raises(ValueError, match=r"ExpertsTuning.block_d=256 gives tiles of 256 weight rows; with FP8 weights "
                                          r"a tile's rows must lie in one 128-row scale block: use block_d <= 128"):
