@@ -82,9 +82,10 @@ VERIFY_GATE_UP_MODES = ("dot", "fma_tokens")
 # tile: each lane's sum of its adjacent weights of a row, scaled, into [BI, BW / G], `_lane_sums`).
 T1_PRODUCTS = ("reduce", "accumulate")
 # T = 1 down: "fused" (programs of BD output features walk every slot and combine in the same launch, adding the
-# shared expert and the residual) or "slots" (a program per (slot, BD features) over all of I, its weighted fp32
-# partial combined by one XLA fusion, as at T > 1).
-DOWN_T1_MODES = ("fused", "slots")
+# shared expert and the residual), "slots" (a program per (slot, BD features) over all of I, its weighted fp32
+# partial combined by one XLA fusion, as at T > 1) or "slots_last" (the same programs, the last of a feature block's
+# to finish combining its partials: a counter per block, zeroed by the gate/up launch, no combine launch).
+DOWN_T1_MODES = ("fused", "slots", "slots_last")
 # T = 1 gate/up: "fma" (the products above) or "dot" (the token padded to 16 rows through the T > 1 tensor-core
 # gate/up, `dot_gate_up`, whose weight loads Triton pipelines `stages_gate_up` deep through shared memory; h then
 # has 16 rows, of which the "slots" down reads the first).
@@ -258,9 +259,9 @@ class ExpertsTuning:
             raise ValueError(f"ExpertsTuning.down_t1={self.down_t1!r} must be one of {DOWN_T1_MODES}")
         if self.t1_gate_up not in T1_GATE_UP_MODES:
             raise ValueError(f"ExpertsTuning.t1_gate_up={self.t1_gate_up!r} must be one of {T1_GATE_UP_MODES}")
-        if self.t1_gate_up == "dot" and self.down_t1 != "slots":
-            raise ValueError("ExpertsTuning.t1_gate_up='dot' writes h with 16 token rows, which only the 'slots' T = 1 "
-                             "down reads: set down_t1='slots'")
+        if self.t1_gate_up == "dot" and self.down_t1 == "fused":
+            raise ValueError("ExpertsTuning.t1_gate_up='dot' writes h with 16 token rows, which only the slot-parallel "
+                             "T = 1 down reads: set down_t1='slots' or 'slots_last'")
 
 
 # T = 1: 2-row one-warp gate/up programs; down programs of one output feature and one warp (2560 at Flash size, all
@@ -442,13 +443,19 @@ def _down_fma(load_h, load_d, *, BKI, n_chunks, dt, lanes, accumulate=False):
 
 
 def experts_fwd_kernel_gate_up(x_ref, ids_ref, wg_ref, wu_ref, sg_ref, su_ref, wg_scale_ref, wu_scale_ref,
-                               sg_scale_ref, su_scale_ref, h_ref, *, BK, n_chunks, n_routed, limit, shared_limit,
-                               has_shared, mode, eviction=None, n_tok=1, lanes=32, unroll=False):
+                               sg_scale_ref, su_scale_ref, h_ref, count_ref=None, *, BK, n_chunks, n_routed, limit,
+                               shared_limit, has_shared, mode, eviction=None, n_tok=1, lanes=32, unroll=False):
     # x_ref [TO, D] (TO = 1 at T = 1, else TP); ids_ref [P] int32; wg_ref/wu_ref [E, I, D]; sg_ref/su_ref [I, D];
     # *_scale_ref: the FP8 weights' block scales [E, ceil(I/128), ceil(D/128)] / [ceil(I/128), ceil(D/128)], None
     # for a plain weight; h_ref [TO, BI]: slot s, intermediate rows block j, after SwiGLU: values of the compute
-    # dtype (x's), stored in it or (T = 1 with an FP8 W_down, `h_dtype`) in float32
+    # dtype (x's), stored in it or (T = 1 with an FP8 W_down, `h_dtype`) in float32; count_ref [C] int32 or None:
+    # the "slots_last" down kernel's arrival counters, zeroed here
     s, j = pl.program_id(0), pl.program_id(1)
+    if count_ref is not None:
+        @pl.when((s == 0) & (j == 0))
+        def _():
+            count_ref[...] = jnp.zeros(count_ref.shape, jnp.int32)
+
     to, bi = h_ref.shape
     dt = x_ref.dtype
     e, owner = _ownership(ids_ref[...], s, n_routed)
@@ -513,17 +520,13 @@ def experts_fwd_kernel_down_t1(h_ref, ids_ref, w_ref, wd_ref, sd_ref, r_ref, wd_
     y_ref[...] = y
 
 
-def experts_fwd_kernel_down_slots(h_ref, ids_ref, w_ref, wd_ref, sd_ref, wd_scale_ref, sd_scale_ref, o_ref, *, BKI,
-                                  n_routed, dtype, early_launch=False, eviction=None, accumulate=False, lanes=32):
-    # T = 1, down_t1="slots". h_ref [S, TO, I] (TO = 16 after the "dot" gate/up: row 0 is the token; `h_dtype`:
-    # float32 holding `dtype` values with an FP8 W_down); ids_ref [K·TO] int32; w_ref [K·TO] fp32 (the padded rows'
-    # ids -1); wd_ref [E, D, I]; sd_ref [D, I] or None; wd_scale_ref / sd_scale_ref the FP8 block scales or None
-    # (plain); o_ref [1, BD] fp32: slot s's weighted output for BD features (s = K: the shared expert's,
-    # unweighted), 0 for a non-owner slot
-    if early_launch:
-        launch_dependents()
+def _slot_partial(h_ref, ids_ref, w_ref, wd_ref, sd_ref, wd_scale_ref, sd_scale_ref, store, *, bd, BKI, n_routed,
+                  dtype, eviction, accumulate, lanes):
+    """The "slots" T = 1 down: program (s, j)'s [1, BD] fp32 partial, passed to store(): slot s's expert output for
+    the BD features of block j, rounded to `dtype` and weighted (s = K: the shared expert's, unweighted; 0 for a
+    non-owner slot). h_ref [S, TO, I] (TO = 16 after the "dot" gate/up, row 0 the token; `h_dtype`: float32 holding
+    `dtype` values with an FP8 W_down); ids_ref / w_ref [K·TO] (the padded rows' ids -1)."""
     s = pl.program_id(0)
-    bd = o_ref.shape[1]
     feats = pl.ds(pl.multiple_of(pl.program_id(1) * bd, bd), bd)
     i = h_ref.shape[-1]
 
@@ -548,17 +551,68 @@ def experts_fwd_kernel_down_slots(h_ref, ids_ref, w_ref, wd_ref, sd_ref, wd_scal
         @pl.when(owner)
         def _():
             out = expert_out(s, lambda ks: _load_w(wd_ref, wd_scale_ref, (e,), feats, ks, eviction), wd_scale_ref)
-            o_ref[...] = (w_e * out)[None, :]
+            store((w_e * out)[None, :])
 
         @pl.when(jnp.logical_not(owner))
         def _():
-            o_ref[...] = jnp.zeros(o_ref.shape, jnp.float32)
+            store(jnp.zeros((1, bd), jnp.float32))
 
     if sd_ref is not None:
         @pl.when(s == n_routed)
         def _():
             out = expert_out(n_routed, lambda ks: _load_w(sd_ref, sd_scale_ref, (), feats, ks, None), sd_scale_ref)
-            o_ref[...] = out[None, :]
+            store(out[None, :])
+
+
+def experts_fwd_kernel_down_slots(h_ref, ids_ref, w_ref, wd_ref, sd_ref, wd_scale_ref, sd_scale_ref, o_ref, *,
+                                  early_launch=False, **kw):
+    # T = 1, down_t1="slots": o_ref [1, BD] fp32, program (s, j)'s partial (`_slot_partial`), summed by `combine`
+    if early_launch:
+        launch_dependents()
+
+    def store(v):
+        o_ref[...] = v
+
+    _slot_partial(h_ref, ids_ref, w_ref, wd_ref, sd_ref, wd_scale_ref, sd_scale_ref, store, bd=o_ref.shape[1], **kw)
+
+
+def experts_fwd_kernel_down_slots_last(h_ref, ids_ref, w_ref, wd_ref, sd_ref, r_ref, wd_scale_ref, sd_scale_ref,
+                                       count_in_ref, p_ref, y_ref, count_ref, *, bd, n_slots, early_launch=False,
+                                       **kw):
+    # T = 1, down_t1="slots_last": p_ref [S, 1, D] fp32 (whole; program (s, j) writes its partial, `_slot_partial`);
+    # count_ref [C] int32, zeroed by the gate/up launch (count_in_ref, the same buffer); y_ref [1, BD] compute dtype:
+    # the layer's output for block j, written by the block's last program to finish, which sums the partials in slot
+    # order, as the "fused" kernel does, and adds the shared expert's and the residual (r_ref [1, D] or None)
+    del count_in_ref
+    if early_launch:
+        launch_dependents()
+    s, j = pl.program_id(0), pl.program_id(1)
+    feats = pl.ds(pl.multiple_of(j * bd, bd), bd)
+    n_routed = kw["n_routed"]
+
+    def store(v):
+        p_ref[s, :, feats] = v
+
+    _slot_partial(h_ref, ids_ref, w_ref, wd_ref, sd_ref, wd_scale_ref, sd_scale_ref, store, bd=bd, **kw)
+    # Every thread's partial is stored before one thread's release (the atomic, acq_rel at GPU scope) publishes it.
+    if not interpret_mode():
+        pltriton.debug_barrier()
+    arrived = pltriton.atomic_add(count_ref, (j,), jnp.int32(1))
+
+    @pl.when(arrived == n_slots - 1)
+    def _():
+        # Volatile: from L2, where the other programs' partials are (the atomic's acquire orders these loads after
+        # it; its result reaches every thread through a barrier).
+        part = lambda slot: pltriton.load(p_ref.at[jnp.int32(slot), :, feats], volatile=True)  # noqa: E731
+        routed = part(0)
+        for slot in range(1, n_routed):
+            routed = routed + part(slot)
+        y = routed.astype(y_ref.dtype)
+        if sd_ref is not None:
+            y = y + part(n_routed).astype(y_ref.dtype)
+        if r_ref is not None:
+            y = r_ref[:, feats] + y
+        y_ref[...] = y
 
 
 def experts_fwd_kernel_down(h_ref, ids_ref, ids2_ref, w_ref, wd_ref, sd_ref, wd_scale_ref, sd_scale_ref, o_ref, *,
@@ -655,17 +709,23 @@ def moe_experts_fused(x, weights, ids, we_gate, we_up, we_down, ws_gate, ws_up, 
                           eviction=tuning.routed_eviction, n_tok=n, lanes=32 * tuning.warps_gate_up,
                           unroll=n == 1 and tuning.unroll_gate_up),
         [x, ids_flat, wg, wu, sg, su, wg_s, wu_s, sg_s, su_s])
-    h = pl.pallas_call(
+    out_specs = [pl.BlockSpec((None, to, bi), lambda s, j: (s, 0, j))]
+    out_shape = [jax.ShapeDtypeStruct((n_slots, to, i), h_dtype(n, dt, we_down, ws_down))]
+    if n == 1 and tuning.down_t1 == "slots_last":  # the down kernel's counters, one per feature block
+        out_specs.append(pl.no_block_spec)
+        out_shape.append(jax.ShapeDtypeStruct((next_pow2(d // min(tuning.block_d, d & -d)),), jnp.int32))
+    h, *count = pl.pallas_call(
         kernel,
         grid=(n_slots, i // bi),
         in_specs=[pl.no_block_spec] * len(inputs),
-        out_specs=pl.BlockSpec((None, to, bi), lambda s, j: (s, 0, j)),
-        out_shape=jax.ShapeDtypeStruct((n_slots, to, i), h_dtype(n, dt, we_down, ws_down)),
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(num_warps=tuning.warps_gate_up, num_stages=tuning.stages_gate_up),
         interpret=interpret_mode(),
         name="experts_fwd_kernel_gate_up",
     )(*inputs)
-    return down_and_combine(h, ids, weights, we_down, ws_down, n=n, tuning=tuning, residual=residual, dtype=dt)[:n]
+    return down_and_combine(h, ids, weights, we_down, ws_down, n=n, tuning=tuning, residual=residual, dtype=dt,
+                            count=count[0] if count else None)[:n]
 
 
 def widen_exact(a):
@@ -684,7 +744,8 @@ def h_dtype(n, dt, *downs):
     return jnp.float32 if n == 1 and fp8_down and jnp.dtype(dt) == jnp.bfloat16 else dt
 
 
-def down_and_combine(h, ids, weights, we_down, ws_down, *, n, tuning: ExpertsTuning, residual=None, dtype=None):
+def down_and_combine(h, ids, weights, we_down, ws_down, *, n, tuning: ExpertsTuning, residual=None, dtype=None,
+                     count=None):
     """Kernel 2 and the combine: h [S, TO, I] after SwiGLU (slots as in kernel 1; `h_dtype`), ids/weights [TO, K]
     (padded rows -1 / 0), we_down [E, D, I], ws_down [D, I] or None (each a plain array or an Fp8Weight), residual
     [n, D] or None -> y [TO, D] in `dtype` (the compute dtype; None: h's) plus the residual (at T = 1 inside the
@@ -703,6 +764,12 @@ def down_and_combine(h, ids, weights, we_down, ws_down, *, n, tuning: ExpertsTun
     if n == 1 and tuning.down_t1 == "fused":
         return _down_t1(h, ids, weights, (wd, wd_s), (sd, sd_s), residual, bd=bd, bki=bki, tuning=tuning,
                         dtype=dtype)
+    if n == 1 and tuning.down_t1 == "slots_last":
+        if count is None or count.shape != (next_pow2(d // bd),):
+            raise ValueError(f"down_t1='slots_last' needs the zeroed int32 counters [{next_pow2(d // bd)}] the gate/up "
+                             "launch writes (count)")
+        return _down_slots_last(h, ids, weights, (wd, wd_s), (sd, sd_s), residual, count, bd=bd, bki=bki,
+                                tuning=tuning, dtype=dtype)
     if n == 1:
         partials = _down_slots(h, ids, weights, (wd, wd_s), (sd, sd_s), bd=bd, bki=bki, tuning=tuning, dtype=dtype)
         return combine(partials, k, has_shared, dtype, residual)
@@ -774,9 +841,7 @@ def _down_slots(h, ids, weights, routed, shared, *, bd, bki, tuning, dtype):
     d = wd.shape[1]
     n_slots = k + int(sd is not None)
     kernel, inputs = with_optional(
-        functools.partial(experts_fwd_kernel_down_slots, BKI=bki, n_routed=k, dtype=jnp.dtype(dtype),
-                          early_launch=tuning.early_launch_down, eviction=tuning.routed_eviction,
-                          accumulate=tuning.t1_products == "accumulate", lanes=32 * tuning.warps_down),
+        functools.partial(experts_fwd_kernel_down_slots, **_slots_kw(k, bki, tuning, dtype)),
         [h, ids.reshape(-1), weights.reshape(-1), wd, sd, wd_s, sd_s])
     return pl.pallas_call(
         kernel,
@@ -788,6 +853,37 @@ def _down_slots(h, ids, weights, routed, shared, *, bd, bki, tuning, dtype):
         interpret=interpret_mode(),
         name="experts_fwd_kernel_down_slots",
     )(*inputs)
+
+
+def _slots_kw(k, bki, tuning, dtype):
+    return dict(BKI=bki, n_routed=k, dtype=jnp.dtype(dtype), early_launch=tuning.early_launch_down,
+                eviction=tuning.routed_eviction, accumulate=tuning.t1_products == "accumulate",
+                lanes=32 * tuning.warps_down)
+
+
+def _down_slots_last(h, ids, weights, routed, shared, residual, count, *, bd, bki, tuning, dtype):
+    """T = 1, down_t1="slots_last": the "slots" programs, each feature block's last one combining -> y [1, D]."""
+    k = ids.shape[1]
+    (wd, wd_s), (sd, sd_s) = routed, shared
+    d = wd.shape[1]
+    n_slots = k + int(sd is not None)
+    kernel, inputs = with_optional(
+        functools.partial(experts_fwd_kernel_down_slots_last, bd=bd, n_slots=n_slots,
+                          **_slots_kw(k, bki, tuning, dtype)),
+        [h, ids.reshape(-1), weights.reshape(-1), wd, sd, residual, wd_s, sd_s, count])
+    _, y, _ = pl.pallas_call(
+        kernel,
+        grid=(n_slots, d // bd),
+        in_specs=[pl.no_block_spec] * len(inputs),
+        out_specs=[pl.no_block_spec, pl.BlockSpec((1, bd), lambda s, j: (0, j)), pl.no_block_spec],
+        out_shape=[jax.ShapeDtypeStruct((n_slots, 1, d), jnp.float32), jax.ShapeDtypeStruct((1, d), dtype),
+                   jax.ShapeDtypeStruct(count.shape, jnp.int32)],
+        input_output_aliases={len(inputs) - 1: 2},
+        compiler_params=pltriton.CompilerParams(num_warps=tuning.warps_down, num_stages=1),
+        interpret=interpret_mode(),
+        name="experts_fwd_kernel_down_slots_last",
+    )(*inputs)
+    return y
 
 
 def moe_experts(x, weights, ids, we_gate, we_up, we_down, ws_gate=None, ws_up=None, ws_down=None, *, limit=0.0,

@@ -594,12 +594,14 @@ _TUNINGS = {  # every gate/up product form, rows per program and down shape
     # T = 1 down as (slot, 16 features) programs over all of I (4 chunks), the partials combined by XLA
     "down_slots": dict(_SMALL, block_d=16, warps_down=4, down_t1="slots"),
     "down_slots_reduce": dict(_SMALL, block_d=4, warps_down=1, down_t1="slots", t1_products="reduce"),
+    # ... and each feature block's last program combining
+    "down_slots_last": dict(_SMALL, block_d=16, warps_down=4, down_t1="slots_last"),
 }
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("n,tu", [(1, "bi16"), (1, "bi2"), (1, "down_bd1"), (1, "down_bd4"), (1, "down_slots"),
-                                  (1, "down_slots_reduce"), (3, "dot"), (3, "dot_w"), (16, "dot"), (2, "fma_tokens"),
+                                  (1, "down_slots_reduce"), (1, "down_slots_last"), (3, "dot"), (3, "dot_w"), (16, "dot"), (2, "fma_tokens"),
                                   (5, "fma_tokens")])
 def test_experts_pallas_tunings(n, tu, dtype):
     """ExpertsTuning variants (product form, rows per program, multi-chunk loops) vs the reference, clamps on."""
@@ -614,8 +616,8 @@ def test_experts_pallas_tunings(n, tu, dtype):
     assert rel_err(y, y_ref) <= (1e-5 if dtype == jnp.float32 else BF16_EXPERTS_TOL)
 
 
-@pytest.mark.parametrize("n,tu", [(1, "bi16"), (1, "bi2"), (1, "down_bd1"), (1, "down_slots"), (3, "dot"),
-                                  (3, "fma_tokens")])
+@pytest.mark.parametrize("n,tu", [(1, "bi16"), (1, "bi2"), (1, "down_bd1"), (1, "down_slots"),
+                                  (1, "down_slots_last"), (3, "dot"), (3, "fma_tokens")])
 def test_experts_pallas_repeated_ids_in_a_token(n, tu):
     """The router never repeats an expert within a token, but moe_experts accepts any ids in [0, E): a repeat must
     count twice (gate/up writes h once, for the expert's first slot; the down kernel reads it from there and gives
@@ -714,8 +716,8 @@ def lower_for_cuda(monkeypatch, modules, fn, *avals, gpu=None):
     return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("n,tu", [(1, None), (1, "bi16"), (1, "down_bd4"), (1, "down_slots"), (2, None), (3, None),
-                                  (4, None), (3, "dot_w"), (9, "fma_tokens")])
+@pytest.mark.parametrize("n,tu", [(1, None), (1, "bi16"), (1, "down_bd4"), (1, "down_slots"), (1, "down_slots_last"),
+                                  (2, None), (3, None), (4, None), (3, "dot_w"), (9, "fma_tokens")])
 def test_pallas_lowers_for_cuda(monkeypatch, n, tu):
     """Every product form lowers to Triton at Flash size (None: the defaults by T, experts.default_tuning)."""
     from pallas_kernels.common import pdl
@@ -735,12 +737,15 @@ def test_pallas_lowers_for_cuda(monkeypatch, n, tu):
                          sds((e,), f32), sds((e, i, d), bf), sds((e, i, d), bf), sds((e, d, i), bf), sds((i, d), bf),
                          sds((i, d), bf), sds((d, i), bf))
     calls = {re.search(r'name = "([^"]+)"', c).group(1): c for c in txt.split("stablehlo.custom_call")[1:]}
-    down = "experts_fwd_kernel_down" if n > 1 else (
-        "experts_fwd_kernel_down_slots" if tu == "down_slots" else "experts_fwd_kernel_down_t1")
+    down = "experts_fwd_kernel_down" if n > 1 else {"down_slots": "experts_fwd_kernel_down_slots",
+                                                     "down_slots_last": "experts_fwd_kernel_down_slots_last"}.get(
+        tu, "experts_fwd_kernel_down_t1")
     assert sorted(calls) == sorted(["router_fwd_kernel_gemv", "router_fwd_kernel_topk", "experts_fwd_kernel_gate_up",
                                     down])
-    if tu == "down_slots":  # 8 routed slots + the shared one, 16 features each
+    if tu in ("down_slots", "down_slots_last"):  # 8 routed slots + the shared one, 16 features each
         assert "grid_x = 9" in calls[down] and f"grid_y = {d // 16}" in calls[down]
+    if tu == "down_slots_last":  # the last program of each feature block combines: no XLA add or reduce left
+        assert "stablehlo.add" not in txt and "stablehlo.reduce" not in txt
     if tu is None:  # the defaults by T: 2-row gate/up programs up to T = 3 (FMAs), 16-row ones from T = 4 (dots);
         # at T = 1 one down program per output feature
         assert f"grid_y = {i // (2 if n <= 3 else 16)}" in calls["experts_fwd_kernel_gate_up"]
@@ -944,6 +949,7 @@ def test_experts_pallas_fp8(n, d, i, shared, limits, dtype):
 
 @pytest.mark.parametrize("n,tu", [(1, "decode_bf16"), (1, "reduce"), (1, "lanes4_unroll"), (1, "lanes1"),
                                   (1, "plain_acc"), (1, "slots"), (1, "slots_reduce"), (1, "slots_dot"),
+                                  (1, "slots_last"), (1, "slots_last_dot"),
                                   (2, "fma_tokens_bf16"),
                                   (4, "dot_w"), (3, "dot_bk32")])
 def test_experts_pallas_fp8_tunings(n, tu):
@@ -969,7 +975,10 @@ def test_experts_pallas_fp8_tunings(n, tu):
                "slots": dataclasses.replace(f, down_t1="slots", block_d=16, warps_down=4),
                "slots_reduce": dataclasses.replace(f, down_t1="slots", block_d=8, warps_down=2, t1_products="reduce"),
                "slots_dot": dataclasses.replace(em.VERIFY_TUNING_FP8, down_t1="slots", t1_gate_up="dot", block_d=16,
-                                                t1_products="accumulate")}
+                                                t1_products="accumulate"),
+               "slots_last": dataclasses.replace(f, down_t1="slots_last", block_d=16, warps_down=4),
+               "slots_last_dot": dataclasses.replace(em.VERIFY_TUNING_FP8, down_t1="slots_last", t1_gate_up="dot",
+                                                     block_d=8, warps_down=2, t1_products="accumulate")}
     if tu in ("lanes4_unroll", "lanes1"):  # the per-lane groups these shapes give (2x64 and 4x16 tiles)
         assert em.lane_group(2, 64, 32) == 4 and em.lane_group(4, 16, 128) == 1
     args, ws, _ = _fp8_expert_inputs(100 + n, n)
@@ -1024,9 +1033,10 @@ def test_dispatch_fp8_errors():
 
     with pytest.raises(ValueError, match=r"ExpertsTuning.t1_products='sum' must be one of \('reduce', 'accumulate'\)"):
         em.ExpertsTuning(t1_products="sum")
-    with pytest.raises(ValueError, match=r"ExpertsTuning.down_t1='rows' must be one of \('fused', 'slots'\)"):
+    with pytest.raises(ValueError, match=r"ExpertsTuning.down_t1='rows' must be one of \('fused', 'slots', "
+                                         r"'slots_last'\)"):
         em.ExpertsTuning(down_t1="rows")
-    with pytest.raises(ValueError, match=r"t1_gate_up='dot' writes h with 16 token rows, .*set down_t1='slots'"):
+    with pytest.raises(ValueError, match=r"t1_gate_up='dot' writes h with 16 token rows, .*set down_t1='slots' or"):
         em.ExpertsTuning(t1_gate_up="dot")
     # A tile must lie in one 128-row scale block (D = 256: 256 down rows per program).
     with pytest.raises(ValueError, match=r"ExpertsTuning.block_d=256 gives tiles of 256 weight rows; with FP8 weights "
