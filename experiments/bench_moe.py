@@ -89,8 +89,8 @@ EXPERTS_SWEEP = [
 # --fp8, T = 1: DECODE_TUNING_FP8 and the down kernel as one program per (slot, BD features) over all of I, its
 # weighted partial combined by XLA (down_t1="slots") or by the feature block's last program ("slots_last"): BD rows
 # on 1-8 warps (16 weights of a row per lane and 128-wide block: BD = 4 · warps), per-tile reductions, more rows per
-# lane, and gate/up through the dots. Each tuning: one compiled check and one profiled chain (device time, no wall slope): `--fp8 --no-ts` ends after this
-# sweep and the T = 1 profile.
+# lane, and gate/up through the dots. Each tuning: one compiled check and one profiled chain (device time, no wall
+# slope): `--fp8 --no-ts` ends after this sweep and the T = 1 profile.
 _F = DECODE_TUNING_FP8
 _S = dataclasses.replace(_F, down_t1="slots")
 EXPERTS_SWEEP_FP8 = [

@@ -601,8 +601,8 @@ _TUNINGS = {  # every gate/up product form, rows per program and down shape
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("n,tu", [(1, "bi16"), (1, "bi2"), (1, "down_bd1"), (1, "down_bd4"), (1, "down_slots"),
-                                  (1, "down_slots_reduce"), (1, "down_slots_last"), (3, "dot"), (3, "dot_w"), (16, "dot"), (2, "fma_tokens"),
-                                  (5, "fma_tokens")])
+                                  (1, "down_slots_reduce"), (1, "down_slots_last"), (3, "dot"), (3, "dot_w"),
+                                  (16, "dot"), (2, "fma_tokens"), (5, "fma_tokens")])
 def test_experts_pallas_tunings(n, tu, dtype):
     """ExpertsTuning variants (product form, rows per program, multi-chunk loops) vs the reference, clamps on."""
     from pallas_kernels.moe.experts import ExpertsTuning, moe_experts_fused
