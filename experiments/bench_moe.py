@@ -88,8 +88,8 @@ EXPERTS_SWEEP = [
 ]
 # --fp8, T = 1: DECODE_TUNING_FP8 and the down kernel as one program per (slot, BD features) over all of I, its
 # weighted partial combined by XLA (down_t1="slots") or by the feature block's last program ("slots_last"): BD rows
-# on 1-8 warps (16 weights of a row per lane and 128-wide block: BD = 4 · warps), per-tile reductions, more rows per
-# lane, and gate/up through the dots. Each tuning: one compiled check and one profiled chain (device time, no wall
+# on 2-4 warps (16 weights of a row per lane and 128-wide block: BD = 4 · warps, or two rows per lane), and gate/up
+# through the dots. Each tuning: one compiled check and one profiled chain (device time, no wall
 # slope): `--fp8 --no-ts` ends after this sweep and the T = 1 profile.
 _F = DECODE_TUNING_FP8
 _S = dataclasses.replace(_F, down_t1="slots")
@@ -97,10 +97,7 @@ EXPERTS_SWEEP_FP8 = [
     _F,
     dataclasses.replace(_S, block_d=16, warps_down=4),
     dataclasses.replace(_S, block_d=8, warps_down=2),
-    dataclasses.replace(_S, block_d=4, warps_down=1),
-    dataclasses.replace(_S, block_d=32, warps_down=8),
     dataclasses.replace(_S, block_d=32, warps_down=4),
-    dataclasses.replace(_S, block_d=16, warps_down=4, t1_products="reduce"),
     dataclasses.replace(_S, block_d=16, warps_down=4, down_t1="slots_last"),
     dataclasses.replace(_S, block_d=8, warps_down=2, down_t1="slots_last"),
     # gate/up as T > 1 does it (the token padded to 16 rows, tensor-core dots, loads pipelined through shared memory)
