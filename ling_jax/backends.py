@@ -112,12 +112,22 @@ def kernel_limits(cfg: LingConfig) -> dict[str, list[str]]:
         "moe_prefill": moe,  # prompts up to 64 tokens run the decode kernels
         "mla_prefill": [(cfg.qk_head_dim % 16 == 0, f"qk_nope_head_dim + qk_rope_head_dim = {cfg.qk_head_dim} "
                                                     "(a multiple of 16)"),
-                        (cfg.v_head_dim % 16 == 0, f"v_head_dim={cfg.v_head_dim} (a multiple of 16)")],
+                        (cfg.v_head_dim % 16 == 0, f"v_head_dim={cfg.v_head_dim} (a multiple of 16)"),
+                        (_prefill_tiles_fit(cfg), f"qk_head_dim + v_head_dim = {cfg.qk_head_dim + cfg.v_head_dim} "
+                                                  "narrow enough for 16 x 16 float32 tiles in the shared memory")],
         "mla_decode": [(_pow2(cfg.kv_lora_rank, 16), f"kv_lora_rank={cfg.kv_lora_rank} (a power of two >= 16)"),
                        (_pow2(cfg.qk_rope_head_dim, 16),
                         f"qk_rope_head_dim={cfg.qk_rope_head_dim} (a power of two >= 16)")],
     }
     return {op: [why for ok, why in items if not ok] for op, items in checks.items()}
+
+
+def _prefill_tiles_fit(cfg: LingConfig) -> bool:
+    """Whether the MLA prefill kernel has a tiling within the shared memory in float32 (the widest compute dtype;
+    bf16 then fits too)."""
+    from pallas_kernels.mla.prefill import fitting_tuning
+
+    return fitting_tuning("float32", cfg.qk_head_dim, cfg.v_head_dim) is not None
 
 
 def w8a8_limits(cfg: LingConfig) -> list[str]:

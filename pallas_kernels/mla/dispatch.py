@@ -23,7 +23,8 @@ def mla_prefill_attention(q, k, v, start=0, *, scale, backend="reference", tunin
       start: int32 scalar (may be traced), the position of the first query; 0 for a one-shot prefill (L = T).
       scale: softmax scale (192^-0.5 for Ling).
       backend: "reference" | "pallas".
-      tuning: optional `prefill.MLAPrefillTuning` for backend="pallas" (tiling).
+      tuning: optional `prefill.MLAPrefillTuning` for backend="pallas" (tiling); None: the defaults, or where
+        they exceed the shared memory for q's dtype (float32 at Ling's widths) `prefill.fitting_tuning`'s.
     Returns:
       o [B, T, H, Dv] compute dtype.
     """
@@ -46,7 +47,8 @@ def mla_prefill_attention(q, k, v, start=0, *, scale, backend="reference", tunin
         return reference.mla_prefill_attention(q, k, v, start, scale=scale)
     from pallas_kernels.mla import prefill
 
-    tuning = _pallas_tuning(tuning, prefill.MLAPrefillTuning, "prefill")
+    if tuning is not None:  # None: the kernel's defaults that fit the shared memory for q's dtype
+        _pallas_tuning(tuning, prefill.MLAPrefillTuning, "prefill")
     return prefill.mla_prefill_attention(q, k, v, start, scale=scale, tuning=tuning)
 
 

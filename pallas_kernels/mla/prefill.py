@@ -39,6 +39,7 @@ from pallas_kernels.common import interpret_mode
 from pallas_kernels.common.sizes import check_pow2_fields, next_pow2
 
 _M_INIT = -1e30  # finite start for the running max: exp(m_old - m_new) stays 1, never NaN, on fully masked rows
+SMEM_LIMIT = 227 * 1024  # shared memory one program may take on sm_90 (the H100's and H200's opt-in maximum)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +65,31 @@ class MLAPrefillTuning:
         check_pow2_fields(self, ("num_warps",))
         if not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ValueError(f"MLAPrefillTuning.num_stages={self.num_stages} must be an integer >= 1")
+
+
+def smem_bytes(tuning: MLAPrefillTuning, dtype, dqk: int, dv: int) -> int:
+    """Shared memory a program of `tuning` takes: `num_stages` buffered key blocks of k | v (BK x (Dqk + Dv)) and
+    the query block (BQ x Dqk), in `dtype`. Exact for bf16 (sm_90 compiles at Ling's widths: 172032 bytes with the
+    defaults, 110592 with BK 32, 90112 with one stage); an upper bound for float32, whose compile shares some buffers
+    (295424 bytes against 344064 with the defaults, 197120 against 221184 with BK 32; tests/ops/test_mla_prefill.py)."""
+    return jnp.dtype(dtype).itemsize * (tuning.num_stages * tuning.block_k * (dqk + dv) + tuning.block_q * dqk)
+
+
+def fitting_tuning(dtype, dqk: int, dv: int, base: MLAPrefillTuning = MLAPrefillTuning()) -> MLAPrefillTuning | None:
+    """`base`, or the first smaller tiling whose `smem_bytes` fits SMEM_LIMIT: key blocks halved down to 16, then
+    fewer stages, then query blocks halved (with their warps); None if even 16 x 16 tiles of one stage do not fit.
+    float32 at Ling's widths: BK 32 (221184 bytes; the defaults' 344064 do not fit)."""
+    tu = base
+    while smem_bytes(tu, dtype, dqk, dv) > SMEM_LIMIT:
+        if tu.block_k > 16:
+            tu = dataclasses.replace(tu, block_k=tu.block_k // 2)
+        elif tu.num_stages > 1:
+            tu = dataclasses.replace(tu, num_stages=tu.num_stages - 1)
+        elif tu.block_q > 16:
+            tu = dataclasses.replace(tu, block_q=tu.block_q // 2, num_warps=max(1, tu.num_warps // 2))
+        else:
+            return None
+    return tu
 
 
 def pow2_pieces(d: int) -> tuple[tuple[int, int], ...]:
@@ -142,14 +168,16 @@ def mla_prefill_fwd_kernel(start_ref, q_ref, k_ref, v_ref, o_ref, *, scale, T, N
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "tuning"))
-def mla_prefill_attention(q, k, v, start, *, scale, tuning: MLAPrefillTuning = MLAPrefillTuning()):
-    """Same contract as `reference.mla_prefill_attention`; shapes already validated by the dispatcher."""
+def mla_prefill_attention(q, k, v, start, *, scale, tuning: MLAPrefillTuning | None = None):
+    """Same contract as `reference.mla_prefill_attention`; shapes already validated by the dispatcher. `tuning`
+    None: the defaults where they fit the shared memory for q's dtype, else `fitting_tuning`'s."""
     b, t, h, dqk = q.shape
     length, dv = k.shape[1], v.shape[3]
     for name, d in (("Dqk", dqk), ("Dv", dv)):
         if d % 16:
             raise ValueError(f"the Pallas MLA prefill kernel needs {name} to be a multiple of 16 (power-of-two "
                              f"pieces >= 16), got {name}={d}")
+    tuning = _fitting(tuning, q.dtype, dqk, dv)
     bq = min(tuning.block_q, max(16, next_pow2(t)))
     bk = min(tuning.block_k, max(16, next_pow2(length)))
     nq = pl.cdiv(t, bq)
@@ -179,3 +207,21 @@ def mla_prefill_attention(q, k, v, start, *, scale, tuning: MLAPrefillTuning = M
         interpret=interpret_mode(),
         name="mla_prefill_fwd_kernel",
     )(start_arr, q, k, v)[:, :t]
+
+
+def _fitting(tuning, dtype, dqk, dv):
+    """The tuning to run: the given one if it fits SMEM_LIMIT, else a clear error; None: `fitting_tuning`'s."""
+    if tuning is None:
+        tuning = fitting_tuning(dtype, dqk, dv)
+        if tuning is None:
+            raise ValueError(f"the Pallas MLA prefill kernel cannot tile Dqk={dqk}, Dv={dv} in "
+                             f"{jnp.dtype(dtype).name} within {SMEM_LIMIT} bytes of shared memory: use the "
+                             "reference (mla_prefill=reference)")
+        return tuning
+    need = smem_bytes(tuning, dtype, dqk, dv)
+    if need > SMEM_LIMIT:
+        fit = fitting_tuning(dtype, dqk, dv, tuning)
+        raise ValueError(f"{tuning} needs {need} bytes of shared memory for Dqk={dqk}, Dv={dv} in "
+                         f"{jnp.dtype(dtype).name}, over the {SMEM_LIMIT} a program may take: "
+                         + (f"use {fit}, or tuning=None" if fit else "use the reference"))
+    return tuning
