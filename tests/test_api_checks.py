@@ -115,6 +115,7 @@ def test_verify_donates_only_what_it_can_reuse(toy):
     (dict(num_experts_per_tok=3), "num_experts_per_tok=3"),
     (dict(num_experts=24, n_group=4), "num_experts=24"),
     (dict(v_head_dim=24), "v_head_dim=24"),  # the MLA prefill kernel
+    (dict(v_head_dim=4096), "narrow enough for 16 x 16 float32 tiles in the shared memory"),  # ... its tiles
 ])
 def test_pallas_refuses_sizes_its_kernels_cannot_take(toy, change, field):
     cfg = toy[0].replace(**change)
