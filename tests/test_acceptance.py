@@ -10,7 +10,7 @@ import pytest
 from scipy import stats
 
 from ling_jax.engine import acceptance
-from ling_jax.engine.acceptance import accept, sample_drafts
+from ling_jax.engine.acceptance import accept, accept_greedy, sample_drafts
 from ling_jax.engine.sampling import Greedy, TopP
 
 P_REJECT = 1e-3  # chi-square tests reject "same distribution" below this p-value
@@ -101,6 +101,31 @@ def test_greedy_ties_go_to_the_lowest_id():
     assert (int(n[0]), int(token[0])) == (0, 1)
     n, token = accept(Greedy(), logits, jnp.asarray([[1]]), jnp.asarray([[True]]), None, None)
     assert (int(n[0]), int(token[0])) == (1, 0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_greedy_from_the_targets_tokens_equals_greedy_from_its_logits(seed):
+    """`accept_greedy` (the verify's fused greedy head: the target's tokens, no logits) against `accept` with the
+    logits those tokens are the argmax of, lowest id on ties: logits quantised to a few levels so most positions
+    tie, drafts drawn from the tied sets, valid masks and a batch of 3 (the shared count)."""
+    rng = np.random.default_rng(seed)
+    logits = jnp.asarray(rng.integers(0, 3, (3, K + 1, 6)), jnp.float32)
+    target = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # the lowest id among the tied maxima
+    tied = np.asarray(logits == logits.max(axis=-1, keepdims=True))
+    drafts = jnp.asarray([[rng.choice(np.flatnonzero(tied[b, i])) for i in range(K)] for b in range(3)], jnp.int32)
+    valid = jnp.asarray(rng.random((3, K)) < 0.9)
+    want = accept(Greedy(), logits, drafts, valid, None, None)
+    got = accept_greedy(target, drafts, valid)
+    assert [a.tolist() for a in got] == [a.tolist() for a in want]
+    assert tied.sum(axis=-1).max() > 1  # ties present
+
+
+def test_accept_greedy_argument_errors():
+    with pytest.raises(ValueError, match=r"target has shape \(1, 3\) and drafts \(1, 3\); pass drafts \[batch, k\] "
+                                         r"and the target's greedy tokens \[batch, k \+ 1\]"):
+        accept_greedy(jnp.zeros((1, 3), jnp.int32), jnp.zeros((1, 3), jnp.int32), jnp.ones((1, 3), bool))
+    with pytest.raises(ValueError, match=r"valid has shape \(1, 2\)"):
+        accept_greedy(jnp.zeros((1, 4), jnp.int32), jnp.zeros((1, 3), jnp.int32), jnp.ones((1, 2), bool))
 
 
 def test_batch_keeps_the_minimum_and_each_row_its_own_token():

@@ -38,6 +38,18 @@ def accept(sampler, target_logits: jax.Array, drafts: jax.Array, valid: jax.Arra
     return _accept(sampler, target_logits, drafts, valid, draft_probs, key)
 
 
+def accept_greedy(target: jax.Array, drafts: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`accept` for `Greedy` from the target's greedy tokens [B, k + 1] (the verify forward's fused greedy head,
+    which writes no logits: `model.forward(head="greedy")`, the lowest id among equal maxima as `Greedy`)."""
+    if drafts.ndim != 2 or target.shape != (drafts.shape[0], drafts.shape[1] + 1):
+        raise ValueError(f"target has shape {target.shape} and drafts {drafts.shape}; pass drafts [batch, k] and the "
+                         "target's greedy tokens [batch, k + 1]: the last committed token's, then one per draft")
+    if valid.shape != drafts.shape:
+        raise ValueError(f"valid has shape {valid.shape}; pass a bool mask shaped like drafts, {drafts.shape}")
+    drafts = jnp.where(valid, drafts.astype(jnp.int32), 0)
+    return _shared_count(*_greedy_prefix(target.astype(jnp.int32), drafts, valid), drafts)
+
+
 def _accept(sampler, target_logits, drafts, valid, draft_probs, key, *, exact_residual: bool = True):
     """`accept` after argument checks; exact_residual False (a bool, or a traced one so that both variants share an
     executable) draws rejections from p instead of (p - q)+, which is wrong and exists only so tests can show that
@@ -51,7 +63,11 @@ def _accept(sampler, target_logits, drafts, valid, draft_probs, key, *, exact_re
 
 
 def _accept_greedy(sampler, target_logits, drafts, valid):
-    target = sampler.sample(target_logits, None)  # [B, k + 1]
+    return _greedy_prefix(sampler.sample(target_logits, None), drafts, valid)
+
+
+def _greedy_prefix(target, drafts, valid):
+    """target [B, k + 1] greedy tokens -> (accepted drafts [B], the target's token after them [B])."""
     n = _leading_true(valid & (drafts == target[:, :-1]))
     return n, _at(target, n)
 

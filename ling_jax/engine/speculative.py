@@ -3,17 +3,18 @@
 One step, with a static number of drafts k (docs/design.md §2):
 
     propose   the drafter continues the committed tokens with k drafts (and, if it has them, their probabilities)
-    verify    one target forward over k + 1 positions: the last committed token (not yet in the caches) + the drafts
+    verify    one target forward over k + 1 positions: the last committed token (not yet in the caches) + the drafts;
+              greedy takes the target's tokens from the fused greedy head, sampling its logits
     accept    greedy: the longest prefix equal to the target's argmax, then the target's token after it; sampling:
               exact rejection sampling, so the output distribution is the target's (engine/acceptance.py)
     commit    the caches keep the n + 1 fed positions that are now committed (`cache.commit`, device indices only),
               the drafter observes the n + 1 emitted tokens, `length` advances by n + 1
 
 The batch shares one length, so a step keeps the smallest accepted count of its rows (`acceptance.accept` cuts
-them; a row's extra accepted drafts are re-proposed next step; nothing is lost, greedy or sampled). There is no `lax.cond`, no data-dependent
-`while_loop` and no host read: a block of steps is one `lax.fori_loop` with a static trip count writing its tokens
-into a device buffer at a device-computed offset, and the host reads a block's tokens only after the next block has
-been dispatched, as `engine.generate` does.
+them; a row's extra accepted drafts are re-proposed next step; nothing is lost, greedy or sampled). There is no
+`lax.cond`, no data-dependent `while_loop` and no host read: a block of steps is one `lax.fori_loop` with a static
+trip count writing its tokens into a device buffer at a device-computed offset, and the host reads a block's tokens
+only after the next block has been dispatched, as `engine.generate` does.
 
     SpecState                       (donated to every block)
       model     ModelState           target caches + length (positions in the caches)
@@ -42,6 +43,7 @@ from ling_jax.cache import ModelState, StagedState, cache_len, commit
 from ling_jax.config import LingConfig
 from ling_jax.engine import acceptance
 from ling_jax.engine.generate import _CompileCounter, _cut_after_eos, _mask_eos, host_prompt
+from ling_jax.engine.sampling import Greedy
 from ling_jax.model import check_chunk, check_prefill_memory, forward, prefill
 from ling_jax.params import as_params
 from ling_jax.sharding import constrain_state, host_values, replicated
@@ -113,9 +115,14 @@ def spec_step(params, aux, state: SpecState, eos, cfg: LingConfig, sampler, draf
     key, k_draft, k_accept = jax.random.split(state.key, 3)
     drafts, valid, q, dstate = drafter.propose(aux, params, cfg, state, k, sampler, k_draft, backend)
     fed = jnp.concatenate([state.last[:, None], drafts], axis=1)
-    logits, hidden, layers = forward(params, fed, state.model.layers, state.model.length, cfg, mode="verify",
-                                     backend=backend)
-    n_acc, nxt = acceptance.accept(sampler, logits, drafts, valid, q, k_accept)
+    # Greedy verifies through the fused greedy head, as plain decode does: the [B, k + 1, V] logits are never written.
+    greedy = isinstance(sampler, Greedy)
+    out, hidden, layers = forward(params, fed, state.model.layers, state.model.length, cfg, mode="verify",
+                                  backend=backend, head="greedy" if greedy else "logits")
+    if greedy:
+        n_acc, nxt = acceptance.accept_greedy(out, drafts, valid)
+    else:
+        n_acc, nxt = acceptance.accept(sampler, out, drafts, valid, q, k_accept)
     n = n_acc[0]  # the batch's shared count
     tokens = _emitted_tokens(drafts, nxt, n)
     model = commit(StagedState(state.model.length, layers), n + 1)
