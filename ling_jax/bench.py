@@ -322,30 +322,32 @@ def oracle_aux(tokens, bad):
 
 
 SPEC_DRAFTERS = ("oracle", "mtp", "suffix")
-ORACLE_ROUNDS = 4  # replays until the spec path reproduces the continuation it drafts (bf16 verify vs decode sums)
 
 
 def spec_runner(params, cfg, prompt, *, spec: str, k: int, accept_length: float | None, output_len: int,
                 backend: str, block_size: int, prefill_chunk: int | None = None):
-    """A zero-argument speculative greedy generation. The oracle drafts the model's own greedy output, corrupted
-    where `accept_length` says (None: never, accept length k + 1); mtp and suffix draft for real."""
+    """A zero-argument speculative greedy generation. The oracle is planned acceptance (drafters.PlannedDrafter, a
+    timing mode): it drafts the model's own greedy output and keeps accept_plan's count each step (None: every
+    draft, accept length k + 1) whatever the verify says, since at full size in bf16 or FP8 the verify's argmax
+    leaves plain decode's; mtp and suffix draft for real and are judged by the acceptance rule."""
     from ling_jax.engine import drafters
     from ling_jax.engine.speculative import generate_speculative
 
     kw = dict(max_new_tokens=output_len, sampler=Greedy(), k=k, backend=backend, block_size=block_size,
               ignore_eos=True, prefill_chunk=prefill_chunk)
-    drafter, aux = {"mtp": drafters.MTPDrafter, "suffix": drafters.Suffix}.get(spec, drafters.OracleDrafter)(), None
+    drafter, aux = {"mtp": drafters.MTPDrafter, "suffix": drafters.Suffix}.get(spec, drafters.PlannedDrafter)(), None
     if spec == "oracle":
         truth = G.generate(params, cfg, prompt, max_new_tokens=output_len, sampler=Greedy(), backend=backend,
                            block_size=block_size, ignore_eos=True, prefill_chunk=prefill_chunk).tokens[0]
-        bad = [] if accept_length is None else corruptions(k, accept_plan(k, accept_length, output_len), output_len)
-        for _ in range(ORACLE_ROUNDS):
-            out = generate_speculative(params, cfg, prompt, drafter=drafter, aux=oracle_aux(truth, bad), **kw).tokens[0]
-            if out == truth:
-                break
-            truth = out
-        aux = oracle_aux(truth, bad)
+        plan = accept_plan(k, k + 1 if accept_length is None else accept_length, output_len)
+        aux = (jnp.asarray([truth], jnp.int32), jnp.asarray(plan, jnp.int32))
     return lambda: generate_speculative(params, cfg, prompt, drafter=drafter, aux=aux, **kw)
+
+
+def planned_accept_length(k: int, accept: float | None, steps: int) -> float:
+    """The accept length the plan gives over the first `steps` verify steps (what the device's counts must show)."""
+    plan = accept_plan(k, k + 1 if accept is None else accept, steps)
+    return (sum(plan) + steps) / steps
 
 
 def enable_compilation_cache() -> None:
@@ -412,8 +414,16 @@ def bench(params, cfg, *, prompt_len: int, output_len: int, backend: str, block_
                output_len=output_len, block_size=block_size, repeats=repeats, warmup=warmup,
                prefill_chunk=prefill_chunk or PREFILL_CHUNK, spec=spec, **sglang_metrics(results, output_len))
     if spec != "none":
-        row.update(num_draft=num_draft, planned_accept_length=accept_length,
-                   accept_length=float(np.mean([r.accept_length for r in results])))
+        row.update(num_draft=num_draft, accept_length=float(np.mean([r.accept_length for r in results])),
+                   agreement=float(np.mean([r.agreement for r in results])),
+                   acceptance="planned (timing)" if spec == "oracle" else "real")
+        if spec == "oracle":  # the device's counts must be the plan's, over the steps each run took
+            want = [planned_accept_length(num_draft, accept_length, r.verify_steps) for r in results]
+            got = [r.accept_length for r in results]
+            if not np.allclose(got, want, rtol=0, atol=1e-9):
+                raise AssertionError(f"planned acceptance: the device counted accept lengths {got}, the plan gives "
+                                     f"{want}")
+            row["planned_accept_length"] = want[0]
     moved = step_bytes(cfg, prompt_len + output_len, jnp.dtype(params["embed"].dtype).itemsize)
     total = sum(moved.values())
     floor_ms = total / HBM_BYTES_PER_S * 1e3
@@ -434,8 +444,9 @@ def bench(params, cfg, *, prompt_len: int, output_len: int, backend: str, block_
 
 def print_row(row: dict) -> None:
     gb = 1e9
-    spec = "" if row["spec"] == "none" else (f", spec {row['spec']} k={row['num_draft']} (accept length "
-                                             f"{row['accept_length']:.2f})")
+    spec = "" if row["spec"] == "none" else (
+        f", spec {row['spec']} k={row['num_draft']} (accept length {row['accept_length']:.2f}, acceptance: "
+        f"{row['acceptance']}; natural agreement of drafts and verify {row['agreement']:.1%})")
     print(f"{row['layers']} layers, {row['quantization'] or 'unquantised'}, backend {row['backend']}{spec}: prompt "
           f"{row['prompt_len']}, output {row['output_len']}, {row['repeats']} timed runs after {row['warmup']} warm-up")
     print(f"  TTFT {row['ttft_ms']:.1f} ms · TPOT median {row['tpot_ms_median']:.3f} ms (mean "

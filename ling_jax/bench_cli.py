@@ -48,8 +48,9 @@ def _add_bench(b: argparse.ArgumentParser) -> None:
                         "JAX may allocate; the CPU reports none, so no check)")
     b.add_argument("--seed", type=int, default=0, metavar="S", help="prompt and weight seed")
     b.add_argument("--spec", choices=("none", "oracle", "mtp", "suffix"), default="none",
-                   help="speculative decoding: oracle (the model's own greedy output as drafts, at --accept-length), "
-                        "mtp (the NextN layer), suffix (model-free)")
+                   help="speculative decoding: oracle (planned acceptance, a timing mode: the model's own greedy "
+                        "output as drafts, --accept-length's count kept each step whatever the verify says), mtp "
+                        "(the NextN layer), suffix (model-free)")
     b.add_argument("--num-draft", type=int, default=DEFAULT_DRAFTS, metavar="K", help="drafts per verify step")
     b.add_argument("--accept-length", type=float, default=None, metavar="A",
                    help="--spec oracle: the mean accept length to plan, 1..K+1 (default: every draft accepted)")

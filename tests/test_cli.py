@@ -417,6 +417,24 @@ def test_bench_writes_its_row_where_it_runs_not_in_the_source_tree(tmp_path):
     assert row["output_tokens_per_s"] == pytest.approx(5 / (row["latency_ms"] / 1e3), rel=1e-9)
 
 
+def test_bench_spec_oracle_is_planned_acceptance(tmp_path):
+    """`bench --spec oracle --accept-length A` is the planned timing mode: its row says so, its accept length is the
+    device's count and equals the plan's over the steps run, and it reports the natural agreement of the drafts
+    with the verify's argmax (here the model's own greedy output, which bf16 verify roundings leave at times)."""
+    from ling_jax.bench import planned_accept_length
+
+    result = run_ling_jax("bench", "--preset", "toy", "--random-weights", "--prompt-len", "16", "--output-len", "40",
+                          "--block-size", "4", "--warmup", "0", "--repeats", "1", "--backend", "reference",
+                          "--no-kernel-count", "--spec", "oracle", "--num-draft", "3", "--accept-length", "2.5",
+                          "--json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    row = json.loads(result.stdout.strip().splitlines()[-1])
+    assert row["acceptance"] == "planned (timing)" and 0.5 < row["agreement"] <= 1.0, row["agreement"]
+    steps = round((40 - 1) / row["accept_length"])
+    assert row["accept_length"] == pytest.approx(planned_accept_length(3, 2.5, steps), abs=1e-9)
+    assert abs(row["accept_length"] - 2.5) < 0.1
+
+
 def test_bench_results_option_takes_a_file_or_a_directory(tmp_path):
     from ling_jax import bench_cli
     from ling_jax.cli import _parser

@@ -159,6 +159,54 @@ def test_greedy_head_verify_equals_the_logits_verify_ties_included(toy, backend)
     assert out.tokens[0] == plain
 
 
+def _planned_steps(plan, k, n_new):
+    """(verify steps, accepted drafts) a run of `n_new` tokens takes when step j keeps plan[j] drafts (the last one
+    repeated)."""
+    steps = accepted = 0
+    emitted = 1
+    while emitted < n_new:
+        n = min(plan[min(steps, len(plan) - 1)], k)
+        steps, accepted, emitted = steps + 1, accepted + n, emitted + n + 1
+    return steps, accepted
+
+
+@pytest.mark.parametrize("k, plan", [(3, [3, 0, 2, 1, 3, 3, 0]), (5, [5]), (1, [0, 1, 1])])
+def test_planned_acceptance_holds_the_plan_and_commits_greedy_given_matching_drafts(k, plan, toy, plain):
+    """The planned timing mode: with the true continuation as drafts, every step keeps exactly its planned count
+    and the output is plain greedy's (the bonus token is the verify's own); the device's counts are the plan's."""
+    from ling_jax.engine.drafters import PlannedDrafter
+
+    aux = (jnp.asarray([plain], jnp.int32), jnp.asarray(plan, jnp.int32))
+    out = _spec(toy, PlannedDrafter(), aux, k)
+    assert out.planned and out.tokens[0] == plain[:N_NEW]
+    assert (out.verify_steps, out.accepted) == _planned_steps(plan, k, N_NEW)
+    assert out.agreement == 1.0  # every draft is the verify's argmax
+
+
+def test_planned_acceptance_holds_the_plan_whatever_the_verify_says(toy, plain):
+    """Drafts the verify rejects (a shifted continuation) are still committed as planned: the counts are the plan's,
+    the natural agreement is low, and the output is no longer greedy's (a timing mode, not lossless)."""
+    from ling_jax.engine.drafters import PlannedDrafter
+
+    plan = [2, 3, 1]
+    wrong = [(t + 1) % 64 + 100 for t in plain]
+    out = _spec(toy, PlannedDrafter(), (jnp.asarray([wrong], jnp.int32), jnp.asarray(plan, jnp.int32)), 3)
+    assert (out.verify_steps, out.accepted) == _planned_steps(plan, 3, N_NEW)
+    assert out.agreement < 0.2 and out.tokens[0] != plain[:N_NEW]
+    assert out.accept_length == (out.accepted + out.verify_steps) / out.verify_steps
+
+
+def test_planned_drafter_refusals(toy, plain):
+    from ling_jax.engine.drafters import PlannedDrafter
+
+    cont = jnp.asarray([plain], jnp.int32)
+    with pytest.raises(ValueError, match=r"pass aux=\(continuation \[B, M\] int32, plan \[S\] int32"):
+        _spec(toy, PlannedDrafter(), (cont, jnp.zeros((0,), jnp.int32)), 3, n=8)
+    with pytest.raises(ValueError, match=r"PlannedDrafter plans greedy accept counts \(a timing mode\); sample with "
+                                         r"Greedy\(\)"):
+        _spec(toy, PlannedDrafter(), (cont, jnp.ones((2,), jnp.int32)), 3, n=8, sampler=TopP(1.0, 0.9))
+
+
 def _committed(plain, n):
     return np.asarray([PROMPT[0] + plain[:n]], np.int32)
 

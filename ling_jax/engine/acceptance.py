@@ -50,6 +50,13 @@ def accept_greedy(target: jax.Array, drafts: jax.Array, valid: jax.Array) -> tup
     return _shared_count(*_greedy_prefix(target.astype(jnp.int32), drafts, valid), drafts)
 
 
+def accept_planned(target: jax.Array, drafts: jax.Array, n: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A planned count: n [] drafts kept whatever the target says, then the target's greedy token at position n ->
+    (n [B], next_token [B]), as `accept` returns them. A timing mode (drafters.PlannedDrafter), not lossless."""
+    n = jnp.broadcast_to(n, drafts.shape[:1]).astype(jnp.int32)
+    return n, _at(target.astype(jnp.int32), n)
+
+
 def _accept(sampler, target_logits, drafts, valid, draft_probs, key, *, exact_residual: bool = True):
     """`accept` after argument checks; exact_residual False (a bool, or a traced one so that both variants share an
     executable) draws rejections from p instead of (p - q)+, which is wrong and exists only so tests can show that

@@ -12,6 +12,7 @@ distribution the drafts were drawn from (None: model-free, one-hot); `observe` s
 which the first `n_keep` are committed, and the target's hidden states at the k + 1 verified positions.
 
     OracleDrafter   replays a given continuation, optionally corrupted at chosen output positions
+    PlannedDrafter  replays a given continuation at a planned accept count per step (timing; not lossless)
     MTPDrafter      the checkpoint's NextN layer chained k times over its own MLA cache
     ModelDrafter    a separate, smaller Ling model drafting autoregressively with its own caches
     Suffix          model-free: the most frequent continuation of the longest suffix match (engine/suffix.py)
@@ -53,6 +54,41 @@ class OracleDrafter:
         at = jnp.minimum(idx, continuation.shape[1] - 1)
         drafts = jnp.where(corrupt[:, at], (continuation[:, at] + 1) % cfg.vocab_size, continuation[:, at])
         return drafts.astype(jnp.int32), jnp.broadcast_to(inside, drafts.shape), None, ()
+
+    def observe(self, aux, params, cfg, spec, state, emitted, n_keep, verify_hidden, backend):
+        return ()
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedDrafter:
+    """A timing mode: drafts a given continuation and commits a planned number of them per step, whatever the
+    verify's argmax says; the token after them is the verify's own at that position. A step then does the work a
+    real drafter at the plan's accept length would, also where the verify's argmax leaves the continuation (bf16
+    and FP8 rounding at full size), but the output is not the target's greedy output. aux = (continuation [B, M]
+    int32, the expected output from its first token on; plan [S] int32, drafts accepted at verify step j, each in
+    0..k, the last one repeated past S). Greedy only."""
+
+    planned = True  # engine.speculative: the step takes `planned_count` instead of the acceptance rule
+
+    def check(self, aux, params, cfg):
+        shapes = [getattr(a, "shape", None) for a in aux] if isinstance(aux, tuple) and len(aux) == 2 else None
+        if shapes is None or len(shapes[0] or ()) != 2 or len(shapes[1] or ()) != 1 or shapes[1][0] < 1:
+            raise ValueError("the planned drafter replays a continuation at a planned accept count: pass "
+                             "aux=(continuation [B, M] int32, plan [S] int32 drafts accepted per step, S >= 1)")
+
+    def init(self, aux, params, cfg, prompt, first, hidden, max_len, backend):
+        return ()
+
+    def propose(self, aux, params, cfg, spec, k, sampler, key, backend):
+        continuation, _ = aux
+        idx = spec.emitted + jnp.arange(k)
+        drafts = continuation[:, jnp.minimum(idx, continuation.shape[1] - 1)].astype(jnp.int32)
+        return drafts, jnp.ones(drafts.shape, bool), None, ()
+
+    def planned_count(self, aux, steps, k):
+        """Drafts to accept at verify step `steps` (a device int32 []): plan[steps], capped at k."""
+        plan = aux[1]
+        return jnp.minimum(plan[jnp.minimum(steps, plan.shape[0] - 1)], k).astype(jnp.int32)
 
     def observe(self, aux, params, cfg, spec, state, emitted, n_keep, verify_hidden, backend):
         return ()

@@ -24,7 +24,8 @@ only after the next block has been dispatched, as `engine.generate` does.
       key       PRNG key
       done      bool [B]             the row has emitted an EOS
       emitted   int32 []             tokens emitted so far, the first (prefill's) included
-      counters  int32 [3]            verify steps, drafted tokens, accepted drafts (steps before the end only)
+      counters  int32 [4]            verify steps, drafted tokens, accepted drafts, drafts equal to the verify's
+                                     argmax (steps before the end only)
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from ling_jax.model import check_chunk, check_prefill_memory, forward, prefill
 from ling_jax.params import as_params
 from ling_jax.sharding import constrain_state, host_values, replicated
 
-VERIFY_STEPS, DRAFTED, ACCEPTED = range(3)
+VERIFY_STEPS, DRAFTED, ACCEPTED, AGREED = range(4)
 # k + 1 <= 17 verify positions keep the step in the decode/verify kernels' regime (they take <= 64 tokens); longer
 # chains would be prefill-sized forwards.
 MAX_DRAFTS = 16
@@ -74,6 +75,13 @@ class SpecResult:
     drafted: int  # drafts proposed in those steps (valid ones)
     accepted: int  # drafts accepted in those steps
     compiles: int = 0  # executables compiled inside the timed region
+    agreed: int = 0  # drafts equal to the verify's argmax in those steps (>= accepted, but for a planned count)
+    planned: bool = False  # the accepted counts followed a plan (drafters.PlannedDrafter): a timing mode
+
+    @property
+    def agreement(self) -> float | None:
+        """The fraction of drafted positions where the verify's argmax equalled the draft; None when none."""
+        return self.agreed / self.drafted if self.drafted else None
 
     @property
     def accept_length(self) -> float | None:
@@ -119,10 +127,16 @@ def spec_step(params, aux, state: SpecState, eos, cfg: LingConfig, sampler, draf
     greedy = isinstance(sampler, Greedy)
     out, hidden, layers = forward(params, fed, state.model.layers, state.model.length, cfg, mode="verify",
                                   backend=backend, head="greedy" if greedy else "logits")
-    if greedy:
+    if getattr(drafter, "planned", False):
+        n_acc, nxt = acceptance.accept_planned(out, drafts, drafter.planned_count(aux, state.counters[VERIFY_STEPS], k))
+    elif greedy:
         n_acc, nxt = acceptance.accept_greedy(out, drafts, valid)
     else:
         n_acc, nxt = acceptance.accept(sampler, out, drafts, valid, q, k_accept)
+    # The drafted positions where the verify's argmax (or, sampling, the token kept there) equals the draft: the
+    # natural agreement, which a planned count may exceed or fall short of.
+    target = out if greedy else jnp.argmax(out, axis=-1)
+    agreed = jnp.sum(valid & (drafts == target[:, :-1]), axis=1).min()
     n = n_acc[0]  # the batch's shared count
     tokens = _emitted_tokens(drafts, nxt, n)
     model = commit(StagedState(state.model.length, layers), n + 1)
@@ -131,7 +145,7 @@ def spec_step(params, aux, state: SpecState, eos, cfg: LingConfig, sampler, draf
     live = (state.emitted < max_new) & ~state.done.all()
     count = jnp.where(live, n + 1, 0)
     tokens, done = _mask_eos_run(tokens, count, state.done, eos, pad_id)
-    counters = state.counters + live * jnp.stack([1, valid.sum(axis=1).min(), n]).astype(jnp.int32)
+    counters = state.counters + live * jnp.stack([1, valid.sum(axis=1).min(), n, agreed]).astype(jnp.int32)
     state = SpecState(model, tokens[:, n], hidden[:, n], dstate, key, done,
                       state.emitted + count, counters)
     return state, tokens, count
@@ -165,7 +179,7 @@ def spec_start(params, aux, prompt, key, eos, cfg: LingConfig, sampler, drafter,
     first = sampler.sample(logits[:, -1], sub)
     first, done = _mask_eos(first, jnp.zeros(first.shape, bool), eos, pad_id)
     dstate = drafter.init(aux, params, cfg, prompt, first, hidden, max_len, backend)
-    counters = jnp.zeros((3,), jnp.int32)
+    counters = jnp.zeros((4,), jnp.int32)
     state = SpecState(constrain_state(model), first, hidden[:, -1], dstate, key, done, jnp.ones((), jnp.int32),
                       counters)
     return state, first
@@ -183,6 +197,9 @@ def generate_speculative(params, cfg: LingConfig, prompt, *, max_new_tokens: int
     if not 1 <= k <= MAX_DRAFTS:
         raise ValueError(f"k={k} drafts: choose 1 <= k <= {MAX_DRAFTS} (the verify kernels take k + 1 tokens)")
     drafter.check(aux, params, cfg)
+    if getattr(drafter, "planned", False) and not isinstance(sampler, Greedy):
+        raise ValueError(f"{type(drafter).__name__} plans greedy accept counts (a timing mode); sample with "
+                         "Greedy(), or use a drafter that the acceptance rule judges")
     prompt = host_prompt(prompt, cfg)
     if max_new_tokens < 1 or block_size < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} and block_size={block_size} must be >= 1")
@@ -225,7 +242,8 @@ def generate_speculative(params, cfg: LingConfig, prompt, *, max_new_tokens: int
 
     tokens = np.concatenate(chunks, axis=1)[:, :max_new_tokens]
     return SpecResult(_cut_after_eos(tokens, cfg.eos_token_ids, ignore_eos), t1 - t0, t2 - t1,
-                      int(counters[VERIFY_STEPS]), int(counters[DRAFTED]), int(counters[ACCEPTED]), compiled.count)
+                      int(counters[VERIFY_STEPS]), int(counters[DRAFTED]), int(counters[ACCEPTED]), compiled.count,
+                      int(counters[AGREED]), getattr(drafter, "planned", False))
 
 
 def _collect(pending, chunks: list, max_new_tokens: int, ignore_eos: bool) -> bool:
