@@ -62,16 +62,16 @@ suite_gemv_levers() {  # the FP8 GEMV levers side by side on every fused shape a
 }
 suite_fp8_ops() {  # the FP8 GEMV shapes with their tuning sweep, then the FP8 MoE layer's T = 1 sweep
   timeout 230 python3 experiments/bench_gemv.py --fp8 --sweep
-  timeout 300 python3 experiments/bench_moe.py --fp8 --no-ts --chain norm --layers 8 --router-dtype bfloat16 --iters 1
+  timeout 280 python3 experiments/bench_moe.py --fp8 --no-ts --chain norm --layers 8 --router-dtype bfloat16 --iters 1
 }
 suite_moe_fp8() {  # the FP8 MoE layer's T = 1 sweep (device time), its T > 1 rows, then the bf16 layer beside it
   local t0=$SECONDS
-  timeout 300 python3 experiments/bench_moe.py --fp8 --no-ts --chain norm --layers 8 --router-dtype bfloat16 --iters 1
+  timeout 280 python3 experiments/bench_moe.py --fp8 --no-ts --chain norm --layers 8 --router-dtype bfloat16 --iters 1
   cp experiments/results/bench_moe_fp8.json "$OUT"/bench_moe_fp8_sweep.json
-  timeout $((420 - SECONDS + t0)) python3 experiments/bench_moe.py --fp8 --quick --ts 2,4,9 --profile-ts 2,4,9 \
+  timeout $((380 - SECONDS + t0)) python3 experiments/bench_moe.py --fp8 --quick --ts 2,4,9 --profile-ts 2,4,9 \
     --chain norm --layers 8 --router-dtype bfloat16 --iters 1
   cp experiments/results/bench_moe_fp8.json "$OUT"/bench_moe_fp8_ts.json
-  timeout $((500 - SECONDS + t0)) python3 experiments/bench_moe.py --quick --ts 1,2,4,9 --profile-ts 2,4,9 \
+  timeout $((450 - SECONDS + t0)) python3 experiments/bench_moe.py --quick --ts 1,2,4,9 --profile-ts 2,4,9 \
     --chain norm --layers 8 --router-dtype bfloat16 --iters 1
   cp experiments/results/bench_moe.json "$OUT"/
 }
