@@ -127,36 +127,34 @@ def test_pallas_backend_is_lossless_too(toy, plain):
     assert out.tokens[0] == plain[:24]
 
 
-@pytest.mark.parametrize("backend", ["reference", "pallas"])
-def test_greedy_head_verify_equals_the_logits_verify_ties_included(toy, backend):
+def test_greedy_head_verify_equals_the_logits_verify_ties_included(toy):
     """The spec step verifies greedy drafts through the fused greedy head (`forward(head="greedy")`, no logits
     written). With the lm_head's odd columns copies of the even ones every argmax ties: the verify's tokens are the
-    lowest ids, and its accepted counts and tokens equal those of `acceptance.accept` on the logits of the same
-    forward, for drafts that take the tied odd ids too. A speculative run on that model equals plain greedy."""
+    lowest (even) ids, and its accepted counts and tokens equal those of `acceptance.accept` on the logits of the
+    same forward, for drafts that take the tied odd ids too. On Pallas, where the greedy head is the fused lm_head +
+    argmax kernel (the reference's is jnp.argmax of the logits)."""
     from ling_jax.engine import acceptance
     from ling_jax.model import forward
 
     cfg, params = toy
     lm = params["lm_head"]
     params = dict(params, lm_head=lm.at[:, 1::2].set(lm[:, 0::2]))
-    _, state, _ = prefill(params, jnp.asarray(PROMPT, jnp.int32), cfg, max_len=64, backend=backend)
-    plain = generate(params, cfg, PROMPT, max_new_tokens=12, sampler=Greedy(), ignore_eos=True,
-                     backend=backend).tokens[0]
-    assert all(t % 2 == 0 for t in plain)
+    logits0, state, _ = prefill(params, jnp.asarray(PROMPT, jnp.int32), cfg, max_len=64, backend="pallas")
+    kw = dict(mode="verify", backend="pallas")
+    both = jax.jit(lambda fed: (forward(params, fed, state.layers, state.length, cfg, **kw)[0],
+                                forward(params, fed, state.layers, state.length, cfg, **kw, head="greedy")[0]))
+    first = int(jnp.argmax(logits0[0, -1]))
+    _, greedy = both(jnp.asarray([[first, 7, 8, 9]], jnp.int32))
+    assert first % 2 == 0 and (np.asarray(greedy) % 2 == 0).all()
     rng = np.random.default_rng(3)
-    for trial in range(4):  # drafts: the true continuation, some moved to the tied odd id, some wrong
-        drafts = np.asarray(plain[1:4]) + (rng.random(3) < 0.3) * rng.integers(1, 3, 3)
-        fed = jnp.asarray([[plain[0], *drafts]], jnp.int32)
-        kw = dict(mode="verify", backend=backend)
-        logits = forward(params, fed, state.layers, state.length, cfg, **kw)[0]
-        target = forward(params, fed, state.layers, state.length, cfg, **kw, head="greedy")[0]
+    for trial in range(4):  # drafts: the verify's own tokens, some moved to the tied odd id, some wrong
+        drafts = np.asarray(greedy[0, :3]) + (rng.random(3) < 0.4) * rng.integers(1, 3, 3)
+        fed = jnp.asarray([[first, *drafts]], jnp.int32)
+        logits, target = both(fed)
         valid = jnp.ones((1, 3), bool)
         want = acceptance.accept(Greedy(), logits, fed[:, 1:], valid, None, None)
         got = acceptance.accept_greedy(target, fed[:, 1:], valid)
         assert [a.tolist() for a in got] == [a.tolist() for a in want], trial
-    out = S.generate_speculative(params, cfg, PROMPT, max_new_tokens=12, sampler=Greedy(), drafter=Suffix(), k=3,
-                                 ignore_eos=True, block_size=4, backend=backend)
-    assert out.tokens[0] == plain
 
 
 def _planned_steps(plan, k, n_new):
@@ -170,7 +168,7 @@ def _planned_steps(plan, k, n_new):
     return steps, accepted
 
 
-@pytest.mark.parametrize("k, plan", [(3, [3, 0, 2, 1, 3, 3, 0]), (5, [5]), (1, [0, 1, 1])])
+@pytest.mark.parametrize("k, plan", [(3, [3, 0, 2, 1, 3, 3, 0]), (1, [0, 1, 1])])
 def test_planned_acceptance_holds_the_plan_and_commits_greedy_given_matching_drafts(k, plan, toy, plain):
     """The planned timing mode: with the true continuation as drafts, every step keeps exactly its planned count
     and the output is plain greedy's (the bonus token is the verify's own); the device's counts are the plan's."""
