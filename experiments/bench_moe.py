@@ -55,8 +55,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from common import (HBM_BYTES_PER_S, parse_tuning, print_table, rel_err, run_header, short, slope_per_call,
-                    write_results)
+from common import (HBM_BYTES_PER_S, parse_tuning, parse_tunings, print_table, rel_err, run_header, short,
+                    slope_per_call, write_results)
 from pallas_kernels import moe
 from pallas_kernels.common import fp8
 from pallas_kernels.moe import router as router_mod
@@ -260,6 +260,9 @@ def main(argv=None):
     ap.add_argument("--router", default="",
                     help="--quick: router.default_tuning(1, --router-dtype) with these fields, e.g. block_e=2")
     ap.add_argument("--router-only", action="store_true", help="sweep the router only (experts DECODE_TUNING)")
+    ap.add_argument("--experts-sweep", default="",
+                    help="the T = 1 experts sweep instead of EXPERTS_SWEEP(_FP8): `;`-separated field lists over "
+                         "DECODE_TUNING (--fp8: DECODE_TUNING_FP8), e.g. 'default;down_t1=slots,block_d=64'")
     ap.add_argument("--no-ts", action="store_true", help="stop after the sweep (and the T = 1 profile)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--iters", type=int, default=10)
@@ -292,6 +295,8 @@ def main(argv=None):
         ap.error(f"--profile-ts {args.profile_ts}: T values > 1 (T = 1 is profiled after the sweep)")
     experts_sweep, router_sweep, reps, n_batch, n_single = (EXPERTS_SWEEP_FP8 if args.fp8 else EXPERTS_SWEEP,
                                                             ROUTER_SWEEP, (1, 3), 512, 64)
+    if args.experts_sweep:
+        experts_sweep = parse_tunings(decode_base, args.experts_sweep)
     ts, nl, iters, check_ts = args.ts, args.layers, args.iters, (1, 2, 3, 16)
     # --fp8 sweeps the experts only: the router GEMV is the same with FP8 experts (its sweep is the plain run's), so
     # the FP8 sweep stays short (EXPERTS_SWEEP_FP8)
