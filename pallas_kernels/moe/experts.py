@@ -24,14 +24,21 @@ shared expert and then each routed slot, reduces their BD W_down rows against th
 written out, so the compiler overlaps one slot's loads with another's math), rounds each expert's output to the
 compute dtype as the reference does, sums the routed ones weighted in fp32, rounds once and adds the shared output
 (and the optional residual): the layer's output, no combine launch. Non-owner slots (a repeated id; the router never
-repeats one within a token) are masked, their owner taking every weight of the id.
+repeats one within a token) are masked, their owner taking every weight of the id. This is `down_t1="fused"`
+(DECODE_TUNING). The slot-parallel forms (DECODE_TUNING_FP8) give every (slot, BD features) pair a program over all
+of I instead, which loads all its weight tiles before its first product (a CTA barrier keeps ptxas from sinking the
+loads to their products) and writes its weighted fp32 partial: "slots" (`experts_fwd_kernel_down_slots`) leaves the
+sum to the T > 1 combine fusion below; "slots_last" (`experts_fwd_kernel_down_slots_last`) counts arrivals per
+feature block with an acq_rel atomic (counters zeroed by kernel 1), and the last program to arrive sums the routed
+partials in slot order, rounds once and adds the shared expert's and the residual, as the fused kernel does.
 Kernel 2 at T > 1 (`experts_fwd_kernel_down`), grid (K + 1, D / BD): group g < K walks its T slots, takes
 tensor-core dots h·W_down[BD rows]ᵀ over the TP token rows (fp32, rounded to the compute dtype as the reference
 rounds each expert's output), scales by each token's routing weight in fp32 and writes a fp32 partial; program row
 K writes the shared expert's output. XLA sums the K partials (fp32), rounds once and adds the shared output in the
 compute dtype: one small fusion.
 Tunings by T (`default_tuning`): `DECODE_TUNING` (T = 1), `FMA_TOKENS_TUNING` (2 <= T <= FMA_TOKENS_MAX) and
-`VERIFY_TUNING` (larger T, the dot path's field defaults).
+`VERIFY_TUNING` (larger T, the dot path's field defaults); with FP8 routed experts `DECODE_TUNING_FP8` and
+`VERIFY_TUNING_FP8`. `t1_gate_up="dot"` takes T = 1 through the T > 1 dot gate/up (16 padded token rows).
 PDL: with `early_launch_down` (DECODE_TUNING) the down kernel's programs first admit its successor (at T = 1
 whatever follows the MoE layer: in the model, the next block's norm fusion), which then waits at its entry
 (pallas_kernels/common/pdl.py).
@@ -287,9 +294,13 @@ FMA_TOKENS_TUNING = dataclasses.replace(VERIFY_TUNING, verify_gate_up="fma_token
 # against 4.3 with four warps and 14 with VERIFY_TUNING's 16 rows, whose E4M3 -> bf16 conversion takes a costly
 # layout); the down blocks stay (64 features: fewer programs would idle SMs). experiments/bench_moe.py --fp8 sweeps
 # the T = 1 alternatives on the GPU (EXPERTS_SWEEP_FP8).
-# The H200 sweep of EXPERTS_SWEEP_FP8 picked 2 down features per program: 38.9 µs per layer against 44.9 at 4
-# (experiments/RESULTS.md, MoE FP8).
-DECODE_TUNING_FP8 = dataclasses.replace(DECODE_TUNING, block_i=4, block_d=2, t1_products="accumulate")
+# The T = 1 down as (slot, 64 features) programs over all of I on 4 warps, each feature block's last program
+# combining ("slots_last"): every program's six [64, 128] E4M3 tiles (four rows a lane) loaded before its first
+# product, 1440 programs. On an H100 in the model-like chain: layer 33.49 µs against 40.33 for the fused one-launch
+# down of 2 features per program; 33.15 with the XLA combine ("slots"), a launch more per layer; 34.5-41.9 at 32 or
+# 128 features or 8 warps (experiments/RESULTS.md, "MoE FP8").
+DECODE_TUNING_FP8 = dataclasses.replace(DECODE_TUNING, block_i=4, block_d=64, warps_down=4, t1_products="accumulate",
+                                        down_t1="slots_last")
 VERIFY_TUNING_FP8 = dataclasses.replace(VERIFY_TUNING, block_i=32, warps_gate_up=2)
 
 

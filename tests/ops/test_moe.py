@@ -949,17 +949,18 @@ def test_experts_pallas_fp8(n, d, i, shared, limits, dtype):
 
 @pytest.mark.parametrize("n,tu", [(1, "decode_bf16"), (1, "reduce"), (1, "lanes4_unroll"), (1, "lanes1"),
                                   (1, "plain_acc"), (1, "slots"), (1, "slots_reduce"), (1, "slots_dot"),
-                                  (1, "slots_last"), (1, "slots_last_dot"),
+                                  (1, "slots_last"), (1, "slots_last_dot"), (1, "fused"), (1, "fused_reduce"),
                                   (2, "fma_tokens_bf16"),
                                   (4, "dot_w"), (3, "dot_bk32")])
 def test_experts_pallas_fp8_tunings(n, tu):
     """FP8 experts with other tunings (float32): the bf16 defaults (per-tile reductions, 512-wide chunks taken as
     two 128-wide sub-blocks at D 256); DECODE_TUNING_FP8 with per-tile reductions; 2-row programs over 64-wide chunks
-    (4 weights per lane, `experts.lane_group`) with the gate/up chunks written out; 4-warp programs of 16-wide chunks
+    (4 weights per lane, `experts.lane_group`) with the gate/up chunks written out and 2-feature down programs; 4-warp programs of 16-wide chunks
     (fewer weights than lanes: the products summed as they are); the per-token FMAs, W·xᵀ dots and 32-wide chunks
     (four per scale block); plain weights with the FP8 T = 1 default (t1_products="accumulate" with 256-wide
-    chunks); and the T = 1 down as (slot, features) programs with an XLA combine, both product forms, also after
-    the T > 1 dot gate/up (16 token rows, the down reading the first)."""
+    chunks); the T = 1 down as (slot, features) programs with an XLA combine, both product forms, also after the
+    T > 1 dot gate/up (16 token rows, the down reading the first), and with the last program combining; and the
+    one-launch "fused" down of 2 one-warp features per program, both product forms."""
     from pallas_kernels.moe import experts as em
 
     f = em.DECODE_TUNING_FP8
@@ -973,6 +974,8 @@ def test_experts_pallas_fp8_tunings(n, tu):
                "dot_w": dataclasses.replace(em.VERIFY_TUNING_FP8, dot_gate_up="dot_w"),
                "dot_bk32": dataclasses.replace(em.VERIFY_TUNING, block_k=32, block_ki=32, block_d=16),
                "slots": dataclasses.replace(f, down_t1="slots", block_d=16, warps_down=4),
+               "fused": dataclasses.replace(f, down_t1="fused", block_d=2, warps_down=1),
+               "fused_reduce": dataclasses.replace(f, down_t1="fused", block_d=2, warps_down=1, t1_products="reduce"),
                "slots_reduce": dataclasses.replace(f, down_t1="slots", block_d=8, warps_down=2, t1_products="reduce"),
                "slots_dot": dataclasses.replace(em.VERIFY_TUNING_FP8, down_t1="slots", t1_gate_up="dot", block_d=16,
                                                 t1_products="accumulate"),
@@ -1048,8 +1051,8 @@ def test_dispatch_fp8_errors():
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_fp8_lowers_for_cuda(monkeypatch, n):
     """FP8 experts at Flash size lower to Triton with the FP8 defaults by T (experts.default_tuning): at T = 1
-    4-row gate/up programs and 4-feature down programs with the residual added inside (no XLA add) and h in float32;
-    the router's prefetch takes the shared expert's q arrays."""
+    4-row gate/up programs and (slot, 64 features) down programs whose last per feature block combines and adds the
+    residual (no XLA add or reduce), h in float32; the router's prefetch takes the shared expert's q arrays."""
     from pallas_kernels.common import pdl
     from pallas_kernels.moe import experts as experts_mod, router as router_mod
 
@@ -1068,14 +1071,14 @@ def test_fp8_lowers_for_cuda(monkeypatch, n):
                          sds((e,), f32), w8(e, i, d), w8(e, i, d), w8(e, d, i), w8(i, d), w8(i, d), w8(d, i),
                          sds((n, d), bf))
     calls = {re.search(r'name = "([^"]+)"', c).group(1): c for c in txt.split("stablehlo.custom_call")[1:]}
-    down = "experts_fwd_kernel_down_t1" if n == 1 else "experts_fwd_kernel_down"
+    down = "experts_fwd_kernel_down_slots_last" if n == 1 else "experts_fwd_kernel_down"
     assert sorted(calls) == sorted(["router_fwd_kernel_gemv", "router_fwd_kernel_topk", "experts_fwd_kernel_gate_up",
                                     down])
     rows = 4 if n == 1 else 32  # DECODE_TUNING_FP8, VERIFY_TUNING_FP8
     assert f"grid_y = {i // rows}" in calls["experts_fwd_kernel_gate_up"]
     if n == 1:
-        assert f"grid_x = {d // experts_mod.DECODE_TUNING_FP8.block_d}" in calls[down]
-        assert "stablehlo.add" not in txt  # the residual: added inside the down kernel
+        assert "grid_x = 9" in calls[down] and f"grid_y = {d // 64}" in calls[down]
+        assert "stablehlo.add" not in txt and "stablehlo.reduce" not in txt  # combine and residual in the kernel
         assert re.search(r"tensor<9x1x768xf32>", txt)  # h: float32 between the two kernels (experts.h_dtype)
 
 
