@@ -7,6 +7,7 @@ Reads the benchmarks' canonical results files (no GPU) and draws:
   decode_slice.png  bench_decode.json: the slice's TPOT per backend against its floor
   spec.png          bench_spec.json: spec step time vs k, and TPOT vs accept length against plain decode
   prefill.png       bench_prefill.json: the slice's TTFT and useful TFLOP/s per prompt and chunk, its op split
+  moe_fp8_h100.png  bench_moe_fp8_sweep2_h100.json: the FP8 MoE layer at T = 1 per down-kernel tuning (an H100)
   bench_sglang.png  every `ling-jax bench` row (bench_<model>_<dtype>.json): TPOT per configuration beside SGLang's
                     published rows, and each configuration's fraction of the byte floor per op family
 
@@ -236,9 +237,38 @@ def plot_bench(rows: list[dict]):
     return fig
 
 
+def plot_moe_fp8_sweep(data):
+    """The FP8 MoE layer at T = 1 per experts tuning of a bench_moe.py sweep (device span per layer), against the
+    floor at 4.3 TB/s and at the run's own card's copy rate when it is an H100 (~3.0 TB/s)."""
+    rows = [r for r in data["rows"] if r["kind"] == "sweep_exp"]
+    labels = [_down_label(r["note"]) for r in rows]
+    fig, ax = plt.subplots(figsize=(max(7, 1.1 * len(rows)), 4.5))
+    bars = ax.bar(range(len(rows)), [r["us"] for r in rows], color="#4c72b0")
+    ax.bar_label(bars, fmt="%.1f", fontsize=8)
+    ax.axhline(rows[0]["floor_us"], color="k", ls="--", lw=1, label=f"floor at 4.3 TB/s ({rows[0]['floor_us']} µs)")
+    if "H100" in data.get("device", ""):
+        h100 = rows[0]["bytes"] / 3.0e12 * 1e6
+        ax.axhline(h100, color="gray", ls=":", lw=1, label=f"at the H100's ~3.0 TB/s copy rate ({h100:.1f} µs)")
+    ax.set_xticks(range(len(rows)), labels, fontsize=8)
+    ax.set_xlabel("down kernel: form, features per program x warps")
+    ax.set_ylabel("µs per layer (device span)")
+    ax.set_title(f"FP8 MoE layer at T = 1 by down kernel, {data.get('device', '')}, commit {data.get('commit')}")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def _down_label(note: str) -> str:
+    """'slots_last\n64 x 4w' from a sweep row's note (`common.short`: fields at ExpertsTuning's defaults are left
+    out, block_d 64 and warps_down 4 among them)."""
+    field = lambda name, default: (re.search(rf"\b{name}=(\w+)", note) or [None, default])[1]  # noqa: E731
+    gate_up = "\ndot gate/up" if field("t1_gate_up", "fma") == "dot" else ""
+    return f"{field('down_t1', 'fused')}\n{field('block_d', '64')} x {field('warps_down', '4')}w{gate_up}"
+
+
 FIGURES = (("bench_moe.json", plot_moe, "moe.png"), ("kda_bench.json", plot_kda, "kda.png"),
            ("mla_profile.json", plot_mla, "mla_decode.png"), ("bench_decode.json", plot_slice, "decode_slice.png"),
-           ("bench_spec.json", plot_spec, "spec.png"), ("bench_prefill.json", plot_prefill, "prefill.png"))
+           ("bench_spec.json", plot_spec, "spec.png"), ("bench_prefill.json", plot_prefill, "prefill.png"),
+           ("bench_moe_fp8_sweep2_h100.json", plot_moe_fp8_sweep, "moe_fp8_h100.png"))
 
 
 def main(argv=None):

@@ -103,7 +103,11 @@ def synthetic_results(d: Path) -> None:
                for b in ("pallas", "reference")]
     decode_rows = [dict(backend=b, tpot_us=us, floor_us=500.0, frac_of_floor=500.0 / us, kernels_per_step=900)
                    for b, us in (("fast", 800.0), ("reference", 2000.0))]
+    sweep = [dict(kind="sweep_exp", T=1, us=us, floor_us=12.96, bytes=55_718_560, note=note) for us, note in
+             ((40.3, "device 40.3 block_d=2,warps_down=1"), (33.5, "device 33.5 down_t1=slots_last"),
+              (45.0, "device 45.0 block_d=16,down_t1=slots,t1_gate_up=dot"))]
     files = {"bench_moe.json": dict(device="H200", router_dtype="bfloat16", rows=moe_rows, profile=moe_prof),
+             "bench_moe_fp8_sweep2_h100.json": dict(device="NVIDIA H100 80GB HBM3", commit="abc1234", rows=sweep),
              "kda_bench.json": dict(meta=dict(device="H200"), checks_passed=True, rows=kda_rows),
              "mla_profile.json": dict(device="H200", ops=mla_ops),
              "bench_decode.json": dict(device="H200", args=dict(layers=6), rows=decode_rows)}
@@ -115,7 +119,7 @@ def test_plot_results_draws_every_figure(tmp_path):
     synthetic_results(tmp_path)
     out = run_script("plot_results", "--results", str(tmp_path), "--out", str(tmp_path / "png"), timeout=120)
     pngs = sorted(p.name for p in (tmp_path / "png").glob("*.png"))
-    assert pngs == ["decode_slice.png", "kda.png", "mla_decode.png", "moe.png"], out
+    assert pngs == ["decode_slice.png", "kda.png", "mla_decode.png", "moe.png", "moe_fp8_h100.png"], out
     assert all((tmp_path / "png" / p).stat().st_size > 10_000 for p in pngs)
 
 
