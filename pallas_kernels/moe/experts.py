@@ -298,7 +298,7 @@ FMA_TOKENS_TUNING = dataclasses.replace(VERIFY_TUNING, verify_gate_up="fma_token
 # combining ("slots_last"): every program's six [64, 128] E4M3 tiles (four rows a lane) loaded before its first
 # product, 1440 programs. On an H100 in the model-like chain: layer 33.49 µs against 40.33 for the fused one-launch
 # down of 2 features per program; 33.15 with the XLA combine ("slots"), a launch more per layer; 34.5-41.9 at 32 or
-# 128 features or 8 warps (experiments/RESULTS.md, "MoE FP8").
+# 128 features or 8 warps (experiments/RESULTS.md, "FP8 MoE layer").
 DECODE_TUNING_FP8 = dataclasses.replace(DECODE_TUNING, block_i=4, block_d=64, warps_down=4, t1_products="accumulate",
                                         down_t1="slots_last")
 VERIFY_TUNING_FP8 = dataclasses.replace(VERIFY_TUNING, block_i=32, warps_gate_up=2)
