@@ -955,8 +955,8 @@ def test_experts_pallas_fp8(n, d, i, shared, limits, dtype):
 def test_experts_pallas_fp8_tunings(n, tu):
     """FP8 experts with other tunings (float32): the bf16 defaults (per-tile reductions, 512-wide chunks taken as
     two 128-wide sub-blocks at D 256); DECODE_TUNING_FP8 with per-tile reductions; 2-row programs over 64-wide chunks
-    (4 weights per lane, `experts.lane_group`) with the gate/up chunks written out and 2-feature down programs; 4-warp programs of 16-wide chunks
-    (fewer weights than lanes: the products summed as they are); the per-token FMAs, W·xᵀ dots and 32-wide chunks
+    (4 weights per lane, `experts.lane_group`) with the gate/up chunks written out and 2-feature down programs;
+    4-warp programs of 16-wide chunks (fewer weights than lanes: the products summed as they are); the per-token FMAs, W·xᵀ dots and 32-wide chunks
     (four per scale block); plain weights with the FP8 T = 1 default (t1_products="accumulate" with 256-wide
     chunks); the T = 1 down as (slot, features) programs with an XLA combine, both product forms, also after the
     T > 1 dot gate/up (16 token rows, the down reading the first), and with the last program combining; and the
