@@ -33,13 +33,18 @@ from ling_jax.engine.suffix import SuffixDrafter
 from ling_jax.model import decode_forward, forward, mtp_forward, prefill
 
 
+def _pair_shapes(aux):
+    """The shapes of a pair of arrays (None for a non-array), or None when aux is not a pair."""
+    return [getattr(a, "shape", None) for a in aux] if isinstance(aux, tuple) and len(aux) == 2 else None
+
+
 @dataclasses.dataclass(frozen=True)
 class OracleDrafter:
     """Drafts the given output: aux = (continuation [B, M] int32, the whole expected output, the first token at index
     0; corrupt [B, M] bool, positions drafted wrong on purpose). Past the continuation's end nothing is proposed."""
 
     def check(self, aux, params, cfg):
-        shapes = [getattr(a, "shape", None) for a in aux] if isinstance(aux, tuple) and len(aux) == 2 else None
+        shapes = _pair_shapes(aux)
         if shapes is None or len(shapes[0] or ()) != 2 or shapes[0] != shapes[1]:
             raise ValueError("the oracle drafter replays a given continuation: pass aux=(continuation [B, M] int32, "
                              "corrupt [B, M] bool), the expected output from its first token on")
@@ -71,7 +76,7 @@ class PlannedDrafter:
     planned = True  # engine.speculative: the step takes `planned_count` instead of the acceptance rule
 
     def check(self, aux, params, cfg):
-        shapes = [getattr(a, "shape", None) for a in aux] if isinstance(aux, tuple) and len(aux) == 2 else None
+        shapes = _pair_shapes(aux)
         if shapes is None or len(shapes[0] or ()) != 2 or len(shapes[1] or ()) != 1 or shapes[1][0] < 1:
             raise ValueError("the planned drafter replays a continuation at a planned accept count: pass "
                              "aux=(continuation [B, M] int32, plan [S] int32 drafts accepted per step, S >= 1)")
