@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The benchmarks and the compiled kernel tests on a GPU machine, by suite (wheels the machine lacks, fla-core and
-# einops for the fla comparisons, go in .whl/):   bash experiments/gpu.sh SUITE [SUITE...]   (tests engine decode moe moe_fp8 kda mla spec prefill prefill_check fp8 fp8_ops gemv_levers slices full flax crosscheck all)
+# einops for the fla comparisons, go in .whl/):   bash experiments/gpu.sh SUITE [SUITE...]
+# Suites: tests engine decode moe moe_fp8 kda mla spec prefill prefill_check fp8 fp8_ops gemv_levers slices full flax
+# crosscheck all.
 # Each suite writes its log and results JSON into $OUT (default /tmp/out) and the JSON under its canonical name into
 # experiments/results/ (what plot_results.py reads); the tail of every log is printed at the end. Every suite has
 # its own timeout under the 600 s a device command may run; with several GPUs the suites run side by side, one
@@ -119,7 +121,7 @@ for s in "$@"; do
     *) echo "unknown suite '$s' (tests engine decode moe moe_fp8 kda mla spec prefill prefill_check fp8 fp8_ops gemv_levers slices full flax crosscheck all)"; exit 2 ;;
   esac
 done
-[ ${#suites[@]} -gt 0 ] || { sed -n 2,7p "$0"; exit 2; }
+[ ${#suites[@]} -gt 0 ] || { sed -n 2,8p "$0"; exit 2; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || echo "no fla-core wheel in .whl/: the fla comparisons and the tests that need fla will fail"
 export PYTHONPATH=/tmp/site:$PWD

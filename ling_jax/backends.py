@@ -123,8 +123,8 @@ def kernel_limits(cfg: LingConfig) -> dict[str, list[str]]:
 
 
 def _prefill_tiles_fit(cfg: LingConfig) -> bool:
-    """Whether the MLA prefill kernel has a tiling within the shared memory in float32 (the widest compute dtype;
-    bf16 then fits too)."""
+    """Whether the MLA prefill kernel has a tiling within the shared memory in float32, the widest compute dtype
+    (bf16 then fits too; a config that fits only in bf16 is refused too, at head dims far beyond Ling's 192 + 128)."""
     from pallas_kernels.mla.prefill import fitting_tuning
 
     return fitting_tuning("float32", cfg.qk_head_dim, cfg.v_head_dim) is not None

@@ -415,6 +415,7 @@ def bench(params, cfg, *, prompt_len: int, output_len: int, backend: str, block_
                prefill_chunk=prefill_chunk or PREFILL_CHUNK, spec=spec, **sglang_metrics(results, output_len))
     if spec != "none":
         row.update(num_draft=num_draft, accept_length=float(np.mean([r.accept_length for r in results])),
+                   verify_steps=[r.verify_steps for r in results],
                    agreement=float(np.mean([r.agreement for r in results])),
                    acceptance="planned (timing)" if spec == "oracle" else "real")
         if spec == "oracle":  # the device's counts must be the plan's, over the steps each run took

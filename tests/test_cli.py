@@ -430,7 +430,7 @@ def test_bench_spec_oracle_is_planned_acceptance(tmp_path):
     assert result.returncode == 0, result.stderr
     row = json.loads(result.stdout.strip().splitlines()[-1])
     assert row["acceptance"] == "planned (timing)" and 0.5 < row["agreement"] <= 1.0, row["agreement"]
-    steps = round((40 - 1) / row["accept_length"])
+    [steps] = row["verify_steps"]
     assert row["accept_length"] == pytest.approx(planned_accept_length(3, 2.5, steps), abs=1e-9)
     assert abs(row["accept_length"] - 2.5) < 0.1
 

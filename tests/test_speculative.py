@@ -157,6 +157,28 @@ def test_greedy_head_verify_equals_the_logits_verify_ties_included(toy):
         assert [a.tolist() for a in got] == [a.tolist() for a in want], trial
 
 
+def test_spec_step_verifies_greedy_through_the_greedy_head(toy, plain, monkeypatch):
+    """A greedy spec step runs the verify forward with head="greedy" and accepts from its tokens
+    (`acceptance.accept_greedy`), never through the logits path (`acceptance.accept`). A k and block size no other
+    test uses, so the step is traced here, with the patched functions."""
+    from ling_jax.engine import acceptance
+
+    heads = []
+    real_forward = S.forward
+
+    def forward(*a, **kw):
+        heads.append(kw.get("head", "logits"))
+        return real_forward(*a, **kw)
+
+    def no_logits_accept(*a, **kw):
+        raise AssertionError("the greedy verify went through acceptance.accept (the logits)")
+
+    monkeypatch.setattr(S, "forward", forward)
+    monkeypatch.setattr(acceptance, "accept", no_logits_accept)
+    out = _spec(toy, OracleDrafter(), _oracle_aux(plain), 2, n=10, block_size=3)
+    assert out.tokens[0] == plain[:10] and heads == ["greedy"]
+
+
 def _planned_steps(plan, k, n_new):
     """(verify steps, accepted drafts) a run of `n_new` tokens takes when step j keeps plan[j] drafts (the last one
     repeated)."""
@@ -200,6 +222,8 @@ def test_planned_drafter_refusals(toy, plain):
     cont = jnp.asarray([plain], jnp.int32)
     with pytest.raises(ValueError, match=r"pass aux=\(continuation \[B, M\] int32, plan \[S\] int32"):
         _spec(toy, PlannedDrafter(), (cont, jnp.zeros((0,), jnp.int32)), 3, n=8)
+    with pytest.raises(ValueError, match=r"the plan holds -1 accepted drafts at a step; each count must lie in 0..k"):
+        _spec(toy, PlannedDrafter(), (cont, jnp.asarray([2, -1], jnp.int32)), 3, n=8)
     with pytest.raises(ValueError, match=r"PlannedDrafter plans greedy accept counts \(a timing mode\); sample with "
                                          r"Greedy\(\)"):
         _spec(toy, PlannedDrafter(), (cont, jnp.ones((2,), jnp.int32)), 3, n=8, sampler=TopP(1.0, 0.9))

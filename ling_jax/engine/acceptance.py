@@ -40,7 +40,8 @@ def accept(sampler, target_logits: jax.Array, drafts: jax.Array, valid: jax.Arra
 
 def accept_greedy(target: jax.Array, drafts: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
     """`accept` for `Greedy` from the target's greedy tokens [B, k + 1] (the verify forward's fused greedy head,
-    which writes no logits: `model.forward(head="greedy")`, the lowest id among equal maxima as `Greedy`)."""
+    which on Pallas writes no logits: `model.forward(head="greedy")`, the lowest id among equal maxima as
+    `Greedy`)."""
     if drafts.ndim != 2 or target.shape != (drafts.shape[0], drafts.shape[1] + 1):
         raise ValueError(f"target has shape {target.shape} and drafts {drafts.shape}; pass drafts [batch, k] and the "
                          "target's greedy tokens [batch, k + 1]: the last committed token's, then one per draft")

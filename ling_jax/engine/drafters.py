@@ -80,6 +80,9 @@ class PlannedDrafter:
         if shapes is None or len(shapes[0] or ()) != 2 or len(shapes[1] or ()) != 1 or shapes[1][0] < 1:
             raise ValueError("the planned drafter replays a continuation at a planned accept count: pass "
                              "aux=(continuation [B, M] int32, plan [S] int32 drafts accepted per step, S >= 1)")
+        if not isinstance(aux[1], jax.core.Tracer) and int(jnp.min(aux[1])) < 0:
+            raise ValueError(f"the plan holds {int(jnp.min(aux[1]))} accepted drafts at a step; each count must lie "
+                             "in 0..k (counts above k are capped at k)")
 
     def init(self, aux, params, cfg, prompt, first, hidden, max_len, backend):
         return ()
@@ -88,7 +91,8 @@ class PlannedDrafter:
         continuation, _ = aux
         idx = spec.emitted + jnp.arange(k)
         drafts = continuation[:, jnp.minimum(idx, continuation.shape[1] - 1)].astype(jnp.int32)
-        return drafts, jnp.ones(drafts.shape, bool), None, ()
+        # Past the continuation's end its last token is drafted and committed as planned, but not counted as drafted.
+        return drafts, jnp.broadcast_to(idx < continuation.shape[1], drafts.shape), None, ()
 
     def planned_count(self, aux, steps, k):
         """Drafts to accept at verify step `steps` (a device int32 []): plan[steps], capped at k."""

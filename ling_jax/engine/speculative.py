@@ -24,8 +24,8 @@ only after the next block has been dispatched, as `engine.generate` does.
       key       PRNG key
       done      bool [B]             the row has emitted an EOS
       emitted   int32 []             tokens emitted so far, the first (prefill's) included
-      counters  int32 [4]            verify steps, drafted tokens, accepted drafts, drafts equal to the verify's
-                                     argmax (steps before the end only)
+      counters  int32 [4]            verify steps, drafted tokens, accepted drafts, greedy drafts equal to the
+                                     verify's argmax (steps before the end only)
 """
 
 from __future__ import annotations
@@ -75,12 +75,13 @@ class SpecResult:
     drafted: int  # drafts proposed in those steps (valid ones)
     accepted: int  # drafts accepted in those steps
     compiles: int = 0  # executables compiled inside the timed region
-    agreed: int = 0  # drafts equal to the verify's argmax in those steps (>= accepted, but for a planned count)
+    agreed: int = 0  # greedy: drafts equal to the verify's argmax in those steps (0 when sampling)
     planned: bool = False  # the accepted counts followed a plan (drafters.PlannedDrafter): a timing mode
 
     @property
     def agreement(self) -> float | None:
-        """The fraction of drafted positions where the verify's argmax equalled the draft; None when none."""
+        """Greedy: the fraction of drafted positions where the verify's argmax equalled the draft; None when none
+        was drafted."""
         return self.agreed / self.drafted if self.drafted else None
 
     @property
@@ -123,7 +124,8 @@ def spec_step(params, aux, state: SpecState, eos, cfg: LingConfig, sampler, draf
     key, k_draft, k_accept = jax.random.split(state.key, 3)
     drafts, valid, q, dstate = drafter.propose(aux, params, cfg, state, k, sampler, k_draft, backend)
     fed = jnp.concatenate([state.last[:, None], drafts], axis=1)
-    # Greedy verifies through the fused greedy head, as plain decode does: the [B, k + 1, V] logits are never written.
+    # Greedy verifies through the fused greedy head, as plain decode does (on Pallas, up to 16 tokens in all: the
+    # [B, k + 1, V] logits are never written).
     greedy = isinstance(sampler, Greedy)
     out, hidden, layers = forward(params, fed, state.model.layers, state.model.length, cfg, mode="verify",
                                   backend=backend, head="greedy" if greedy else "logits")
@@ -133,10 +135,9 @@ def spec_step(params, aux, state: SpecState, eos, cfg: LingConfig, sampler, draf
         n_acc, nxt = acceptance.accept_greedy(out, drafts, valid)
     else:
         n_acc, nxt = acceptance.accept(sampler, out, drafts, valid, q, k_accept)
-    # The drafted positions where the verify's argmax (or, sampling, the token kept there) equals the draft: the
-    # natural agreement, which a planned count may exceed or fall short of.
-    target = out if greedy else jnp.argmax(out, axis=-1)
-    agreed = jnp.sum(valid & (drafts == target[:, :-1]), axis=1).min()
+    # Greedy: the drafted positions where the verify's argmax equals the draft, the natural agreement, which a
+    # planned count may exceed or fall short of (sampling counts none: it keeps drafts that are not the argmax).
+    agreed = jnp.sum(valid & (drafts == out[:, :-1]), axis=1).min() if greedy else jnp.int32(0)
     n = n_acc[0]  # the batch's shared count
     tokens = _emitted_tokens(drafts, nxt, n)
     model = commit(StagedState(state.model.length, layers), n + 1)

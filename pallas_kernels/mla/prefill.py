@@ -177,7 +177,7 @@ def mla_prefill_attention(q, k, v, start, *, scale, tuning: MLAPrefillTuning | N
         if d % 16:
             raise ValueError(f"the Pallas MLA prefill kernel needs {name} to be a multiple of 16 (power-of-two "
                              f"pieces >= 16), got {name}={d}")
-    tuning = _fitting(tuning, q.dtype, dqk, dv)
+    tuning = _fitting(tuning, q.dtype, dqk, dv, t, length)
     bq = min(tuning.block_q, max(16, next_pow2(t)))
     bk = min(tuning.block_k, max(16, next_pow2(length)))
     nq = pl.cdiv(t, bq)
@@ -209,8 +209,9 @@ def mla_prefill_attention(q, k, v, start, *, scale, tuning: MLAPrefillTuning | N
     )(start_arr, q, k, v)[:, :t]
 
 
-def _fitting(tuning, dtype, dqk, dv):
-    """The tuning to run: the given one if it fits SMEM_LIMIT, else a clear error; None: `fitting_tuning`'s."""
+def _fitting(tuning, dtype, dqk, dv, t, length):
+    """The tuning to run: the given one if its blocks, capped at T and L as the kernel caps them, fit SMEM_LIMIT,
+    else a clear error; None: `fitting_tuning`'s."""
     if tuning is None:
         tuning = fitting_tuning(dtype, dqk, dv)
         if tuning is None:
@@ -218,7 +219,9 @@ def _fitting(tuning, dtype, dqk, dv):
                              f"{jnp.dtype(dtype).name} within {SMEM_LIMIT} bytes of shared memory: use the "
                              "reference (mla_prefill=reference)")
         return tuning
-    need = smem_bytes(tuning, dtype, dqk, dv)
+    capped = dataclasses.replace(tuning, block_q=min(tuning.block_q, max(16, next_pow2(t))),
+                                 block_k=min(tuning.block_k, max(16, next_pow2(length))))
+    need = smem_bytes(capped, dtype, dqk, dv)
     if need > SMEM_LIMIT:
         fit = fitting_tuning(dtype, dqk, dv, tuning)
         raise ValueError(f"{tuning} needs {need} bytes of shared memory for Dqk={dqk}, Dv={dv} in "

@@ -285,20 +285,20 @@ FMA_TOKENS_TUNING = dataclasses.replace(VERIFY_TUNING, verify_gate_up="fma_token
                                         block_k=256, routed_eviction="evict_first")
 
 
-# FP8 routed experts (1-byte weights), T = 1: one row per lane in both kernels (gate/up 4 rows and down 4 features
-# per one-warp program: a [4, 128] E4M3 sub-block is one 16-byte load per lane), products "accumulate"d as per-lane
-# FFMA chains (module docstring): the venv Triton's sm_90 compile counts 3.7 SASS instructions per gate/up weight
-# and 3.6 per down weight, no spills, no shared memory (the dequantise-to-bf16 tiles: 6.5 and 10.0; bf16 weights
-# with DECODE_TUNING: 4.4 and 7.7 per bf16 weight, twice the bytes). 1728 gate/up and 640 down programs: all
-# resident at once. T > 1: tensor-core dots with 32-row two-warp gate/up programs (3.6 per weight at T = 2..16
-# against 4.3 with four warps and 14 with VERIFY_TUNING's 16 rows, whose E4M3 -> bf16 conversion takes a costly
-# layout); the down blocks stay (64 features: fewer programs would idle SMs). experiments/bench_moe.py --fp8 sweeps
-# the T = 1 alternatives on the GPU (EXPERTS_SWEEP_FP8).
+# FP8 routed experts (1-byte weights), T = 1 gate/up: one row per lane (4 rows per one-warp program: a [4, 128]
+# E4M3 sub-block is one 16-byte load per lane), products "accumulate"d as per-lane FFMA chains (module docstring):
+# the venv Triton's sm_90 compile counts 3.7 SASS instructions per gate/up weight, no spills, no shared memory (the
+# dequantise-to-bf16 tiles: 6.5; bf16 weights with DECODE_TUNING: 4.4 per bf16 weight, twice the bytes); 1728
+# programs, all resident at once. T > 1: tensor-core dots with 32-row two-warp gate/up programs (3.6 per weight at
+# T = 2..16 against 4.3 with four warps and 14 with VERIFY_TUNING's 16 rows, whose E4M3 -> bf16 conversion takes a
+# costly layout); the down blocks stay (64 features: fewer programs would idle SMs). experiments/bench_moe.py --fp8
+# sweeps the T = 1 alternatives on the GPU (EXPERTS_SWEEP_FP8).
 # The T = 1 down as (slot, 64 features) programs over all of I on 4 warps, each feature block's last program
-# combining ("slots_last"): every program's six [64, 128] E4M3 tiles (four rows a lane) loaded before its first
-# product, 1440 programs. On an H100 in the model-like chain: layer 33.49 µs against 40.33 for the fused one-launch
-# down of 2 features per program; 33.15 with the XLA combine ("slots"), a launch more per layer; 34.5-41.9 at 32 or
-# 128 features or 8 warps (experiments/RESULTS.md, "FP8 MoE layer").
+# combining ("slots_last"): every program's six [64, 128] E4M3 tiles (four rows a lane, 24 registers a thread at
+# I = 768; an I several times wider would want the tiles in a loop) loaded before its first product, 360 programs.
+# On an H100 in the model-like chain: layer 33.49 µs against 40.33 for the fused one-launch down of 2 features per
+# program; 33.15 with the XLA combine ("slots"), a launch more per layer; 34.5-41.9 at 32 or 128 features or 8
+# warps (experiments/RESULTS.md, "FP8 MoE layer").
 DECODE_TUNING_FP8 = dataclasses.replace(DECODE_TUNING, block_i=4, block_d=64, warps_down=4, t1_products="accumulate",
                                         down_t1="slots_last")
 VERIFY_TUNING_FP8 = dataclasses.replace(VERIFY_TUNING, block_i=32, warps_gate_up=2)
@@ -701,7 +701,7 @@ def moe_experts_fused(x, weights, ids, we_gate, we_up, we_down, ws_gate, ws_up, 
         mode = tuning.dot_gate_up if tuning.verify_gate_up == "dot" or t1_dot else tuning.verify_gate_up
     if mode.startswith("dot") and bi < 16:
         raise ValueError(f"ExpertsTuning.block_i={tuning.block_i} with gate/up mode {mode!r} at T={n}: tensor-core "
-                         "dots need >= 16 rows; only the FMA products take fewer (T = 1, or "
+                         "dots need >= 16 rows; only the FMA products take fewer (T = 1 with t1_gate_up='fma', or "
                          "verify_gate_up='fma_tokens' at T > 1), or use VERIFY_TUNING")
     tp = max(16, next_pow2(n))
     to = 1 if n == 1 and not t1_dot else tp

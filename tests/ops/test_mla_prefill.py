@@ -224,12 +224,15 @@ def test_fitting_tuning_and_its_errors():
     assert prefill.fitting_tuning("bfloat16", 192, 128) == MLAPrefillTuning()
     assert prefill.fitting_tuning("float32", 192, 128) == MLAPrefillTuning(block_k=32)
     assert prefill.fitting_tuning("float32", 4096, 4096) is None
-    q = jnp.ones((1, 16, 1, 192), jnp.float32) * 0.5
-    kv = jnp.ones((1, 16, 1, 192), jnp.float32) * 0.5
+    q = jnp.ones((1, 128, 1, 192), jnp.float32) * 0.5  # 128 queries and keys: the tiles are not capped
+    kv = jnp.ones((1, 128, 1, 192), jnp.float32) * 0.5
     with pytest.raises(ValueError, match=r"needs 393216 bytes of shared memory for Dqk=192, Dv=192 in float32, over "
                                          r"the 232448 a program may take: use MLAPrefillTuning\(block_q=128, "
                                          r"block_k=16,"):
         mla.mla_prefill_attention(q, kv, kv, scale=1.0, backend="pallas", tuning=MLAPrefillTuning(block_k=64))
+    short = jnp.ones((1, 16, 1, 192), jnp.float32) * 0.5  # 16 queries and keys: tiles capped to 16 x 16 fit
+    assert mla.mla_prefill_attention(short, short, short, scale=1.0, backend="pallas",
+                                     tuning=MLAPrefillTuning(block_k=64)).shape == (1, 16, 1, 192)
     wide = jnp.ones((1, 16, 1, 4096), jnp.float32)
     with pytest.raises(ValueError, match=r"cannot tile Dqk=4096, Dv=4096 in float32 within 232448 bytes"):
         mla.mla_prefill_attention(wide, wide, wide, scale=1.0, backend="pallas")

@@ -596,12 +596,15 @@ _TUNINGS = {  # every gate/up product form, rows per program and down shape
     "down_slots_reduce": dict(_SMALL, block_d=4, warps_down=1, down_t1="slots", t1_products="reduce"),
     # ... and each feature block's last program combining
     "down_slots_last": dict(_SMALL, block_d=16, warps_down=4, down_t1="slots_last"),
+    # ... after the T > 1 dot gate/up (h with 16 token rows, the down reading the first)
+    "down_slots_dot": dict(_SMALL, block_i=16, block_d=16, warps_down=4, down_t1="slots", t1_gate_up="dot"),
 }
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("n,tu", [(1, "bi16"), (1, "bi2"), (1, "down_bd1"), (1, "down_bd4"), (1, "down_slots"),
-                                  (1, "down_slots_reduce"), (1, "down_slots_last"), (3, "dot"), (3, "dot_w"),
+                                  (1, "down_slots_reduce"), (1, "down_slots_last"), (1, "down_slots_dot"),
+                                  (3, "dot"), (3, "dot_w"),
                                   (16, "dot"), (2, "fma_tokens"), (5, "fma_tokens")])
 def test_experts_pallas_tunings(n, tu, dtype):
     """ExpertsTuning variants (product form, rows per program, multi-chunk loops) vs the reference, clamps on."""
@@ -956,11 +959,12 @@ def test_experts_pallas_fp8_tunings(n, tu):
     """FP8 experts with other tunings (float32): the bf16 defaults (per-tile reductions, 512-wide chunks taken as
     two 128-wide sub-blocks at D 256); DECODE_TUNING_FP8 with per-tile reductions; 2-row programs over 64-wide chunks
     (4 weights per lane, `experts.lane_group`) with the gate/up chunks written out and 2-feature down programs;
-    4-warp programs of 16-wide chunks (fewer weights than lanes: the products summed as they are); the per-token FMAs, W·xᵀ dots and 32-wide chunks
-    (four per scale block); plain weights with the FP8 T = 1 default (t1_products="accumulate" with 256-wide
-    chunks); the T = 1 down as (slot, features) programs with an XLA combine, both product forms, also after the
-    T > 1 dot gate/up (16 token rows, the down reading the first), and with the last program combining; and the
-    one-launch "fused" down of 2 one-warp features per program, both product forms."""
+    4-warp programs of 16-wide chunks (fewer weights than lanes: the products summed as they are); the per-token
+    FMAs, W·xᵀ dots and 32-wide chunks (four per scale block); plain weights with the FP8 T = 1 default
+    (t1_products="accumulate" with 256-wide chunks); the T = 1 down as (slot, features) programs with an XLA
+    combine, both product forms, also after the T > 1 dot gate/up (16 token rows, the down reading the first), and
+    with the last program combining; and the one-launch "fused" down of 2 one-warp features per program, both
+    product forms."""
     from pallas_kernels.moe import experts as em
 
     f = em.DECODE_TUNING_FP8
