@@ -9,6 +9,9 @@ shared memory above 227 KiB cannot launch; wgmma vs mma.sync tells whether Hoppe
 `PYTHONPATH=. JAX_PLATFORMS=cpu python experiments/triton_resources.py --t 1 --tunings "default;block_l=16"`
 (about 5 s per variant on 2 CPU cores).
 
+`--mla-prefill`: the MLA prefill kernel's shared memory in bf16 and float32 beside `prefill.smem_bytes`
+(`--tunings` adds variants to the tiling it picks itself).
+
 `--gemv`: the FP8 GEMV levers of bench_gemv.py (`fp8_levers`) at Flash's fused shapes (`LEVER_SHAPES`, with their
 norm and residual), with SASS instructions per weight a thread streams: over the whole program (loops counted at
 their trip counts: a loop body is the span a backward branch closes) and in the main loop's body alone, plus the
@@ -222,6 +225,31 @@ def gemv_main(args):
                       f"mma.sync {r['mma_sync']}{flag}  <- {short(tu)}", flush=True)
 
 
+def mla_prefill_main(args):
+    """--mla-prefill: the MLA prefill kernel at Ling's widths (T = L = --length, Dqk 192, Dv 128) per dtype, with
+    the tiling it picks itself (`prefill.fitting_tuning`) and the --tunings given: the compile's shared memory beside
+    `prefill.smem_bytes` (exact in bf16, an upper bound in float32)."""
+    from jax._src.pallas.triton import gpu_info
+
+    from pallas_kernels.mla import prefill
+
+    gpu_info.get_gpu_info = lambda *a, **k: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+    prefill.interpret_mode = lambda: False
+    sds = jax.ShapeDtypeStruct
+    for dtype in ("bfloat16", "float32"):
+        chosen = prefill.fitting_tuning(dtype, 192, 128)
+        for tu in [None] + ([] if args.tunings == "default" else parse_tunings(prefill.MLAPrefillTuning(),
+                                                                                 args.tunings)):
+            [(_, ir, warps, stages, grid)] = lowered_kernels(
+                lambda q, k, v, s, tu=tu: prefill.mla_prefill_attention(q, k, v, s, scale=192 ** -0.5, tuning=tu),
+                sds((1, args.length, 2, 192), dtype), sds((1, args.length, 2, 192), dtype),
+                sds((1, args.length, 2, 128), dtype), sds((), jnp.int32))
+            r = compile_sm90(ir, warps, stages)
+            est = prefill.smem_bytes(tu or chosen, dtype, 192, 128)
+            print(f"mla_prefill {dtype} smem {r['smem']} B estimate {est} B regs {r['regs']} stack {r['stack']} B "
+                  f"<- {'fitting ' if tu is None else ''}{short(tu or chosen)}", flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--tunings", default="default")
@@ -231,9 +259,13 @@ def main(argv=None):
     ap.add_argument("--shapes", default=None, help="--gemv: a subset of bench_gemv.LEVER_SHAPES")
     ap.add_argument("--ts", default="1,4,16", help="--gemv: the token counts")
     ap.add_argument("--levers", default=None, help="--gemv: a subset of the levers (bench_gemv.fp8_levers)")
+    ap.add_argument("--mla-prefill", action="store_true",
+                    help="the MLA prefill kernel's shared memory per dtype against prefill.smem_bytes")
     args = ap.parse_args(argv)
     if args.gemv:
         return gemv_main(args)
+    if args.mla_prefill:
+        return mla_prefill_main(args)
     for tu in parse_tunings(MLADecodeTuning(), args.tunings):
         ir_bytes, grid = mla_ir(tu, args.t, args.length)
         r = compile_sm90(ir_bytes, tu.num_warps, tu.num_stages)

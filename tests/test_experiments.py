@@ -88,6 +88,20 @@ def test_triton_resources_reports_the_default_mla_kernel():
     assert 0 < regs <= 255 and 0 < smem <= 227, out  # what an sm_90 program can have
 
 
+def test_mla_prefill_smem_bytes_against_the_sm90_compile():
+    """`prefill.smem_bytes` against the shared memory of the MLA prefill kernel compiled for sm_90 at Ling's widths
+    (the venv's Triton): equal in bf16, an upper bound in float32, for the tiling the kernel picks itself (float32:
+    32-key blocks, where the defaults' 295424 bytes exceed the 232448 a program may take) and for 32-key bf16 blocks;
+    every one fits."""
+    out = run_script("triton_resources", "--mla-prefill", "--length", "1024", "--tunings", "block_k=32")
+    rows = re.findall(r"^mla_prefill (\w+) smem (\d+) B estimate (\d+) B .*<- (.*)$", out, re.M)
+    assert len(rows) == 4, out
+    for dtype, smem, est, _ in rows:
+        assert (int(smem) == int(est)) if dtype == "bfloat16" else (int(smem) <= int(est)), out
+        assert int(est) <= 227 * 1024, out
+    assert [r[3] for r in rows if r[0] == "float32"][0] == "fitting block_k=32", out
+
+
 def synthetic_results(d: Path) -> None:
     """One small results file per figure, in the formats the benchmarks write."""
     moe_rows = [dict(kind="moe_layer", backend=b, T=t, us=30.0 * t * (5 if b == "reference" else 1),

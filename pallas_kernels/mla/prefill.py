@@ -71,7 +71,8 @@ def smem_bytes(tuning: MLAPrefillTuning, dtype, dqk: int, dv: int) -> int:
     """Shared memory a program of `tuning` takes: `num_stages` buffered key blocks of k | v (BK x (Dqk + Dv)) and
     the query block (BQ x Dqk), in `dtype`. Exact for bf16 (sm_90 compiles at Ling's widths: 172032 bytes with the
     defaults, 110592 with BK 32, 90112 with one stage); an upper bound for float32, whose compile shares some buffers
-    (295424 bytes against 344064 with the defaults, 197120 against 221184 with BK 32; tests/ops/test_mla_prefill.py)."""
+    (295424 bytes against 344064 with the defaults, 197120 against 221184 with BK 32: experiments/triton_resources.py
+    --mla-prefill, tests/test_experiments.py)."""
     return jnp.dtype(dtype).itemsize * (tuning.num_stages * tuning.block_k * (dqk + dv) + tuning.block_q * dqk)
 
 
