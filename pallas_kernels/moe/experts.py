@@ -95,7 +95,7 @@ T1_PRODUCTS = ("reduce", "accumulate")
 DOWN_T1_MODES = ("fused", "slots", "slots_last")
 # T = 1 gate/up: "fma" (the products above) or "dot" (the token padded to 16 rows through the T > 1 tensor-core
 # gate/up, `dot_gate_up`, whose weight loads Triton pipelines `stages_gate_up` deep through shared memory; h then
-# has 16 rows, of which the "slots" down reads the first).
+# has 16 rows, of which the slot-parallel down reads the first).
 T1_GATE_UP_MODES = ("fma", "dot")
 EVICTION_POLICIES = (None, "evict_first")
 
