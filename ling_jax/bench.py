@@ -416,7 +416,7 @@ def bench(params, cfg, *, prompt_len: int, output_len: int, backend: str, block_
     if spec != "none":
         row.update(num_draft=num_draft, accept_length=float(np.mean([r.accept_length for r in results])),
                    verify_steps=[r.verify_steps for r in results],
-                   agreement=float(np.mean([r.agreement for r in results])),
+                   agreement=_mean_or_none([r.agreement for r in results]),
                    acceptance="planned (timing)" if spec == "oracle" else "real")
         if spec == "oracle":  # the device's counts must be the plan's, over the steps each run took
             want = [planned_accept_length(num_draft, accept_length, r.verify_steps) for r in results]
@@ -443,11 +443,18 @@ def bench(params, cfg, *, prompt_len: int, output_len: int, backend: str, block_
     return row
 
 
+def _mean_or_none(values: list) -> float | None:
+    """The mean of the values that are not None (a run that drafted nothing has no agreement); None if none is."""
+    known = [v for v in values if v is not None]
+    return float(np.mean(known)) if known else None
+
+
 def print_row(row: dict) -> None:
     gb = 1e9
     spec = "" if row["spec"] == "none" else (
         f", spec {row['spec']} k={row['num_draft']} (accept length {row['accept_length']:.2f}, acceptance: "
-        f"{row['acceptance']}; natural agreement of drafts and verify {row['agreement']:.1%})")
+        f"{row['acceptance']}; natural agreement of drafts and verify "
+        f"{'-' if row['agreement'] is None else format(row['agreement'], '.1%')})")
     print(f"{row['layers']} layers, {row['quantization'] or 'unquantised'}, backend {row['backend']}{spec}: prompt "
           f"{row['prompt_len']}, output {row['output_len']}, {row['repeats']} timed runs after {row['warmup']} warm-up")
     print(f"  TTFT {row['ttft_ms']:.1f} ms · TPOT median {row['tpot_ms_median']:.3f} ms (mean "
