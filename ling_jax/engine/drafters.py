@@ -33,6 +33,13 @@ from ling_jax.engine.suffix import SuffixDrafter
 from ling_jax.model import decode_forward, forward, mtp_forward, prefill
 
 
+def _replay_positions(continuation, emitted, k):
+    """The continuation's k positions after the `emitted` tokens, clamped to its last ([k] int32), and which of them
+    it holds ([k] bool)."""
+    idx = emitted + jnp.arange(k)
+    return jnp.minimum(idx, continuation.shape[1] - 1), idx < continuation.shape[1]
+
+
 def _pair_shapes(aux):
     """The shapes of a pair of arrays (None for a non-array), or None when aux is not a pair."""
     return [getattr(a, "shape", None) for a in aux] if isinstance(aux, tuple) and len(aux) == 2 else None
@@ -54,9 +61,7 @@ class OracleDrafter:
 
     def propose(self, aux, params, cfg, spec, k, sampler, key, backend):
         continuation, corrupt = aux
-        idx = spec.emitted + jnp.arange(k)
-        inside = idx < continuation.shape[1]
-        at = jnp.minimum(idx, continuation.shape[1] - 1)
+        at, inside = _replay_positions(continuation, spec.emitted, k)
         drafts = jnp.where(corrupt[:, at], (continuation[:, at] + 1) % cfg.vocab_size, continuation[:, at])
         return drafts.astype(jnp.int32), jnp.broadcast_to(inside, drafts.shape), None, ()
 
@@ -89,10 +94,9 @@ class PlannedDrafter:
 
     def propose(self, aux, params, cfg, spec, k, sampler, key, backend):
         continuation, _ = aux
-        idx = spec.emitted + jnp.arange(k)
-        drafts = continuation[:, jnp.minimum(idx, continuation.shape[1] - 1)].astype(jnp.int32)
+        at, inside = _replay_positions(continuation, spec.emitted, k)
         # Past the continuation's end its last token is drafted and committed as planned, but not counted as drafted.
-        return drafts, jnp.broadcast_to(idx < continuation.shape[1], drafts.shape), None, ()
+        return continuation[:, at].astype(jnp.int32), jnp.broadcast_to(inside, (continuation.shape[0], k)), None, ()
 
     def planned_count(self, aux, steps, k):
         """Drafts to accept at verify step `steps` (a device int32 []): plan[steps], capped at k."""
