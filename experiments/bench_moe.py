@@ -86,27 +86,29 @@ EXPERTS_SWEEP = [
     dataclasses.replace(_D, block_d=2, warps_down=2),
     dataclasses.replace(_D, block_ki=128),
 ]
-# --fp8, T = 1: DECODE_TUNING_FP8 and the down kernel as one program per (slot, BD features) over all of I, its
-# weighted partial combined by XLA (down_t1="slots") or by the feature block's last program ("slots_last"): BD rows
-# on 2-4 warps (16 weights of a row per lane and 128-wide block: BD = 4 · warps, or two rows per lane), and gate/up
-# through the dots. Each tuning: one compiled check and one profiled chain (device time, no wall
-# slope): `--fp8 --no-ts` ends after this sweep and the T = 1 profile.
+# --fp8, T = 1: DECODE_TUNING_FP8 (the down kernel as one program per (slot, BD features) over all of I, each feature
+# block's last program combining) beside the fused one-launch down it replaced, the slots' partials combined by XLA
+# (down_t1="slots"), other BD and warps, no eviction hint, other gate/up rows and chunks, and gate/up through the
+# dots. Each tuning: one compiled check and one profiled chain (device time, no wall slope): `--fp8 --no-ts` ends
+# after this sweep and the T = 1 profile.
 _F = DECODE_TUNING_FP8
 _S = dataclasses.replace(_F, down_t1="slots")
 EXPERTS_SWEEP_FP8 = [
     _F,
-    dataclasses.replace(_S, block_d=16, warps_down=4),
-    dataclasses.replace(_S, block_d=8, warps_down=2),
+    # the fused one-launch down of 2 features per program (the default before the slot-parallel down)
+    dataclasses.replace(_F, down_t1="fused", block_d=2, warps_down=1),
+    dataclasses.replace(_F, block_d=32),
+    dataclasses.replace(_F, block_d=64, warps_down=8),
+    dataclasses.replace(_F, block_d=128, warps_down=8),
+    dataclasses.replace(_F, block_d=16),
+    dataclasses.replace(_S, block_d=64, warps_down=4),
     dataclasses.replace(_S, block_d=32, warps_down=4),
-    dataclasses.replace(_S, block_d=16, warps_down=4, down_t1="slots_last"),
-    dataclasses.replace(_S, block_d=8, warps_down=2, down_t1="slots_last"),
+    dataclasses.replace(_F, routed_eviction=None),
+    dataclasses.replace(_F, block_i=8, warps_gate_up=2),
+    dataclasses.replace(_F, block_k=256),
     # gate/up as T > 1 does it (the token padded to 16 rows, tensor-core dots, loads pipelined through shared memory)
-    dataclasses.replace(_S, block_d=16, warps_down=4, t1_gate_up="dot", block_i=32, warps_gate_up=2, block_k=256,
-                        stages_gate_up=3, routed_eviction=None),
-    dataclasses.replace(_S, block_d=16, warps_down=4, t1_gate_up="dot", block_i=16, warps_gate_up=1, block_k=256,
-                        stages_gate_up=4, routed_eviction=None),
-    dataclasses.replace(_S, block_d=16, warps_down=4, t1_gate_up="dot", block_i=32, warps_gate_up=2, block_k=256,
-                        stages_gate_up=3, routed_eviction=None, down_t1="slots_last"),
+    dataclasses.replace(_F, t1_gate_up="dot", block_i=32, warps_gate_up=2, block_k=256, stages_gate_up=3,
+                        routed_eviction=None),
 ]
 # The router is [E, D]: a GEMV program streams BE expert rows' D-split (KS splits, BK-wide tiles). T = 1 sweep
 # around router.DECODE_TUNING (BE 1, KS 5, BK 512, 1 warp): rows, splits, warps, stages, and the top-k program's

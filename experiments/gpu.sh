@@ -68,12 +68,12 @@ suite_fp8_ops() {  # the FP8 GEMV shapes with their tuning sweep, then the FP8 M
 }
 suite_moe_fp8() {  # the FP8 MoE layer's T = 1 sweep (device time), its T > 1 rows, then the bf16 layer beside it
   local t0=$SECONDS
-  timeout 280 python3 experiments/bench_moe.py --fp8 --no-ts --chain norm --layers 8 --router-dtype bfloat16 --iters 1
+  timeout 330 python3 experiments/bench_moe.py --fp8 --no-ts --chain norm --layers 8 --router-dtype bfloat16 --iters 1
   cp experiments/results/bench_moe_fp8.json "$OUT"/bench_moe_fp8_sweep.json
-  timeout $((380 - SECONDS + t0)) python3 experiments/bench_moe.py --fp8 --quick --ts 2,4,9 --profile-ts 2,4,9 \
+  timeout $((430 - SECONDS + t0)) python3 experiments/bench_moe.py --fp8 --quick --ts 2,4,9 --profile-ts 2,4,9 \
     --chain norm --layers 8 --router-dtype bfloat16 --iters 1
   cp experiments/results/bench_moe_fp8.json "$OUT"/bench_moe_fp8_ts.json
-  timeout $((450 - SECONDS + t0)) python3 experiments/bench_moe.py --quick --ts 1,2,4,9 --profile-ts 2,4,9 \
+  timeout $((520 - SECONDS + t0)) python3 experiments/bench_moe.py --quick --ts 1,2,4,9 --profile-ts 2,4,9 \
     --chain norm --layers 8 --router-dtype bfloat16 --iters 1
   cp experiments/results/bench_moe.json "$OUT"/
 }
