@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The benchmarks and the compiled kernel tests on a GPU machine, by suite (wheels the machine lacks, fla-core and
 # einops for the fla comparisons, go in .whl/):   bash experiments/gpu.sh SUITE [SUITE...]
-# Suites: tests engine decode moe moe_fp8 kda mla spec prefill prefill_check fp8 fp8_ops gemv_levers slices full flax
+# Suites: tests engine decode moe moe_fp8 moe_fp8_ts moe_tests kda mla spec prefill prefill_check fp8 fp8_ops gemv_levers slices full flax
 # crosscheck all.
 # Each suite writes its log and results JSON into $OUT (default /tmp/out) and the JSON under its canonical name into
 # experiments/results/ (what plot_results.py reads); the tail of every log is printed at the end. Every suite has
@@ -66,16 +66,26 @@ suite_fp8_ops() {  # the FP8 GEMV shapes with their tuning sweep, then the FP8 M
   timeout 230 python3 experiments/bench_gemv.py --fp8 --sweep
   timeout 280 python3 experiments/bench_moe.py --fp8 --no-ts --chain norm --layers 8 --router-dtype bfloat16 --iters 1
 }
-suite_moe_fp8() {  # the FP8 MoE layer's T = 1 sweep (device time), its T > 1 rows, then the bf16 layer beside it
+suite_moe_fp8() {  # the FP8 MoE layer's T = 1 sweep (device time), then the bf16 layer beside it
   local t0=$SECONDS
   timeout 330 python3 experiments/bench_moe.py --fp8 --no-ts --chain norm --layers 8 --router-dtype bfloat16 --iters 1
   cp experiments/results/bench_moe_fp8.json "$OUT"/bench_moe_fp8_sweep.json
-  timeout $((430 - SECONDS + t0)) python3 experiments/bench_moe.py --fp8 --quick --ts 2,4,9 --profile-ts 2,4,9 \
-    --chain norm --layers 8 --router-dtype bfloat16 --iters 1
-  cp experiments/results/bench_moe_fp8.json "$OUT"/bench_moe_fp8_ts.json
-  timeout $((520 - SECONDS + t0)) python3 experiments/bench_moe.py --quick --ts 1,2,4,9 --profile-ts 2,4,9 \
+  timeout $((450 - SECONDS + t0)) python3 experiments/bench_moe.py --quick --ts 1,2,4,9 --profile-ts 2,4,9 \
     --chain norm --layers 8 --router-dtype bfloat16 --iters 1
   cp experiments/results/bench_moe.json "$OUT"/
+}
+suite_moe_fp8_ts() {  # the FP8 MoE layer at T = 2, 4, 9: the default down, then the slot-parallel verify down
+  local t0=$SECONDS
+  timeout 170 python3 experiments/bench_moe.py --fp8 --quick --ts 2,4,9 --profile-ts 2,4,9 \
+    --chain norm --layers 8 --router-dtype bfloat16 --iters 1
+  cp experiments/results/bench_moe_fp8.json "$OUT"/bench_moe_fp8_ts.json
+  timeout $((340 - SECONDS + t0)) python3 experiments/bench_moe.py --fp8 --quick --ts 2,4,9 --profile-ts 2,4,9 \
+    --chain norm --layers 8 --router-dtype bfloat16 --iters 1 --verify-experts down_verify=slots_last
+  cp experiments/results/bench_moe_fp8.json "$OUT"/bench_moe_fp8_ts_verify_slots.json
+}
+suite_moe_tests() {  # the MoE decode / verify kernels compiled, every tuning the tests name
+  XLA_FLAGS="--xla_allow_excess_precision=false" timeout 240 python3 -m pytest -q -rf --tb=short \
+    -p no:cacheprovider tests/ops/test_moe.py -k "pallas or fp8"
 }
 suite_slices() {  # `ling-jax bench` on SGLang's workload, the 6-layer exact-width slice in FP8 and in bf16
   timeout 200 python3 -m ling_jax.cli bench --preset ling-3.0-flash --random-weights --dtype fp8 --layers 6 --profile \
@@ -117,8 +127,8 @@ suites=()
 for s in "$@"; do
   case "$s" in
     all) suites+=(tests engine decode moe kda mla spec prefill) ;;
-    tests|engine|decode|moe|moe_fp8|kda|mla|spec|prefill|prefill_check|fp8|fp8_ops|gemv_levers|slices|full|flax|crosscheck) suites+=("$s") ;;
-    *) echo "unknown suite '$s' (tests engine decode moe moe_fp8 kda mla spec prefill prefill_check fp8 fp8_ops gemv_levers slices full flax crosscheck all)"; exit 2 ;;
+    tests|engine|decode|moe|moe_fp8|moe_fp8_ts|moe_tests|kda|mla|spec|prefill|prefill_check|fp8|fp8_ops|gemv_levers|slices|full|flax|crosscheck) suites+=("$s") ;;
+    *) echo "unknown suite '$s' (tests engine decode moe moe_fp8 moe_fp8_ts moe_tests kda mla spec prefill prefill_check fp8 fp8_ops gemv_levers slices full flax crosscheck all)"; exit 2 ;;
   esac
 done
 [ ${#suites[@]} -gt 0 ] || { sed -n 2,8p "$0"; exit 2; }

@@ -61,8 +61,8 @@ from pallas_kernels.moe import reference
 # The decode kernels' tile helpers: the fp32-accumulated transposed-operand dot, the reference's SwiGLU rounding, a
 # weight tile's load (optional L2 eviction policy; FP8: the E4M3 tile and its block's scale), an E4M3 tile as a dot
 # operand and its block's scaling, the chunk loop of FP8 sub-blocks and the combine's rounding.
-from pallas_kernels.moe.experts import (EVICTION_POLICIES, _dot_nt, _load_w, _swiglu, check_fp8_rows, chunk_loop,
-                                        operand, round_to, scaled, split_fp8, sub_width, with_optional)
+from pallas_kernels.moe.tiles import (EVICTION_POLICIES, check_fp8_rows, chunk_loop, dot_nt, load_w, operand, round_to,
+                                      scaled, split_fp8, sub_width, swiglu, with_optional)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,10 +126,10 @@ def tile_table(ids, n_experts: int, block_m: int):
 
 
 def _product(a, tile):
-    """a [BM, C] · the weight tile [BN, C]ᵀ (tile: (values, scale or None), `_load_w`) -> [BM, BN] fp32 on the
+    """a [BM, C] · the weight tile [BN, C]ᵀ (tile: (values, scale or None), `load_w`) -> [BM, BN] fp32 on the
     tensor cores in a's dtype: an E4M3 tile widened exactly, its fp32 dot times its block's scale."""
     w, scale = tile
-    return scaled(_dot_nt(a, operand(w, a.dtype)), scale)
+    return scaled(dot_nt(a, operand(w, a.dtype)), scale)
 
 
 def grouped_fwd_kernel_gate_up(te_ref, rows_ref, x_ref, wg_ref, wu_ref, wg_scale_ref, wu_scale_ref, h_ref, *, BK,
@@ -153,12 +153,12 @@ def grouped_fwd_kernel_gate_up(te_ref, rows_ref, x_ref, wg_ref, wu_ref, wg_scale
             # A gather: whole-array indices (the interpreter takes no mix of index arrays and slices).
             cols = ks.start + lax.broadcasted_iota(jnp.int32, (1, ks.size), 1)
             xs = pltriton.load(x_ref.at[tok, cols], mask=valid, other=0)
-            return (carry[0] + _product(xs, _load_w(wg_ref, wg_scale_ref, (e,), feats, ks, eviction)),
-                    carry[1] + _product(xs, _load_w(wu_ref, wu_scale_ref, (e,), feats, ks, eviction)))
+            return (carry[0] + _product(xs, load_w(wg_ref, wg_scale_ref, (e,), feats, ks, eviction)),
+                    carry[1] + _product(xs, load_w(wu_ref, wu_scale_ref, (e,), feats, ks, eviction)))
 
         init = jnp.zeros((bm, bn), jnp.float32)
         acc_g, acc_u = chunk_loop(n_chunks, BK, sub_width(BK, wg_scale_ref, wu_scale_ref), step, (init, init))
-        h_ref[...] = _swiglu(acc_g.astype(dt), acc_u.astype(dt), limit)
+        h_ref[...] = swiglu(acc_g.astype(dt), acc_u.astype(dt), limit)
 
 
 def grouped_fwd_kernel_down(te_ref, rows_ref, h_ref, wd_ref, wd_scale_ref, o_ref, *, BKI, n_chunks, n_pairs,
@@ -175,7 +175,7 @@ def grouped_fwd_kernel_down(te_ref, rows_ref, h_ref, wd_ref, wd_scale_ref, o_ref
         feats = pl.ds(pl.multiple_of(j * block_d, block_d), block_d)
 
         def step(ks, acc):
-            w = _load_w(wd_ref, wd_scale_ref, (e,), feats, ks, eviction)
+            w = load_w(wd_ref, wd_scale_ref, (e,), feats, ks, eviction)
             return acc + _product(h_ref[tile, ks], w)
 
         acc = chunk_loop(n_chunks, BKI, sub_width(BKI, wd_scale_ref), step,

@@ -598,6 +598,8 @@ _TUNINGS = {  # every gate/up product form, rows per program and down shape
     "down_slots_last": dict(_SMALL, block_d=16, warps_down=4, down_t1="slots_last"),
     # ... after the T > 1 dot gate/up (h with 16 token rows, the down reading the first)
     "down_slots_dot": dict(_SMALL, block_i=16, block_d=16, warps_down=4, down_t1="slots", t1_gate_up="dot"),
+    # T > 1 down as (slot, 16 features) programs, each feature block's last program combining the T real rows
+    "verify_slots": dict(_SMALL, block_i=32, block_d=16, down_verify="slots_last"),
 }
 
 
@@ -605,7 +607,9 @@ _TUNINGS = {  # every gate/up product form, rows per program and down shape
 @pytest.mark.parametrize("n,tu", [(1, "bi16"), (1, "bi2"), (1, "down_bd1"), (1, "down_bd4"), (1, "down_slots"),
                                   (1, "down_slots_reduce"), (1, "down_slots_last"), (1, "down_slots_dot"),
                                   (3, "dot"), (3, "dot_w"),
-                                  (16, "dot"), (2, "fma_tokens"), (5, "fma_tokens")])
+                                  (16, "dot"), (2, "fma_tokens"), (5, "fma_tokens"),
+                                  (2, "verify_slots"), (4, "verify_slots"), (9, "verify_slots"),
+                                  (16, "verify_slots")])
 def test_experts_pallas_tunings(n, tu, dtype):
     """ExpertsTuning variants (product form, rows per program, multi-chunk loops) vs the reference, clamps on."""
     from pallas_kernels.moe.experts import ExpertsTuning, moe_experts_fused
@@ -620,7 +624,7 @@ def test_experts_pallas_tunings(n, tu, dtype):
 
 
 @pytest.mark.parametrize("n,tu", [(1, "bi16"), (1, "bi2"), (1, "down_bd1"), (1, "down_slots"),
-                                  (1, "down_slots_last"), (3, "dot"), (3, "fma_tokens")])
+                                  (1, "down_slots_last"), (3, "dot"), (3, "fma_tokens"), (3, "verify_slots")])
 def test_experts_pallas_repeated_ids_in_a_token(n, tu):
     """The router never repeats an expert within a token, but moe_experts accepts any ids in [0, E): a repeat must
     count twice (gate/up writes h once, for the expert's first slot; the down kernel reads it from there and gives
@@ -720,11 +724,12 @@ def lower_for_cuda(monkeypatch, modules, fn, *avals, gpu=None):
 
 
 @pytest.mark.parametrize("n,tu", [(1, None), (1, "bi16"), (1, "down_bd4"), (1, "down_slots"), (1, "down_slots_last"),
-                                  (2, None), (3, None), (4, None), (3, "dot_w"), (9, "fma_tokens")])
+                                  (2, None), (3, None), (4, None), (3, "dot_w"), (9, "fma_tokens"),
+                                  (4, "verify_slots")])
 def test_pallas_lowers_for_cuda(monkeypatch, n, tu):
     """Every product form lowers to Triton at Flash size (None: the defaults by T, experts.default_tuning)."""
     from pallas_kernels.common import pdl
-    from pallas_kernels.moe import experts as experts_mod, router as router_mod
+    from pallas_kernels.moe import down as down_mod, experts as experts_mod, router as router_mod
 
     d, e, i = 2560, 512, 768
     bf, f32 = jnp.bfloat16, jnp.float32
@@ -736,18 +741,20 @@ def test_pallas_lowers_for_cuda(monkeypatch, n, tu):
                                              tuning=tu and experts_mod.ExpertsTuning(**_TUNINGS[tu]))
 
     # Expert matrices [out, in]: gate/up [.., I, D], down [.., D, I].
-    txt = lower_for_cuda(monkeypatch, [router_mod, experts_mod, pdl], layer, sds((n, d), bf), sds((e, d), f32),
+    txt = lower_for_cuda(monkeypatch, [router_mod, experts_mod, down_mod, pdl], layer, sds((n, d), bf), sds((e, d), f32),
                          sds((e,), f32), sds((e, i, d), bf), sds((e, i, d), bf), sds((e, d, i), bf), sds((i, d), bf),
                          sds((i, d), bf), sds((d, i), bf))
     calls = {re.search(r'name = "([^"]+)"', c).group(1): c for c in txt.split("stablehlo.custom_call")[1:]}
-    down = "experts_fwd_kernel_down" if n > 1 else {"down_slots": "experts_fwd_kernel_down_slots",
-                                                     "down_slots_last": "experts_fwd_kernel_down_slots_last"}.get(
-        tu, "experts_fwd_kernel_down_t1")
+    down = {"down_slots": "experts_fwd_kernel_down_slots", "down_slots_last": "experts_fwd_kernel_down_slots_last",
+            "verify_slots": "experts_fwd_kernel_down_verify_slots"}.get(
+        tu, "experts_fwd_kernel_down" if n > 1 else "experts_fwd_kernel_down_t1")
     assert sorted(calls) == sorted(["router_fwd_kernel_gemv", "router_fwd_kernel_topk", "experts_fwd_kernel_gate_up",
                                     down])
     if tu in ("down_slots", "down_slots_last"):  # 8 routed slots + the shared one, 16 features each
         assert "grid_x = 9" in calls[down] and f"grid_y = {d // 16}" in calls[down]
-    if tu == "down_slots_last":  # the last program of each feature block combines: no XLA add or reduce left
+    if tu == "verify_slots":  # T·K routed slots + the shared one
+        assert f"grid_x = {n * 8 + 1}" in calls[down] and f"grid_y = {d // 16}" in calls[down]
+    if tu in ("down_slots_last", "verify_slots"):  # each feature block's last program combines: no XLA add or reduce
         assert "stablehlo.add" not in txt and "stablehlo.reduce" not in txt
     if tu is None:  # the defaults by T: 2-row gate/up programs up to T = 3 (FMAs), 16-row ones from T = 4 (dots);
         # at T = 1 one down program per output feature
@@ -761,7 +768,7 @@ def test_down_t1_optional_inputs_lower_for_cuda(monkeypatch, shared, residual):
     """The T = 1 down kernel with and without the shared expert and the residual (its optional refs) lowers at
     Flash size, and the residual is added inside it: no XLA add is left in the lowered program."""
     from pallas_kernels.common import pdl
-    from pallas_kernels.moe import experts as experts_mod
+    from pallas_kernels.moe import down as down_mod, experts as experts_mod
 
     d, e, i = 2560, 512, 768
     bf, sds = jnp.bfloat16, jax.ShapeDtypeStruct
@@ -771,7 +778,7 @@ def test_down_t1_optional_inputs_lower_for_cuda(monkeypatch, shared, residual):
         return experts_mod.moe_experts_fused(x, w, ids, wg, wu, wd, *ws, limit=4.0, shared_limit=5.0,
                                              residual=r if residual else None)
 
-    txt = lower_for_cuda(monkeypatch, [experts_mod, pdl], experts, sds((1, d), bf), sds((1, 8), jnp.float32),
+    txt = lower_for_cuda(monkeypatch, [experts_mod, down_mod, pdl], experts, sds((1, d), bf), sds((1, 8), jnp.float32),
                          sds((1, 8), jnp.int32), *[sds((e, i, d), bf)] * 2, sds((e, d, i), bf),
                          *[sds((i, d), bf)] * 2, sds((d, i), bf), sds((1, d), bf))
     names = [re.search(r'name = "([^"]+)"', c).group(1) for c in txt.split("stablehlo.custom_call")[1:]]
@@ -813,7 +820,7 @@ def test_early_launch_lowers_for_cuda(monkeypatch, down, gpu):
     from jax._src.pallas.triton import gpu_info
 
     from pallas_kernels.common import pdl
-    from pallas_kernels.moe import experts as experts_mod
+    from pallas_kernels.moe import down as down_mod, experts as experts_mod
 
     jax.clear_caches()  # the trigger is decided when a kernel is traced: no trace cached for another GPU here
     d, e, i = 256, 16, 64
@@ -824,7 +831,7 @@ def test_early_launch_lowers_for_cuda(monkeypatch, down, gpu):
         return experts_mod.moe_experts_fused(x, w, ids, wg, wu, wd, sg, su, sd, limit=4.0, shared_limit=5.0,
                                              tuning=tu)
 
-    txt = lower_for_cuda(monkeypatch, [experts_mod, pdl], experts, sds((1, d), bf), sds((1, 8), jnp.float32),
+    txt = lower_for_cuda(monkeypatch, [experts_mod, down_mod, pdl], experts, sds((1, d), bf), sds((1, 8), jnp.float32),
                          sds((1, 8), jnp.int32), *[sds((e, i, d), bf)] * 2, sds((e, d, i), bf),
                          *[sds((i, d), bf)] * 2, sds((d, i), bf), gpu=getattr(gpu_info.GpuVersion, gpu))
     # Each custom call's text up to the next one: its own name comes first (later names are operands' locations).
@@ -933,9 +940,12 @@ def test_experts_fp8_reference_against_float64(n, path, dtype):
 @pytest.mark.parametrize("n,d,i,shared,limits", [
     (1, 256, 192, True, (4.0, 5.0)),  # decode: two 128-blocks each way, one of them ragged (I = 192)
     (1, 128, 64, False, (0.0, 0.0)),  # one ragged block per matrix (I = 64 < 128), no shared expert, no clamp
-    (4, 256, 192, True, (4.0, 5.0)),  # verify, the tensor-core dots
+    (2, 256, 192, True, (4.0, 5.0)),  # verify, the tensor-core dots from T = 2 up
+    (4, 256, 192, True, (4.0, 5.0)),
+    (9, 128, 192, False, (4.0, 5.0)),
     (16, 128, 64, True, (0.5, 2.0)),
-], ids=["T1-D256-I192", "T1-D128-I64-noshared", "T4-D256-I192", "T16-D128-I64"])
+], ids=["T1-D256-I192", "T1-D128-I64-noshared", "T2-D256-I192", "T4-D256-I192", "T9-D128-I192-noshared",
+        "T16-D128-I64"])
 def test_experts_pallas_fp8(n, d, i, shared, limits, dtype):
     """The decode/verify kernels (their FP8 defaults by T) with FP8 experts against the reference (float32 weights),
     with the residual (at T = 1 the down kernel's epilogue)."""
@@ -954,17 +964,17 @@ def test_experts_pallas_fp8(n, d, i, shared, limits, dtype):
                                   (1, "plain_acc"), (1, "slots"), (1, "slots_reduce"), (1, "slots_dot"),
                                   (1, "slots_last"), (1, "slots_last_dot"), (1, "fused"), (1, "fused_reduce"),
                                   (2, "fma_tokens_bf16"),
-                                  (4, "dot_w"), (3, "dot_bk32")])
+                                  (4, "dot_w"), (3, "dot_bk32"), (4, "verify_slots"), (9, "verify_slots")])
 def test_experts_pallas_fp8_tunings(n, tu):
     """FP8 experts with other tunings (float32): the bf16 defaults (per-tile reductions, 512-wide chunks taken as
     two 128-wide sub-blocks at D 256); DECODE_TUNING_FP8 with per-tile reductions; 2-row programs over 64-wide chunks
-    (4 weights per lane, `experts.lane_group`) with the gate/up chunks written out and 2-feature down programs;
+    (4 weights per lane, `tiles.lane_group`) with the gate/up chunks written out and 2-feature down programs;
     4-warp programs of 16-wide chunks (fewer weights than lanes: the products summed as they are); the per-token
     FMAs, W·xᵀ dots and 32-wide chunks (four per scale block); plain weights with the FP8 T = 1 default
     (t1_products="accumulate" with 256-wide chunks); the T = 1 down as (slot, features) programs with an XLA
     combine, both product forms, also after the T > 1 dot gate/up (16 token rows, the down reading the first), and
-    with the last program combining; and the one-launch "fused" down of 2 one-warp features per program, both
-    product forms."""
+    with the last program combining; the one-launch "fused" down of 2 one-warp features per program, both
+    product forms; and the T > 1 down as (slot, features) programs, the last of a feature block combining."""
     from pallas_kernels.moe import experts as em
 
     f = em.DECODE_TUNING_FP8
@@ -985,7 +995,8 @@ def test_experts_pallas_fp8_tunings(n, tu):
                                                 t1_products="accumulate"),
                "slots_last": dataclasses.replace(f, down_t1="slots_last", block_d=16, warps_down=4),
                "slots_last_dot": dataclasses.replace(em.VERIFY_TUNING_FP8, down_t1="slots_last", t1_gate_up="dot",
-                                                     block_d=8, warps_down=2, t1_products="accumulate")}
+                                                     block_d=8, warps_down=2, t1_products="accumulate"),
+               "verify_slots": dataclasses.replace(em.VERIFY_TUNING_FP8, down_verify="slots_last", block_d=16)}
     if tu in ("lanes4_unroll", "lanes1"):  # the per-lane groups these shapes give (2x64 and 4x16 tiles)
         assert em.lane_group(2, 64, 32) == 4 and em.lane_group(4, 16, 128) == 1
     args, ws, _ = _fp8_expert_inputs(100 + n, n)
@@ -1058,7 +1069,7 @@ def test_fp8_lowers_for_cuda(monkeypatch, n):
     4-row gate/up programs and (slot, 64 features) down programs whose last per feature block combines and adds the
     residual (no XLA add or reduce), h in float32; the router's prefetch takes the shared expert's q arrays."""
     from pallas_kernels.common import pdl
-    from pallas_kernels.moe import experts as experts_mod, router as router_mod
+    from pallas_kernels.moe import down as down_mod, experts as experts_mod, router as router_mod
 
     d, e, i = 2560, 512, 768
     bf, f32, sds = jnp.bfloat16, jnp.float32, jax.ShapeDtypeStruct
@@ -1071,7 +1082,7 @@ def test_fp8_lowers_for_cuda(monkeypatch, n):
         return moe.moe_experts(x, w, ids, wg, wu, wd, sg, su, sd, limit=4.0, shared_limit=5.0, backend="pallas",
                                residual=res)
 
-    txt = lower_for_cuda(monkeypatch, [router_mod, experts_mod, pdl], layer, sds((n, d), bf), sds((e, d), f32),
+    txt = lower_for_cuda(monkeypatch, [router_mod, experts_mod, down_mod, pdl], layer, sds((n, d), bf), sds((e, d), f32),
                          sds((e,), f32), w8(e, i, d), w8(e, i, d), w8(e, d, i), w8(i, d), w8(i, d), w8(d, i),
                          sds((n, d), bf))
     calls = {re.search(r'name = "([^"]+)"', c).group(1): c for c in txt.split("stablehlo.custom_call")[1:]}
@@ -1083,7 +1094,7 @@ def test_fp8_lowers_for_cuda(monkeypatch, n):
     if n == 1:
         assert "grid_x = 9" in calls[down] and f"grid_y = {d // 64}" in calls[down]
         assert "stablehlo.add" not in txt and "stablehlo.reduce" not in txt  # combine and residual in the kernel
-        assert re.search(r"tensor<9x1x768xf32>", txt)  # h: float32 between the two kernels (experts.h_dtype)
+        assert re.search(r"tensor<9x1x768xf32>", txt)  # h: float32 between the two kernels (down.h_dtype)
 
 
 def _near_tie_router(d=256, e=512):
