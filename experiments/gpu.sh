@@ -84,7 +84,7 @@ suite_moe_fp8_ts() {  # the FP8 MoE layer at T = 2, 4, 9: the default down, then
   cp experiments/results/bench_moe_fp8.json "$OUT"/bench_moe_fp8_ts_verify_slots.json
 }
 suite_moe_tests() {  # the MoE decode / verify kernels compiled, every tuning the tests name
-  XLA_FLAGS="--xla_allow_excess_precision=false" timeout 240 python3 -m pytest -q -rf --tb=short \
+  XLA_FLAGS="--xla_allow_excess_precision=false" timeout 200 python3 -m pytest -q -rf --tb=short \
     -p no:cacheprovider tests/ops/test_moe.py -k "pallas or fp8"
 }
 suite_slices() {  # `ling-jax bench` on SGLang's workload, the 6-layer exact-width slice in FP8 and in bf16
