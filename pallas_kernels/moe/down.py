@@ -25,7 +25,6 @@ and the feature block's last program combines the T real rows: no combine launch
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -38,9 +37,6 @@ from pallas_kernels.common.pdl import launch_dependents
 from pallas_kernels.common.sizes import next_pow2
 from pallas_kernels.moe.tiles import (chunk_loop, check_fp8_rows, dot_nt, lane_sums, load_w, operand, ownership,
                                       round_to, rows_load, scaled, split_fp8, sub_width, with_optional)
-
-if TYPE_CHECKING:
-    from pallas_kernels.moe.experts import ExpertsTuning
 
 
 def _down_dot(load_h, load_d, *, BKI, BW, n_chunks, bd, to, dt):
@@ -339,12 +335,12 @@ def h_dtype(n, dt, *downs):
     return jnp.float32 if n == 1 and fp8_down and jnp.dtype(dt) == jnp.bfloat16 else dt
 
 
-def down_and_combine(h, ids, weights, we_down, ws_down, *, n, tuning: ExpertsTuning, residual=None, dtype=None,
-                     count=None):
+def down_and_combine(h, ids, weights, we_down, ws_down, *, n, tuning, residual=None, dtype=None, count=None):
     """Kernel 2 and the combine: h [S, TO, I] after SwiGLU (slots as in kernel 1; `h_dtype`), ids/weights [TO, K]
-    (padded rows -1 / 0), we_down [E, D, I], ws_down [D, I] or None (each a plain array or an Fp8Weight), residual
-    [n, D] or None, count: the zeroed arrival counters where `counters_needed` -> y [TO, D] in `dtype` (the compute
-    dtype; None: h's) plus the residual (inside the down kernel, or at T > 1 with "groups" in the combine fusion)."""
+    (padded rows -1 / 0), we_down [E, D, I], ws_down [D, I] or None (each a plain array or an Fp8Weight), tuning
+    an experts.ExpertsTuning, residual [n, D] or None, count: the zeroed arrival counters where `counters_needed` ->
+    y [TO, D] in `dtype` (the compute dtype; None: h's) plus the residual (inside the down kernel, or at T > 1 with
+    "groups" in the combine fusion)."""
     dtype = h.dtype if dtype is None else dtype
     to, k = ids.shape
     _, d, i = we_down.shape
