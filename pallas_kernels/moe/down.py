@@ -13,13 +13,11 @@ loads to their products) and writes its weighted fp32 partial: "slots" (`experts
 sum to the T > 1 combine fusion below; "slots_last" (`experts_fwd_kernel_down_slots_last`) counts arrivals per
 feature block with an acq_rel atomic (counters zeroed by kernel 1), and the last program to arrive sums the routed
 partials in slot order, rounds once and adds the shared expert's and the residual, as the fused kernel does.
-Kernel 2 at T > 1, `down_verify="groups"` (`experts_fwd_kernel_down`), grid (K + 1, D / BD): group g < K walks its
+Kernel 2 at T > 1 (`experts_fwd_kernel_down`), grid (K + 1, D / BD): group g < K walks its
 T slots, takes tensor-core dots h·W_down[BD rows]ᵀ over the TP token rows (fp32, rounded to the compute dtype as the
 reference rounds each expert's output), scales by each token's routing weight in fp32 and writes a fp32 partial;
 program row K writes the shared expert's output. XLA sums the K partials (fp32), rounds once and adds the shared
-output in the compute dtype: one small fusion. `down_verify="slots_last"` (`experts_fwd_kernel_down_verify_slots`)
-gives each (slot, BD features) pair its own program, as at T = 1, so no program walks T experts one after another,
-and the feature block's last program combines the T real rows: no combine launch.
+output in the compute dtype: one small fusion.
 """
 
 from __future__ import annotations
@@ -254,79 +252,6 @@ def experts_fwd_kernel_down(h_ref, ids_ref, ids2_ref, w_ref, wd_ref, sd_ref, wd_
                                     sd_scale_ref)
 
 
-def experts_fwd_kernel_down_verify_slots(h_ref, ids_ref, ids2_ref, w_ref, wd_ref, sd_ref, r_ref, wd_scale_ref,
-                                         sd_scale_ref, count_in_ref, p_ref, y_ref, count_ref, *, BKI, n_tok,
-                                         n_routed, n_slots, early_launch=False, eviction=None):
-    # T > 1, down_verify="slots_last". h_ref [S, TO, I] (after SwiGLU); ids_ref [P]; ids2_ref [TO, K]; w_ref [TO, K]
-    # fp32; wd_ref / sd_ref / the scale refs as in `experts_fwd_kernel_down`; r_ref [TO, D] compute dtype or None;
-    # p_ref [S, TO, D] fp32 (whole: program (s, j) writes the T real rows of slot s's weighted partial for feature
-    # block j); count_ref [C] int32, zeroed by the gate/up launch (count_in_ref, the same buffer); y_ref [TO, BD]:
-    # the layer's output for block j, written by the block's last program to finish
-    del count_in_ref
-    if early_launch:
-        launch_dependents()
-    s, j = pl.program_id(0), pl.program_id(1)
-    to, bd = y_ref.shape
-    dt = y_ref.dtype
-    feats = pl.ds(pl.multiple_of(j * bd, bd), bd)
-    real = lax.broadcasted_iota(jnp.int32, (to, bd), 0) < n_tok  # the padded token rows are neither stored nor read
-
-    def store(v):
-        pltriton.store(p_ref.at[s, :, feats], v, mask=real)
-
-    def expert_out(slot, load_d, scale_ref):
-        return _down_dot(lambda ks: h_ref[slot, :, ks], load_d, BKI=BKI, BW=sub_width(BKI, scale_ref),
-                         n_chunks=h_ref.shape[-1] // BKI, bd=bd, to=to, dt=dt)
-
-    @pl.when(s < n_routed)
-    def _():
-        e, owner = ownership(ids_ref[...], s, n_routed)
-
-        @pl.when(owner)
-        def _():
-            hit = ids2_ref[...] == e  # [TO, K]; a token that lists e twice gets both weights
-            w_tok = jnp.sum(jnp.where(hit, w_ref[...], 0.0), axis=1)
-            used = jnp.sum(jnp.where(hit, 1, 0), axis=1) > 0
-            out = expert_out(s, lambda ks: load_w(wd_ref, wd_scale_ref, (e,), feats, ks, eviction), wd_scale_ref)
-            store(jnp.where(used[:, None], w_tok[:, None] * out, 0.0))  # masked, not times 0 (inf · 0 = NaN)
-
-        @pl.when(jnp.logical_not(owner))
-        def _():
-            store(jnp.zeros((to, bd), jnp.float32))
-
-    if sd_ref is not None:
-        @pl.when(s == n_routed)
-        def _():
-            store(expert_out(n_routed, lambda ks: load_w(sd_ref, sd_scale_ref, (), feats, ks, None), sd_scale_ref))
-
-    # Every thread's partial is stored before one thread's release (the atomic, acq_rel at GPU scope) publishes it.
-    if not interpret_mode():
-        pltriton.debug_barrier()
-    arrived = pltriton.atomic_add(count_ref, (j,), jnp.int32(1))
-
-    @pl.when(arrived == n_slots - 1)
-    def _():
-        # Volatile: from L2, where the other programs' partials are (`experts_fwd_kernel_down_slots_last`).
-        def part(slot):
-            return pltriton.load(p_ref.at[jnp.asarray(slot, jnp.int32), :, feats], mask=real, other=0.0, volatile=True)
-
-        k = n_routed // n_tok
-
-        def token_slots(t, acc):  # the K slots of token t: their loads issued together, summed in slot order
-            parts = [part(t * k + c) for c in range(k)]
-            for v in parts:
-                acc = acc + v
-            return acc
-
-        routed = lax.fori_loop(1, n_tok, token_slots, token_slots(0, jnp.zeros((to, bd), jnp.float32)))
-        y = routed.astype(dt)
-        if sd_ref is not None:
-            y = y + part(n_routed).astype(dt)
-        if r_ref is not None:
-            y = r_ref[:, feats] + y
-        y_ref[...] = y
-
-
 def h_dtype(n, dt, *downs):
     """The dtype of kernel 1's output h: the compute dtype dt, or at T = 1 with an FP8 down matrix float32 holding
     the same dt values, so that the T = 1 down kernel's FMAs take them as loaded: each lane's E4M3 row segment meets
@@ -339,8 +264,8 @@ def down_and_combine(h, ids, weights, we_down, ws_down, *, n, tuning, residual=N
     """Kernel 2 and the combine: h [S, TO, I] after SwiGLU (slots as in kernel 1; `h_dtype`), ids/weights [TO, K]
     (padded rows -1 / 0), we_down [E, D, I], ws_down [D, I] or None (each a plain array or an Fp8Weight), tuning
     an experts.ExpertsTuning, residual [n, D] or None, count: the zeroed arrival counters where `counters_needed` ->
-    y [TO, D] in `dtype` (the compute dtype; None: h's) plus the residual (inside the down kernel, or at T > 1 with
-    "groups" in the combine fusion)."""
+    y [TO, D] in `dtype` (the compute dtype; None: h's) plus the residual (at T = 1 inside the down kernel, at T > 1
+    in the combine fusion)."""
     dtype = h.dtype if dtype is None else dtype
     to, k = ids.shape
     _, d, i = we_down.shape
@@ -367,17 +292,13 @@ def down_and_combine(h, ids, weights, we_down, ws_down, *, n, tuning, residual=N
                          "need >= 16 output features per program (block_d >= 16; VERIFY_TUNING has 64)")
     if residual is not None:
         residual = jnp.pad(residual, ((0, to - n), (0, 0)))
-    if tuning.down_verify == "slots_last":
-        _check_counters(count, d, bd, "down_verify")
-        return _down_verify_slots(h, ids, weights, (wd, wd_s), (sd, sd_s), residual, count, n=n, bd=bd, bki=bki,
-                                  tuning=tuning, dtype=dtype)
     partials = _down_groups(h, ids, weights, (wd, wd_s), (sd, sd_s), n=n, bd=bd, bki=bki, tuning=tuning)
     return combine(partials, k, has_shared, dtype, residual)
 
 
 def counters_needed(n, tuning):
     """Whether the down kernel at T = n counts arrivals per feature block (the counters gate/up zeroes)."""
-    return (tuning.down_t1 if n == 1 else tuning.down_verify) == "slots_last"
+    return n == 1 and tuning.down_t1 == "slots_last"
 
 
 def counter_shape(d, tuning):
@@ -393,8 +314,7 @@ def _check_counters(count, d, bd, field):
 
 
 def _down_groups(h, ids, weights, routed, shared, *, n, bd, bki, tuning):
-    """T > 1, down_verify="groups": fp32 partials [K (+ 1 shared), TO, D] for `combine`, group g summing its T
-    slots."""
+    """T > 1: fp32 partials [K (+ 1 shared), TO, D] for `combine`, group g summing its T slots."""
     to, k = ids.shape
     (wd, wd_s), (sd, sd_s) = routed, shared
     d, i = wd.shape[1:]
@@ -414,31 +334,6 @@ def _down_groups(h, ids, weights, routed, shared, *, n, bd, bki, tuning):
         name="experts_fwd_kernel_down",
     )(*inputs)
 
-
-def _down_verify_slots(h, ids, weights, routed, shared, residual, count, *, n, bd, bki, tuning, dtype):
-    """T > 1, down_verify="slots_last": one program per (slot, BD features), each feature block's last one combining
-    -> y [TO, D] (the padded rows 0)."""
-    to, k = ids.shape
-    (wd, wd_s), (sd, sd_s) = routed, shared
-    d = wd.shape[1]
-    n_slots = n * k + int(sd is not None)
-    kernel, inputs = with_optional(
-        functools.partial(experts_fwd_kernel_down_verify_slots, BKI=bki, n_tok=n, n_routed=n * k, n_slots=n_slots,
-                          early_launch=tuning.early_launch_down, eviction=tuning.routed_eviction),
-        [h, ids.reshape(-1), ids, weights, wd, sd, residual, wd_s, sd_s, count])
-    _, y, _ = pl.pallas_call(
-        kernel,
-        grid=(n_slots, d // bd),
-        in_specs=[pl.no_block_spec] * len(inputs),
-        out_specs=[pl.no_block_spec, pl.BlockSpec((to, bd), lambda s, j: (0, j)), pl.no_block_spec],
-        out_shape=[jax.ShapeDtypeStruct((n_slots, to, d), jnp.float32), jax.ShapeDtypeStruct((to, d), dtype),
-                   jax.ShapeDtypeStruct(count.shape, jnp.int32)],
-        input_output_aliases={len(inputs) - 1: 2},
-        compiler_params=pltriton.CompilerParams(num_warps=tuning.warps_down, num_stages=tuning.stages_down),
-        interpret=interpret_mode(),
-        name="experts_fwd_kernel_down_verify_slots",
-    )(*inputs)
-    return y
 
 def combine(partials, n_groups, has_shared, dtype, residual=None):
     """One XLA fusion: the fp32 sum of the routed experts' weighted partials [n_groups, TO, D] rounded once, plus the

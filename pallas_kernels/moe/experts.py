@@ -20,8 +20,7 @@ that read a layer's 70.8 MB of gate/up fastest in a read-only kernel, 17.8 µs).
 tokens are padded to TP = max(16, 2^⌈log2 T⌉) rows and every step is a tensor-core dot ("dot", orientation
 `dot_gate_up`), or each weight tile, read once, is reduced against the T real tokens one by one ("fma_tokens").
 Kernel 2, the down product and its combine, is in down.py (`down_and_combine`): at T = 1 the layer's output in the
-same launch ("fused", or the slot-parallel "slots_last"), at T > 1 per slot group plus an XLA combine ("groups") or
-slot-parallel with the combine inside ("slots_last").
+same launch ("fused", or the slot-parallel "slots_last"), at T > 1 per slot group plus an XLA combine fusion.
 Tunings by T (`default_tuning`): `DECODE_TUNING` (T = 1), `FMA_TOKENS_TUNING` (2 <= T <= FMA_TOKENS_MAX) and
 `VERIFY_TUNING` (larger T, the dot path's field defaults); with FP8 routed experts `DECODE_TUNING_FP8` and
 `VERIFY_TUNING_FP8`. `t1_gate_up="dot"` takes T = 1 through the T > 1 dot gate/up (16 padded token rows).
@@ -82,10 +81,6 @@ T1_PRODUCTS = ("reduce", "accumulate")
 # partial combined by one XLA fusion, as at T > 1) or "slots_last" (the same programs, the last of a feature block's
 # to finish combining its partials: a counter per block, zeroed by the gate/up launch, no combine launch).
 DOWN_T1_MODES = ("fused", "slots", "slots_last")
-# T > 1 down (down.py): "groups" (K + 1 programs per feature block, group g walking its T slots, partials summed by
-# an XLA combine fusion) or "slots_last" (a program per (slot, BD features), each feature block's last one
-# combining, as "slots_last" at T = 1: no program walks T experts in turn, and no combine launch).
-DOWN_VERIFY_MODES = ("groups", "slots_last")
 # T = 1 gate/up: "fma" (the products above) or "dot" (the token padded to 16 rows through the T > 1 tensor-core
 # gate/up, `dot_gate_up`, whose weight loads Triton pipelines `stages_gate_up` deep through shared memory; h then
 # has 16 rows, of which the slot-parallel down reads the first).
@@ -142,7 +137,6 @@ class ExpertsTuning:
     routed_eviction: str | None = None
     t1_products: str = "reduce"  # T1_PRODUCTS
     down_t1: str = "fused"  # DOWN_T1_MODES
-    down_verify: str = "groups"  # DOWN_VERIFY_MODES
     t1_gate_up: str = "fma"  # T1_GATE_UP_MODES
     # T = 1 gate/up: the D chunks written out rather than a loop, so that later chunks' loads may be issued before
     # earlier chunks' math (the compiler pipelines loads only into dots; the T = 1 down kernel is written out too)
@@ -163,8 +157,6 @@ class ExpertsTuning:
             raise ValueError(f"ExpertsTuning.t1_products={self.t1_products!r} must be one of {T1_PRODUCTS}")
         if self.down_t1 not in DOWN_T1_MODES:
             raise ValueError(f"ExpertsTuning.down_t1={self.down_t1!r} must be one of {DOWN_T1_MODES}")
-        if self.down_verify not in DOWN_VERIFY_MODES:
-            raise ValueError(f"ExpertsTuning.down_verify={self.down_verify!r} must be one of {DOWN_VERIFY_MODES}")
         if self.t1_gate_up not in T1_GATE_UP_MODES:
             raise ValueError(f"ExpertsTuning.t1_gate_up={self.t1_gate_up!r} must be one of {T1_GATE_UP_MODES}")
         if self.t1_gate_up == "dot" and self.down_t1 == "fused":

@@ -598,8 +598,6 @@ _TUNINGS = {  # every gate/up product form, rows per program and down shape
     "down_slots_last": dict(_SMALL, block_d=16, warps_down=4, down_t1="slots_last"),
     # ... after the T > 1 dot gate/up (h with 16 token rows, the down reading the first)
     "down_slots_dot": dict(_SMALL, block_i=16, block_d=16, warps_down=4, down_t1="slots", t1_gate_up="dot"),
-    # T > 1 down as (slot, 16 features) programs, each feature block's last program combining the T real rows
-    "verify_slots": dict(_SMALL, block_i=32, block_d=16, down_verify="slots_last"),
 }
 
 
@@ -607,9 +605,7 @@ _TUNINGS = {  # every gate/up product form, rows per program and down shape
 @pytest.mark.parametrize("n,tu", [(1, "bi16"), (1, "bi2"), (1, "down_bd1"), (1, "down_bd4"), (1, "down_slots"),
                                   (1, "down_slots_reduce"), (1, "down_slots_last"), (1, "down_slots_dot"),
                                   (3, "dot"), (3, "dot_w"),
-                                  (16, "dot"), (2, "fma_tokens"), (5, "fma_tokens"),
-                                  (2, "verify_slots"), (4, "verify_slots"), (9, "verify_slots"),
-                                  (16, "verify_slots")])
+                                  (16, "dot"), (2, "fma_tokens"), (5, "fma_tokens")])
 def test_experts_pallas_tunings(n, tu, dtype):
     """ExpertsTuning variants (product form, rows per program, multi-chunk loops) vs the reference, clamps on."""
     from pallas_kernels.moe.experts import ExpertsTuning, moe_experts_fused
@@ -624,7 +620,7 @@ def test_experts_pallas_tunings(n, tu, dtype):
 
 
 @pytest.mark.parametrize("n,tu", [(1, "bi16"), (1, "bi2"), (1, "down_bd1"), (1, "down_slots"),
-                                  (1, "down_slots_last"), (3, "dot"), (3, "fma_tokens"), (3, "verify_slots")])
+                                  (1, "down_slots_last"), (3, "dot"), (3, "fma_tokens")])
 def test_experts_pallas_repeated_ids_in_a_token(n, tu):
     """The router never repeats an expert within a token, but moe_experts accepts any ids in [0, E): a repeat must
     count twice (gate/up writes h once, for the expert's first slot; the down kernel reads it from there and gives
@@ -724,8 +720,7 @@ def lower_for_cuda(monkeypatch, modules, fn, *avals, gpu=None):
 
 
 @pytest.mark.parametrize("n,tu", [(1, None), (1, "bi16"), (1, "down_bd4"), (1, "down_slots"), (1, "down_slots_last"),
-                                  (2, None), (3, None), (4, None), (3, "dot_w"), (9, "fma_tokens"),
-                                  (4, "verify_slots")])
+                                  (2, None), (3, None), (4, None), (3, "dot_w"), (9, "fma_tokens")])
 def test_pallas_lowers_for_cuda(monkeypatch, n, tu):
     """Every product form lowers to Triton at Flash size (None: the defaults by T, experts.default_tuning)."""
     from pallas_kernels.common import pdl
@@ -741,20 +736,19 @@ def test_pallas_lowers_for_cuda(monkeypatch, n, tu):
                                              tuning=tu and experts_mod.ExpertsTuning(**_TUNINGS[tu]))
 
     # Expert matrices [out, in]: gate/up [.., I, D], down [.., D, I].
-    txt = lower_for_cuda(monkeypatch, [router_mod, experts_mod, down_mod, pdl], layer, sds((n, d), bf), sds((e, d), f32),
-                         sds((e,), f32), sds((e, i, d), bf), sds((e, i, d), bf), sds((e, d, i), bf), sds((i, d), bf),
-                         sds((i, d), bf), sds((d, i), bf))
+    modules = [router_mod, experts_mod, down_mod, pdl]
+    txt = lower_for_cuda(monkeypatch, modules, layer, sds((n, d), bf), sds((e, d), f32), sds((e,), f32),
+                         sds((e, i, d), bf), sds((e, i, d), bf), sds((e, d, i), bf), sds((i, d), bf), sds((i, d), bf),
+                         sds((d, i), bf))
     calls = {re.search(r'name = "([^"]+)"', c).group(1): c for c in txt.split("stablehlo.custom_call")[1:]}
-    down = {"down_slots": "experts_fwd_kernel_down_slots", "down_slots_last": "experts_fwd_kernel_down_slots_last",
-            "verify_slots": "experts_fwd_kernel_down_verify_slots"}.get(
-        tu, "experts_fwd_kernel_down" if n > 1 else "experts_fwd_kernel_down_t1")
+    down = "experts_fwd_kernel_down" if n > 1 else {"down_slots": "experts_fwd_kernel_down_slots",
+                                                     "down_slots_last": "experts_fwd_kernel_down_slots_last"}.get(
+        tu, "experts_fwd_kernel_down_t1")
     assert sorted(calls) == sorted(["router_fwd_kernel_gemv", "router_fwd_kernel_topk", "experts_fwd_kernel_gate_up",
                                     down])
     if tu in ("down_slots", "down_slots_last"):  # 8 routed slots + the shared one, 16 features each
         assert "grid_x = 9" in calls[down] and f"grid_y = {d // 16}" in calls[down]
-    if tu == "verify_slots":  # T·K routed slots + the shared one
-        assert f"grid_x = {n * 8 + 1}" in calls[down] and f"grid_y = {d // 16}" in calls[down]
-    if tu in ("down_slots_last", "verify_slots"):  # each feature block's last program combines: no XLA add or reduce
+    if tu == "down_slots_last":  # the last program of each feature block combines: no XLA add or reduce left
         assert "stablehlo.add" not in txt and "stablehlo.reduce" not in txt
     if tu is None:  # the defaults by T: 2-row gate/up programs up to T = 3 (FMAs), 16-row ones from T = 4 (dots);
         # at T = 1 one down program per output feature
@@ -778,9 +772,9 @@ def test_down_t1_optional_inputs_lower_for_cuda(monkeypatch, shared, residual):
         return experts_mod.moe_experts_fused(x, w, ids, wg, wu, wd, *ws, limit=4.0, shared_limit=5.0,
                                              residual=r if residual else None)
 
-    txt = lower_for_cuda(monkeypatch, [experts_mod, down_mod, pdl], experts, sds((1, d), bf), sds((1, 8), jnp.float32),
-                         sds((1, 8), jnp.int32), *[sds((e, i, d), bf)] * 2, sds((e, d, i), bf),
-                         *[sds((i, d), bf)] * 2, sds((d, i), bf), sds((1, d), bf))
+    txt = lower_for_cuda(monkeypatch, [experts_mod, down_mod, pdl], experts, sds((1, d), bf),
+                         sds((1, 8), jnp.float32), sds((1, 8), jnp.int32), *[sds((e, i, d), bf)] * 2,
+                         sds((e, d, i), bf), *[sds((i, d), bf)] * 2, sds((d, i), bf), sds((1, d), bf))
     names = [re.search(r'name = "([^"]+)"', c).group(1) for c in txt.split("stablehlo.custom_call")[1:]]
     assert names == ["experts_fwd_kernel_gate_up", "experts_fwd_kernel_down_t1"]
     assert "stablehlo.add" not in txt
@@ -831,9 +825,10 @@ def test_early_launch_lowers_for_cuda(monkeypatch, down, gpu):
         return experts_mod.moe_experts_fused(x, w, ids, wg, wu, wd, sg, su, sd, limit=4.0, shared_limit=5.0,
                                              tuning=tu)
 
-    txt = lower_for_cuda(monkeypatch, [experts_mod, down_mod, pdl], experts, sds((1, d), bf), sds((1, 8), jnp.float32),
-                         sds((1, 8), jnp.int32), *[sds((e, i, d), bf)] * 2, sds((e, d, i), bf),
-                         *[sds((i, d), bf)] * 2, sds((d, i), bf), gpu=getattr(gpu_info.GpuVersion, gpu))
+    txt = lower_for_cuda(monkeypatch, [experts_mod, down_mod, pdl], experts, sds((1, d), bf),
+                         sds((1, 8), jnp.float32), sds((1, 8), jnp.int32), *[sds((e, i, d), bf)] * 2,
+                         sds((e, d, i), bf), *[sds((i, d), bf)] * 2, sds((d, i), bf),
+                         gpu=getattr(gpu_info.GpuVersion, gpu))
     # Each custom call's text up to the next one: its own name comes first (later names are operands' locations).
     calls = txt.split("stablehlo.custom_call")[1:]
     has = {re.search(r'name = "([^"]+)"', c).group(1): "griddepcontrol.launch_dependents" in c for c in calls}
@@ -964,7 +959,7 @@ def test_experts_pallas_fp8(n, d, i, shared, limits, dtype):
                                   (1, "plain_acc"), (1, "slots"), (1, "slots_reduce"), (1, "slots_dot"),
                                   (1, "slots_last"), (1, "slots_last_dot"), (1, "fused"), (1, "fused_reduce"),
                                   (2, "fma_tokens_bf16"),
-                                  (4, "dot_w"), (3, "dot_bk32"), (4, "verify_slots"), (9, "verify_slots")])
+                                  (4, "dot_w"), (3, "dot_bk32")])
 def test_experts_pallas_fp8_tunings(n, tu):
     """FP8 experts with other tunings (float32): the bf16 defaults (per-tile reductions, 512-wide chunks taken as
     two 128-wide sub-blocks at D 256); DECODE_TUNING_FP8 with per-tile reductions; 2-row programs over 64-wide chunks
@@ -973,8 +968,8 @@ def test_experts_pallas_fp8_tunings(n, tu):
     FMAs, W·xᵀ dots and 32-wide chunks (four per scale block); plain weights with the FP8 T = 1 default
     (t1_products="accumulate" with 256-wide chunks); the T = 1 down as (slot, features) programs with an XLA
     combine, both product forms, also after the T > 1 dot gate/up (16 token rows, the down reading the first), and
-    with the last program combining; the one-launch "fused" down of 2 one-warp features per program, both
-    product forms; and the T > 1 down as (slot, features) programs, the last of a feature block combining."""
+    with the last program combining; and the one-launch "fused" down of 2 one-warp features per program, both
+    product forms."""
     from pallas_kernels.moe import experts as em
 
     f = em.DECODE_TUNING_FP8
@@ -995,8 +990,7 @@ def test_experts_pallas_fp8_tunings(n, tu):
                                                 t1_products="accumulate"),
                "slots_last": dataclasses.replace(f, down_t1="slots_last", block_d=16, warps_down=4),
                "slots_last_dot": dataclasses.replace(em.VERIFY_TUNING_FP8, down_t1="slots_last", t1_gate_up="dot",
-                                                     block_d=8, warps_down=2, t1_products="accumulate"),
-               "verify_slots": dataclasses.replace(em.VERIFY_TUNING_FP8, down_verify="slots_last", block_d=16)}
+                                                     block_d=8, warps_down=2, t1_products="accumulate")}
     if tu in ("lanes4_unroll", "lanes1"):  # the per-lane groups these shapes give (2x64 and 4x16 tiles)
         assert em.lane_group(2, 64, 32) == 4 and em.lane_group(4, 16, 128) == 1
     args, ws, _ = _fp8_expert_inputs(100 + n, n)
@@ -1082,9 +1076,9 @@ def test_fp8_lowers_for_cuda(monkeypatch, n):
         return moe.moe_experts(x, w, ids, wg, wu, wd, sg, su, sd, limit=4.0, shared_limit=5.0, backend="pallas",
                                residual=res)
 
-    txt = lower_for_cuda(monkeypatch, [router_mod, experts_mod, down_mod, pdl], layer, sds((n, d), bf), sds((e, d), f32),
-                         sds((e,), f32), w8(e, i, d), w8(e, i, d), w8(e, d, i), w8(i, d), w8(i, d), w8(d, i),
-                         sds((n, d), bf))
+    modules = [router_mod, experts_mod, down_mod, pdl]
+    txt = lower_for_cuda(monkeypatch, modules, layer, sds((n, d), bf), sds((e, d), f32), sds((e,), f32),
+                         w8(e, i, d), w8(e, i, d), w8(e, d, i), w8(i, d), w8(i, d), w8(d, i), sds((n, d), bf))
     calls = {re.search(r'name = "([^"]+)"', c).group(1): c for c in txt.split("stablehlo.custom_call")[1:]}
     down = "experts_fwd_kernel_down_slots_last" if n == 1 else "experts_fwd_kernel_down"
     assert sorted(calls) == sorted(["router_fwd_kernel_gemv", "router_fwd_kernel_topk", "experts_fwd_kernel_gate_up",
