@@ -4,7 +4,8 @@ Workload (SGLang's `bench_serving` record for this model, docs/design.md §4): o
 (8192), `--output-len` tokens out (1024), concurrency 1, greedy, EOS ignored, a warm-up generation excluded.
 Metrics: TTFT; TPOT as SGLang defines it, (latency - TTFT) / (output - 1), its mean and median over the timed
 generations; output tokens per second; the step's HBM bytes (`step_bytes`) and the fraction of their floor at
-`HBM_BYTES_PER_S`; kernels per step (`kernels_per_step`); with `--profile` the device time per op family. SGLang's
+`HBM_BYTES_PER_S`; kernels per step (`kernels_per_step`); with `--profile` the device time per op family (of the
+speculative step with `--spec`, beside its verify forward alone and the plain step: `profile_spec`). SGLang's
 published rows (`SGLANG_ROWS`) print beside ours with the hardware difference.
 
 Weights: a checkpoint (`--checkpoint` orbax, `--hf-dir` safetensors) or `--random-weights` generated leaf by leaf
@@ -162,7 +163,9 @@ def count_launches(hlo: str, steps: int = 1) -> dict:
 # Which part of the step a kernel belongs to, by name (first match wins): the per-op breakdown of `--profile`.
 OP_FAMILIES = (
     ("lm_head", ("greedy_head",)),
-    ("projections", ("gemv_", "input_reduce_fusion")),  # the GEMV kernels of every layout, and K-split sums
+    # The GEMV kernels of every layout, K-split sums, and XLA's GEMM fusions: a verify over k + 1 positions runs a few
+    # of its dots as those.
+    ("projections", ("gemv_", "input_reduce_fusion", "gemm_fusion")),
     ("moe", ("router_fwd", "experts_fwd")),
     ("kda", ("kda_recurrent",)),
     ("mla", ("mla_decode",)),
@@ -173,9 +176,11 @@ def op_family(kernel: str) -> str:
     return next((op for op, marks in OP_FAMILIES if any(m in kernel for m in marks)), "other")
 
 
-def op_breakdown(families: list[dict], moved: dict, tpot_us: float) -> dict:
+def op_breakdown(families: list[dict], moved: dict, tpot_us: float, step_us: float | None = None) -> dict:
     """Exclusive device time per op family, the bytes that family must move and its achieved bandwidth, and whether
-    the families add up to the measured TPOT within 10 %."""
+    the families add up to the measured step time within 10 %: TPOT for plain decode, `step_us` for a speculative
+    step (the decode time per step run, which emits the accept length's tokens); `against` names which ("TPOT" or
+    "spec step")."""
     nbytes = {"lm_head": moved["lm_head"], "projections": moved["mixers"], "moe": moved["ffn"],
               "kda": moved["kda_state"], "mla": moved["mla_cache"]}
     rows = {}
@@ -190,9 +195,10 @@ def op_breakdown(families: list[dict], moved: dict, tpot_us: float) -> dict:
             row["bytes"] = int(nbytes[op])
             row["TBps"] = round(nbytes[op] / (row["us"] * 1e-6) / 1e12, 3) if row["us"] else None
             row["floor_us"] = round(nbytes[op] / HBM_BYTES_PER_S * 1e6, 2)
-    total = sum(r["us"] for r in rows.values())
-    return dict(ops=rows, sum_us=round(total, 1), tpot_us=round(tpot_us, 1),
-                adds_up=abs(total - tpot_us) <= 0.1 * tpot_us)
+    against = "TPOT" if step_us is None else "spec step"
+    total, step_us = sum(r["us"] for r in rows.values()), tpot_us if step_us is None else step_us
+    return dict(ops=rows, sum_us=round(total, 1), tpot_us=round(tpot_us, 1), step_us=round(step_us, 1),
+                against=against, adds_up=abs(total - step_us) <= 0.1 * step_us)
 
 
 def pad_id(cfg) -> int:
@@ -207,7 +213,7 @@ def profile_step(params, cfg, backend: str, prompt, block: int, top: int = 25, d
     Families merge XLA's numbered fusions (loop_add_fusion_3 → loop_add_fusion) so the table reads per op kind;
     "exclusive" is each family's time not overlapped by earlier kernels (ling_jax.profiling.exclusive_by_family).
     """
-    from ling_jax.profiling import exclusive_by_family, kernel_family, trace_events
+    from ling_jax.profiling import step_families, trace_events
 
     from ling_jax.sharding import replicated
 
@@ -222,23 +228,19 @@ def profile_step(params, cfg, backend: str, prompt, block: int, top: int = 25, d
     # One traced block from the compiled state (donated once); TP: GPU `device`'s timeline only (every shard runs the
     # same kernels).
     events = trace_events(lambda: G.decode_block(params, loop, eos, cfg, Greedy(), **kw), 1, device=device)
-    fam: dict[str, list[float]] = {}
-    for name, _, dur in events:
-        fam.setdefault(kernel_family(name), []).append(dur)
-    excl, after = exclusive_by_family(events)  # PDL: durations include early-admitted kernels' waits
-    rows = sorted(((k, sum(v) / block, len(v) / block) for k, v in fam.items()), key=lambda r: -r[1])
-    span = (events[-1][1] + events[-1][2] - events[0][1]) / block if events else 0.0
-    busy = sum(e[2] for e in events) / block
-    print(f"\nprofile [{backend}]: {span:.1f} µs per step on the GPU timeline, {busy:.1f} µs of it in kernels, "
-          f"{len(events) / block:.0f} kernels per step")
+    prof = dict(backend=backend, **step_families(events, block))
+    print_profile(f"profile [{backend}]", prof, top)
+    return prof
+
+
+def print_profile(title: str, prof: dict, top: int = 25) -> None:
+    """A step's profile (`profiling.step_families`): its timeline and its `top` costliest kernel families."""
+    print(f"\n{title}: {prof['span_us_per_step']:.1f} µs per step on the GPU timeline, {prof['busy_us_per_step']:.1f} "
+          f"µs of it in kernels, {prof['kernels_per_step']:.0f} kernels per step")
     print("  µs/step (exclusive)   launches   kernel  <- usual predecessor")
-    for k, us, n in rows[:top]:
-        print(f"  {us:8.1f} ({excl[k] / block:8.1f})  {n:5.1f}×  {k}  <- {after[k].most_common(1)[0][0]}")
-    return dict(backend=backend, span_us_per_step=span, busy_us_per_step=busy,
-                families=[dict(kernel=k, us_per_step=round(us, 2), exclusive_us_per_step=round(excl[k] / block, 2),
-                               per_step=n, after=after[k].most_common(1)[0][0]) for k, us, n in rows])
-
-
+    for f in prof["families"][:top]:
+        print(f"  {f['us_per_step']:8.1f} ({f['exclusive_us_per_step']:8.1f})  {f['per_step']:5.1f}×  {f['kernel']}  "
+              f"<- {f['after']}")
 
 
 def kernel_counts(params, cfg, backend: str, **kw) -> dict:
@@ -248,8 +250,10 @@ def kernel_counts(params, cfg, backend: str, **kw) -> dict:
 
 
 def print_breakdown(b: dict) -> None:
-    print(f"  by op (exclusive µs per step; bytes that op must move):  sum {b['sum_us']} µs against TPOT "
-          f"{b['tpot_us']} µs ({'within' if b['adds_up'] else 'NOT within'} 10 %)")
+    step = (f"TPOT {b['tpot_us']} µs" if b["against"] == "TPOT" else
+            f"the spec step's {b['step_us']} µs (decode time per step run; TPOT {b['tpot_us']} µs)")
+    print(f"  by op (exclusive µs per step; bytes that op must move):  sum {b['sum_us']} µs against {step} "
+          f"({'within' if b['adds_up'] else 'NOT within'} 10 %)")
     for op, r in sorted(b["ops"].items(), key=lambda kv: -kv[1]["us"]):
         bw = (f"{r['bytes'] / 1e6:8.1f} MB  {r['TBps']:.2f} TB/s  floor {r['floor_us']:.1f} µs" if "bytes" in r
               else "")
@@ -324,24 +328,40 @@ def oracle_aux(tokens, bad):
 SPEC_DRAFTERS = ("oracle", "mtp", "suffix")
 
 
-def spec_runner(params, cfg, prompt, *, spec: str, k: int, accept_length: float | None, output_len: int,
-                backend: str, block_size: int, prefill_chunk: int | None = None):
-    """A zero-argument speculative greedy generation. The oracle is planned acceptance (drafters.PlannedDrafter, a
-    timing mode): it drafts the model's own greedy output and keeps accept_plan's count each step (None: every
+def spec_drafter(params, cfg, prompt, *, spec: str, k: int, accept_length: float | None, output_len: int,
+                 backend: str, block_size: int, prefill_chunk: int | None = None):
+    """The drafter of `spec` and its aux -> (drafter, aux). The oracle is planned acceptance (drafters.PlannedDrafter,
+    a timing mode): it drafts the model's own greedy output and keeps accept_plan's count each step (None: every
     draft, accept length k + 1) whatever the verify says, since at full size in bf16 or FP8 the verify's argmax
     leaves plain decode's; mtp and suffix draft for real and are judged by the acceptance rule."""
     from ling_jax.engine import drafters
+
+    if spec not in SPEC_DRAFTERS:
+        raise ValueError(f"spec={spec!r} is no drafter of the bench: choose one of {', '.join(SPEC_DRAFTERS)}")
+    if spec != "oracle":
+        return {"mtp": drafters.MTPDrafter, "suffix": drafters.Suffix}[spec](), None
+    truth = G.generate(params, cfg, prompt, max_new_tokens=output_len, sampler=Greedy(), backend=backend,
+                       block_size=block_size, ignore_eos=True, prefill_chunk=prefill_chunk).tokens[0]
+    plan = accept_plan(k, k + 1 if accept_length is None else accept_length, output_len)
+    return drafters.PlannedDrafter(), (jnp.asarray([truth], jnp.int32), jnp.asarray(plan, jnp.int32))
+
+
+def spec_runner(params, cfg, prompt, drafter, aux, *, k: int, output_len: int, backend: str, block_size: int,
+                prefill_chunk: int | None = None):
+    """A zero-argument speculative greedy generation with `drafter` and its aux (`spec_drafter`)."""
     from ling_jax.engine.speculative import generate_speculative
 
-    kw = dict(max_new_tokens=output_len, sampler=Greedy(), k=k, backend=backend, block_size=block_size,
-              ignore_eos=True, prefill_chunk=prefill_chunk)
-    drafter, aux = {"mtp": drafters.MTPDrafter, "suffix": drafters.Suffix}.get(spec, drafters.PlannedDrafter)(), None
-    if spec == "oracle":
-        truth = G.generate(params, cfg, prompt, max_new_tokens=output_len, sampler=Greedy(), backend=backend,
-                           block_size=block_size, ignore_eos=True, prefill_chunk=prefill_chunk).tokens[0]
-        plan = accept_plan(k, k + 1 if accept_length is None else accept_length, output_len)
-        aux = (jnp.asarray([truth], jnp.int32), jnp.asarray(plan, jnp.int32))
-    return lambda: generate_speculative(params, cfg, prompt, drafter=drafter, aux=aux, **kw)
+    return functools.partial(generate_speculative, params, cfg, prompt, drafter=drafter, aux=aux,
+                             max_new_tokens=output_len, sampler=Greedy(), k=k, backend=backend, block_size=block_size,
+                             ignore_eos=True, prefill_chunk=prefill_chunk)
+
+
+def spec_steps_run(verify_steps: int, output_len: int, block_size: int) -> int:
+    """The spec steps a generation ran on the device: `generate_speculative` reads a block's tokens after dispatching
+    the next block, so the block after the one that completes the output runs too (where one is left); its steps,
+    past the output's end, are timed but not counted in `verify_steps`."""
+    n_blocks = -(-(output_len - 1) // block_size)
+    return min(-(-verify_steps // block_size) + 1, n_blocks) * block_size
 
 
 def planned_accept_length(k: int, accept: float | None, steps: int) -> float:
@@ -391,8 +411,8 @@ def bench(params, cfg, *, prompt_len: int, output_len: int, backend: str, block_
           seed: int = 0, progress: bool = True, spec: str = "none", num_draft: int = 3,
           accept_length: float | None = None) -> dict:
     """SGLang's workload on `params` -> one result row (see the module docstring). `spec`: "none", or a drafter of
-    SPEC_DRAFTERS with `num_draft` drafts per step (the oracle at `accept_length`); kernel counts and the profile
-    are of the plain decode step."""
+    SPEC_DRAFTERS with `num_draft` drafts per step (the oracle at `accept_length`); kernel counts are of the plain
+    decode step, the profile of the step timed (`profile_spec` for a speculative one)."""
     if output_len < 2:
         raise ValueError(f"output_len={output_len} must be >= 2: TPOT needs a decode step after the prefill's token")
     from ling_jax.cache import cache_len
@@ -407,15 +427,18 @@ def bench(params, cfg, *, prompt_len: int, output_len: int, backend: str, block_
         run = functools.partial(G.generate, params, cfg, prompt, max_new_tokens=output_len, sampler=Greedy(),
                                 backend=backend, block_size=block_size, ignore_eos=True, prefill_chunk=prefill_chunk)
     else:
-        run = spec_runner(params, cfg, prompt, spec=spec, k=num_draft, accept_length=accept_length,
-                          output_len=output_len, backend=backend, block_size=block_size, prefill_chunk=prefill_chunk)
+        gen = dict(output_len=output_len, backend=backend, block_size=block_size, prefill_chunk=prefill_chunk)
+        drafter, aux = spec_drafter(params, cfg, prompt, spec=spec, k=num_draft, accept_length=accept_length, **gen)
+        run = spec_runner(params, cfg, prompt, drafter, aux, k=num_draft, **gen)
     results = timed_generations(run, warmup=warmup, repeats=repeats, progress=progress)
     row = dict(backend=backend, layers=cfg.num_layers, quantization=cfg.quantization, prompt_len=prompt_len,
                output_len=output_len, block_size=block_size, repeats=repeats, warmup=warmup,
                prefill_chunk=prefill_chunk or PREFILL_CHUNK, spec=spec, **sglang_metrics(results, output_len))
     if spec != "none":
+        steps_run = [spec_steps_run(r.verify_steps, output_len, block_size) for r in results]
         row.update(num_draft=num_draft, accept_length=float(np.mean([r.accept_length for r in results])),
-                   verify_steps=[r.verify_steps for r in results],
+                   verify_steps=[r.verify_steps for r in results], steps_run=steps_run,
+                   step_ms_median=float(np.median([r.decode_s * 1e3 / n for r, n in zip(results, steps_run)])),
                    agreement=_mean_or_none([r.agreement for r in results]),
                    acceptance="planned (timing)" if spec == "oracle" else "real")
         if spec == "oracle":  # the device's counts must be the plan's, over the steps each run took
@@ -436,11 +459,40 @@ def bench(params, cfg, *, prompt_len: int, output_len: int, backend: str, block_
     if count_kernels:
         row.update(kernel_counts(params, cfg, backend, max_len=max_len, steps=block_size))
     if profile:
-        row["profile"] = profile_step(params, cfg, backend, prompt, block_size, max_len=max_len,
-                                      prefill_chunk=check_chunk(prefill_chunk))
-        row["breakdown"] = op_breakdown(row["profile"]["families"], moved, row["tpot_ms_median"] * 1e3)
+        from ling_jax.sharding import tp_size
+
+        chunk = check_chunk(prefill_chunk)
+        device = 0 if tp_size() > 1 else None  # one GPU's timeline: every shard runs the same kernels
+        plain = profile_step(params, cfg, backend, prompt, block_size, max_len=max_len, prefill_chunk=chunk,
+                             device=device)
+        if spec == "none":
+            row.update(profile=plain, breakdown=op_breakdown(plain["families"], moved, row["tpot_ms_median"] * 1e3))
+        else:
+            row.update(profile_spec(params, cfg, prompt, row, plain, drafter=drafter, aux=aux, prefill_chunk=chunk,
+                                    device=device))
     row["peak_memory_bytes"] = peak_memory_bytes()
     return row
+
+
+def profile_spec(params, cfg, prompt, row: dict, plain: dict, *, drafter, aux, prefill_chunk: int,
+                 device=None) -> dict:
+    """A spec row's profile -> its "profile" (the speculative step by kernel family, `spec_profile`; the verify
+    forward alone under "verify", the plain step's `plain` under "plain"), "breakdown" (the spec step's families
+    against its time, the decode time per step run, with the bytes a verify over k + 1 positions moves) and
+    "spec_profile" (`spec_profile.spec_summary`); `device` as `profile_step`'s."""
+    from ling_jax import spec_profile
+
+    k, backend = row["num_draft"], row["backend"]
+    prof = spec_profile.profile_spec_step(params, cfg, backend, prompt, row["block_size"], drafter=drafter, aux=aux,
+                                          k=k, max_new=row["output_len"], pad_id=pad_id(cfg),
+                                          prefill_chunk=prefill_chunk, device=device)
+    print_profile(f"profile [{backend}] spec step, k={k}", prof)
+    print_profile(f"profile [{backend}] verify forward alone, {k + 1} positions", prof["verify"], top=10)
+    moved = step_bytes(cfg, row["prompt_len"] + row["output_len"], jnp.dtype(params["embed"].dtype).itemsize,
+                       positions=k + 1)
+    breakdown = op_breakdown(prof["families"], moved, row["tpot_ms_median"] * 1e3, row["step_ms_median"] * 1e3)
+    return dict(profile=dict(prof, plain=plain), breakdown=breakdown,
+                spec_profile=spec_profile.spec_summary(prof, plain))
 
 
 def _mean_or_none(values: list) -> float | None:
@@ -457,8 +509,10 @@ def print_row(row: dict) -> None:
         f"{'-' if row['agreement'] is None else format(row['agreement'], '.1%')})")
     print(f"{row['layers']} layers, {row['quantization'] or 'unquantised'}, backend {row['backend']}{spec}: prompt "
           f"{row['prompt_len']}, output {row['output_len']}, {row['repeats']} timed runs after {row['warmup']} warm-up")
+    step = "" if row["spec"] == "none" else (f" · spec step median {row['step_ms_median']:.3f} ms (first run: "
+                                             f"{row['steps_run'][0]} steps run, {row['verify_steps'][0]} emitting)")
     print(f"  TTFT {row['ttft_ms']:.1f} ms · TPOT median {row['tpot_ms_median']:.3f} ms (mean "
-          f"{row['tpot_ms_mean']:.3f}) · {row['output_tokens_per_s']:.0f} tok/s")
+          f"{row['tpot_ms_mean']:.3f}) · {row['output_tokens_per_s']:.0f} tok/s{step}")
     print(f"  bytes per token {row['bytes_per_token'] / gb:.2f} GB, floor {row['floor_ms']:.3f} ms at "
           f"{HBM_BYTES_PER_S / 1e12:.1f} TB/s: {row['frac_of_floor']:.1%} of it"
           + (f" · {row['kernels_per_step']} kernels per step" if "kernels_per_step" in row else "")
@@ -466,6 +520,9 @@ def print_row(row: dict) -> None:
              else ""))
     if "breakdown" in row:
         print_breakdown(row["breakdown"])
+    if "spec_profile" in row:
+        from ling_jax.spec_profile import print_spec_summary
+        print_spec_summary(row["spec_profile"], row["num_draft"])
     print(f"  beside SGLang ({SGLANG_HARDWARE}; ours: {jax.devices()[0].device_kind} x {row.get('tp', 1)}):")
     for r in SGLANG_ROWS:
         accept = f", accept length {r['accept_length']}" if r["accept_length"] else ""

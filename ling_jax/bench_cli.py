@@ -40,7 +40,9 @@ def _add_bench(b: argparse.ArgumentParser) -> None:
     b.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="C", help="as `generate`'s")
     b.add_argument("--warmup", type=int, default=1, metavar="N", help="untimed generations first (excluded)")
     b.add_argument("--repeats", type=int, default=3, metavar="N", help="timed generations")
-    b.add_argument("--profile", action="store_true", help="device time per op family (JAX profiler)")
+    b.add_argument("--profile", action="store_true",
+                   help="device time per op family (JAX profiler); with --spec of the speculative step, beside the "
+                        "verify forward alone and the plain decode step")
     b.add_argument("--no-kernel-count", action="store_true",
                    help="skip counting the kernels of a step (one more compilation, served by a cache)")
     b.add_argument("--device-memory-gb", type=float, default=None, metavar="G",

@@ -1,4 +1,4 @@
-"""`ling-jax` command line: convert | generate | bench | crosscheck.
+"""`ling-jax` command line: convert | generate | bench | crosscheck | layercheck.
 
     ling-jax convert --hf-dir DIR --out DIR [--dtype bfloat16|float32|fp8] [--router-fp32] [--no-mtp] [--force]
                      [--tp N]
@@ -13,13 +13,22 @@
     ling-jax crosscheck --hf-dir DIR [--checkpoint ORBAX] [--prompt-ids 1,2,3 | --prompt TEXT --tokenizer FILE]
                         [--dtype float32|bfloat16] [--layers A:B] [--decode-steps N] [--backend SPEC]
                         [--torch-device auto|cpu|cuda] [--json]
+    ling-jax layercheck (--preset NAME --random-weights | --checkpoint DIR | --hf-dir DIR) [--layers N]
+                        [--compare verify-vs-decode|backends] [--path verify|decode] [--backend SPEC]
+                        [--dtype float32|bfloat16|fp8] [--activations float32|bfloat16]
+                        [--prompt-ids 1,2,3 | --prompt-len N] [--num-draft K | --verify-ids 1,2,3] [--seed S]
+                        [--tolerance X] [--json]
 
-`bench` lives in ling_jax/bench_cli.py, what the subcommands share in ling_jax/cli_common.py.
+`bench` lives in ling_jax/bench_cli.py, `layercheck` in ling_jax/layercheck_cli.py, what the subcommands share in
+ling_jax/cli_common.py.
 
 `crosscheck` runs transformers' model and ling-jax side by side, layer by layer (ling_jax.crosscheck.stream):
 transformers always reads --hf-dir, ling-jax --checkpoint when given (checked to hold --hf-dir's weights: its config
 and norm scales), else --hf-dir. Exit status 0 when every check is within its tolerance, 1 when one is not, 2 for a
 bad option or checkpoint.
+
+`layercheck` compares, layer by layer, the verify forward over K + 1 positions with K + 1 sequential decode steps,
+or one path on --backend with the same path on the reference (ling_jax.layercheck); exit status as `crosscheck`'s.
 
 `--tp N` shards the model over N devices (ling_jax.sharding: heads, intermediate dims and the vocabulary split).
 With `--coordinator`, one process runs per host, `jax.distributed` joins them, and the mesh spans every process's
@@ -46,8 +55,9 @@ from ling_jax.cli_common import (DEFAULT_DRAFTS, DTYPES, FP8, HF_DIR_HELP, MAX_D
                                  _add_fp8_activations, _add_processes, _add_tp, _apply_fp8_activations,
                                  _bad_input_errors, _check_backend, _check_backend_fits,
                                  _check_checkpoint_fp8, _check_memory, _check_processes, _check_tp,
-                                 _checkpoint_config, _DefaultsFormatter, _hf_config, _in_mesh, _is_main_process,
-                                 _mesh, _model_config, _param_shardings, _Parser, _start_processes)
+                                 _checkpoint_config, _DefaultsFormatter, _hf_config, _id_list, _in_mesh,
+                                 _is_main_process, _mesh, _model_config, _param_shardings, _Parser, _start_processes)
+from ling_jax.layercheck_cli import _add_layercheck, _layercheck
 
 DEFAULT_PROMPT_IDS = "7,41,3,99,12,250,18,5,77,301,64,9"
 # Warm-ups added when the timed run after --warmup still compiled (a cache key that changed after the first call).
@@ -66,6 +76,9 @@ def _parser() -> argparse.ArgumentParser:
                               formatter_class=_DefaultsFormatter))
     _add_crosscheck(sub.add_parser("crosscheck", formatter_class=_DefaultsFormatter,
                                             help="ling-jax against transformers on a checkpoint, layer by layer"))
+    _add_layercheck(sub.add_parser("layercheck", formatter_class=_DefaultsFormatter,
+                                   help="verify forward against sequential decode (or a backend against the "
+                                        "reference), layer by layer"))
     return parser
 
 
@@ -344,16 +357,6 @@ def _check_spec_options(args, parser) -> None:
         args.oracle = _id_list(args.oracle_ids, "--oracle-ids", parser)
 
 
-def _id_list(text: str, option: str, parser) -> list[int]:
-    try:
-        ids = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        parser.error(f"{option} {text!r} must be comma-separated integers, e.g. 1,2,3")
-    if not ids:
-        parser.error(f"{option} {text!r} holds no token id: pass comma-separated integers, e.g. 1,2,3")
-    return ids
-
-
 def _check_spec_model(args, cfg, parser):
     """Config-level checks of the drafter against the target (before any weight): the draft model's config, the
     MTP layer's presence, the oracle's ids. Returns the draft model's config for --spec model."""
@@ -577,8 +580,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv or ["generate"])
     sub = parser._subparsers._group_actions[0].choices[args.command]  # errors name the subcommand
     try:
-        return {"generate": _generate, "convert": _convert, "bench": _bench,
-                "crosscheck": _crosscheck}[args.command](args, sub)
+        return {"generate": _generate, "convert": _convert, "bench": _bench, "crosscheck": _crosscheck,
+                "layercheck": _layercheck}[args.command](args, sub)
     except _bad_input_errors() as e:
         sub.error(str(e))
 

@@ -70,6 +70,16 @@ def _check_backend(spec: str, parser) -> None:
         parser.error(f"--backend: {e}")
 
 
+def _id_list(text: str, option: str, parser) -> list[int]:
+    try:
+        ids = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        parser.error(f"{option} {text!r} must be comma-separated integers, e.g. 1,2,3")
+    if not ids:
+        parser.error(f"{option} {text!r} holds no token id: pass comma-separated integers, e.g. 1,2,3")
+    return ids
+
+
 def _model_config(args, parser):
     """The chosen model's config, read before any weight, so every check that needs it runs before loading."""
     if args.checkpoint:

@@ -136,6 +136,23 @@ def exclusive_by_family(events):
     return dict(excl), dict(after)
 
 
+def step_families(events, steps):
+    """Per-step measures of a traced block of `steps` steps: its timeline span (first kernel start to last kernel
+    end), kernel time and kernel count, and per family (`kernel_family`) its time, exclusive time
+    (`exclusive_by_family`), launches and usual predecessor, the costliest first. No events (the CPU): zeros, no
+    families."""
+    fam = collections.defaultdict(list)
+    for name, _, dur in events:
+        fam[kernel_family(name)].append(dur)
+    excl, after = exclusive_by_family(events)
+    rows = sorted(((k, sum(v) / steps, len(v) / steps) for k, v in fam.items()), key=lambda r: -r[1])
+    span = (max(ts + dur for _, ts, dur in events) - events[0][1]) / steps if events else 0.0
+    return dict(span_us_per_step=span, busy_us_per_step=sum(e[2] for e in events) / steps,
+                kernels_per_step=len(events) / steps,
+                families=[dict(kernel=k, us_per_step=round(us, 2), exclusive_us_per_step=round(excl[k] / steps, 2),
+                               per_step=n, after=after[k].most_common(1)[0][0]) for k, us, n in rows])
+
+
 def durations_by_name(events, width=60):
     """{kernel name (first `width` characters): [durations µs]} over the traced events."""
     by_name = collections.defaultdict(list)

@@ -435,6 +435,65 @@ def test_bench_spec_oracle_is_planned_acceptance(tmp_path):
     assert abs(row["accept_length"] - 2.5) < 0.1
 
 
+def test_bench_spec_profile_profiles_the_spec_step(tmp_path, capsys, monkeypatch):
+    """`bench --spec oracle --profile` profiles the speculative step the timed runs ran (its drafter, k, block and
+    output length): the row's breakdown is that step's, against the decode time per spec step the device ran (the
+    steps counted as the engine dispatched them), and the row sets the spec step beside its verify forward alone and
+    the plain step. The CPU has no GPU events, so both profilers hand back synthetic families and record what they
+    were asked for."""
+    from ling_jax import bench, spec_profile
+    from ling_jax.engine import speculative
+    from ling_jax.engine.drafters import PlannedDrafter
+
+    def fake(span, families, **more):
+        return dict(backend="reference", span_us_per_step=span, busy_us_per_step=span, kernels_per_step=len(families),
+                    families=[dict(kernel=k, us_per_step=us, exclusive_us_per_step=us, per_step=1.0, after=None)
+                              for k, us in families], **more)
+
+    asked = {}
+
+    def spec_step(params, cfg, backend, prompt, block, **kw):
+        asked["spec"] = dict(kw, block=block, prompt_len=np.shape(prompt)[1])
+        return fake(1000.0, [("experts_fwd_kernel_gate_up", 600.0), ("kda_recurrent_verify", 300.0),
+                             ("loop_select_fusion", 80.0)], k=kw["k"],
+                    verify=fake(900.0, [("experts_fwd_kernel_gate_up", 600.0), ("kda_recurrent_verify", 300.0)]))
+
+    def plain_step(params, cfg, backend, prompt, block, **kw):
+        asked["plain"] = block
+        return fake(400.0, [("experts_fwd_kernel_down_t1", 250.0), ("kda_recurrent_decode", 150.0)])
+
+    def spec_block(*a, **kw):
+        asked["blocks"] = asked.get("blocks", 0) + 1
+        return real_spec_block(*a, **kw)
+
+    real_spec_block = speculative.spec_block
+    monkeypatch.setattr(spec_profile, "profile_spec_step", spec_step)
+    monkeypatch.setattr(bench, "profile_step", plain_step)
+    monkeypatch.setattr(speculative, "spec_block", spec_block)
+    code, out, _ = run_cli(["bench", "--preset", "toy", "--layers", "2", "--random-weights", "--prompt-len", "16",
+                            "--output-len", "24", "--block-size", "4", "--warmup", "0", "--repeats", "1",
+                            "--backend", "reference", "--no-kernel-count", "--spec", "oracle", "--num-draft", "3",
+                            "--accept-length", "2.5", "--profile", "--results", str(tmp_path / "row.json")], capsys)
+    assert code == 0
+    spec = asked["spec"]
+    assert isinstance(spec["drafter"], PlannedDrafter) and spec["k"] == 3 and spec["block"] == 4
+    assert spec["max_new"] == 24 and spec["prompt_len"] == 16 and spec["aux"][0].shape == (1, 24)
+    assert spec["device"] is None  # one device: its whole timeline
+    row = json.loads((tmp_path / "row.json").read_text())
+    [verify_steps], [steps_run] = row["verify_steps"], row["steps_run"]
+    assert steps_run == 4 * asked["blocks"] > verify_steps  # a block past the output's end runs, timed
+    assert row["step_ms_median"] == pytest.approx(row["tpot_ms_median"] * (24 - 1) / steps_run, rel=1e-9)
+    b = row["breakdown"]
+    assert set(b["ops"]) == {"moe", "kda", "other"} and b["sum_us"] == 980.0
+    assert b["step_us"] == round(row["step_ms_median"] * 1e3, 1)
+    assert b["tpot_us"] == round(row["tpot_ms_median"] * 1e3, 1)
+    assert row["spec_profile"] == dict(spec_step_us=1000.0, verify_forward_us=900.0, plain_step_us=400.0,
+                                       outside_verify_us=100.0, outside_verify_pct=10.0)
+    assert row["profile"]["plain"]["span_us_per_step"] == 400.0 and asked["plain"] == 4
+    assert "spec step 1000.0 µs, verify forward over 4 positions alone 900.0 µs, plain decode step 400.0 µs" in out
+    assert "sum 980.0 µs against the spec step's" in out
+
+
 def test_bench_results_option_takes_a_file_or_a_directory(tmp_path):
     from ling_jax import bench_cli
     from ling_jax.cli import _parser

@@ -127,3 +127,76 @@ def test_count_launches_per_step():
     # at one step, or at a trip count that is neither the steps nor half of them, every launch is the step's.
     assert count_launches(HLO_BLOCK, steps=1)["step"] == 7
     assert count_launches(HLO_BLOCK, steps=4)["per_block"] == 0
+
+
+# A speculative step's kernels (k = 3, one of each layer kind) as the verify forward and the step's own work launch
+# them, with their durations: the verify's Pallas kernels and an XLA GEMM, then acceptance and commit, which XLA fuses.
+SPEC_STEP = (("gemv_rows_fwd_kernel", 6.0), ("gemm_fusion_dot_4", 1.5), ("kda_recurrent_verify", 8.0),
+             ("router_fwd_kernel_gemv", 2.0), ("experts_fwd_kernel_gate_up", 20.0),
+             ("experts_fwd_kernel_down", 10.0), ("mla_decode_fwd_kernel", 3.0),
+             ("greedy_head_fwd_kernel", 5.0), ("loop_select_fusion_2", 1.5), ("loop_dynamic_slice_fusion_7", 2.5))
+
+
+def _block(steps, step=SPEC_STEP, overlap=0.5, gap=1.0):
+    """A traced block of `steps` steps: each kernel admitted `overlap` µs before its predecessor ends (PDL), `gap` µs
+    between steps -> (events, the block's covered time per step)."""
+    events, t = [], 0.0
+    for _ in range(steps):
+        for name, dur in step:
+            events.append((name, t, dur))
+            t += dur - overlap
+        t += overlap + gap
+    return events, (sum(d for _, d in step) - overlap * (len(step) - 1))
+
+
+def test_step_families_per_step():
+    """A block's measures per step: numbered fusions merge into one family; exclusive times leave out what PDL
+    overlaps, so they add up to the covered timeline, and the span adds the gaps between steps."""
+    events, covered = _block(4)
+    prof = profiling.step_families(events, 4)
+    fams = {f["kernel"]: f for f in prof["families"]}
+    assert set(fams) == {profiling.kernel_family(name) for name, _ in SPEC_STEP}
+    assert fams["loop_select_fusion"]["per_step"] == 1 and fams["loop_select_fusion"]["us_per_step"] == 1.5
+    assert math.isclose(sum(f["exclusive_us_per_step"] for f in prof["families"]), covered, abs_tol=0.05)
+    assert math.isclose(prof["busy_us_per_step"], sum(d for _, d in SPEC_STEP), rel_tol=1e-9)
+    assert math.isclose(prof["span_us_per_step"], covered + 1.0 * 3 / 4, rel_tol=1e-9)  # 3 gaps in 4 steps
+    assert prof["kernels_per_step"] == len(SPEC_STEP) and prof["families"][0]["kernel"] == "experts_fwd_kernel_gate_up"
+    assert profiling.step_families([], 4) == dict(span_us_per_step=0.0, busy_us_per_step=0.0, kernels_per_step=0.0,
+                                                  families=[])
+
+
+def test_spec_breakdown_adds_up_to_the_step_not_the_token():
+    """The spec step's families by op (the verify's kernels in theirs, acceptance and commit in "other") add up to
+    the step's time, not to TPOT (a step emits the accept length's tokens); the bytes are a verify's over k + 1
+    positions."""
+    from ling_jax.bench import op_breakdown, step_bytes
+    from ling_jax.config import preset
+
+    prof = profiling.step_families(_block(8)[0], 8)
+    moved = step_bytes(preset("toy"), 64, positions=4)
+    step_us = sum(f["exclusive_us_per_step"] for f in prof["families"])
+    tpot_us = step_us / 3.25
+    b = op_breakdown(prof["families"], moved, tpot_us, step_us * 1.05)
+    assert b["adds_up"] and b["step_us"] == round(step_us * 1.05, 1) and b["tpot_us"] == round(tpot_us, 1)
+    assert set(b["ops"]) == {"projections", "kda", "moe", "mla", "lm_head", "other"}
+    assert b["ops"]["projections"]["launches"] == 2  # the GEMV kernel and XLA's GEMM fusion
+    assert math.isclose(b["ops"]["other"]["us"], 1.5 - 0.5 + 2.5 - 0.5, abs_tol=0.02)
+    assert b["ops"]["moe"]["bytes"] == moved["ffn"] and "bytes" not in b["ops"]["other"]
+    assert not op_breakdown(prof["families"], moved, tpot_us)["adds_up"]  # against TPOT, as a plain step
+    assert not op_breakdown(prof["families"], moved, tpot_us, step_us * 1.2)["adds_up"]
+
+
+def test_spec_summary_shares_outside_the_verify_forward():
+    from ling_jax.spec_profile import spec_summary
+
+    spec, _ = _block(8)
+    verify, _ = _block(8, SPEC_STEP[:-2])  # the same step without acceptance and commit
+    plain, _ = _block(8, (("gemv_rows_fwd_kernel", 4.0), ("greedy_head_fwd_kernel", 3.0)))
+    prof = dict(profiling.step_families(spec, 8), verify=profiling.step_families(verify, 8))
+    s = spec_summary(prof, profiling.step_families(plain, 8))
+    step, alone = prof["span_us_per_step"], prof["verify"]["span_us_per_step"]
+    assert s["spec_step_us"] == round(step, 1) and s["verify_forward_us"] == round(alone, 1)
+    assert math.isclose(s["outside_verify_us"], 1.5 - 0.5 + 2.5 - 0.5, abs_tol=0.05)  # acceptance and commit
+    assert s["outside_verify_pct"] == round(100 * (step - alone) / step, 1) and s["plain_step_us"] < s["spec_step_us"]
+    empty = dict(profiling.step_families([], 8), verify=profiling.step_families([], 8))
+    assert spec_summary(empty, profiling.step_families([], 8))["outside_verify_pct"] is None

@@ -179,6 +179,68 @@ def test_spec_step_verifies_greedy_through_the_greedy_head(toy, plain, monkeypat
     assert out.tokens[0] == plain[:10] and heads == ["greedy"]
 
 
+def test_profiled_verify_block_chains_the_spec_steps_verify_forward(toy):
+    """`bench --spec --profile` times the verify forward alone (`spec_profile.verify_block`): the forward over k + 1
+    positions as spec_step calls it (greedy head), each step fed the previous step's greedy tokens at the same
+    position, over the MLA caches the previous step wrote and the KDA caches left uncommitted."""
+    from ling_jax.cache import KDACache, MLACache
+    from ling_jax.model import forward
+    from ling_jax.spec_profile import verify_block
+
+    cfg, params = toy
+    _, state, _ = prefill(params, jnp.asarray(PROMPT, jnp.int32), cfg, max_len=64, backend="reference")
+    fed = jnp.asarray([[5, 9, 11, 3]], jnp.int32)
+    verify = jax.jit(lambda tokens, layers: forward(params, tokens, layers, state.length, cfg, mode="verify",
+                                                    backend="reference", head="greedy"))
+    first, _, staged = verify(fed, state.layers)
+    second_in = tuple(c if isinstance(c, KDACache) else s for c, s in zip(state.layers, staged))
+    want, hidden, staged = verify(first, second_in)
+    assert not np.array_equal(first, want), "the second step's tokens should show that it was fed the first's"
+    got, layers, (got_hidden, kda) = verify_block(params, fed, jax.tree.map(jnp.copy, state.layers), state.length,
+                                                  cfg=cfg, steps=2, backend="reference")
+    assert np.array_equal(got, want)
+    np.testing.assert_allclose(got_hidden, hidden, rtol=1e-5, atol=1e-6)
+    assert [type(e) for e in layers] == [type(e) for e in state.layers]
+    mla = [(g.kv, s.kv) for g, s in zip(layers, staged) if isinstance(s, MLACache)]
+    assert mla and all(np.allclose(g, s, rtol=1e-5, atol=1e-6) for g, s in mla)
+    kda_want = [s for s in staged if not isinstance(s, MLACache)]
+    assert len(kda) == len(kda_want) and all(np.allclose(g.states, s.states, rtol=1e-5, atol=1e-6)
+                                             for g, s in zip(kda, kda_want))
+
+
+@pytest.mark.parametrize("accepted, past", [(0, 0), (2, 1)], ids=["within-the-output", "past-its-end"])
+def test_profiled_spec_step_traces_the_spec_block_then_the_verify_forward(toy, accepted, past, monkeypatch, capsys):
+    """`spec_profile.profile_spec_step` on the CPU, the profiler's events synthetic: it traces the spec block, then
+    the verify forward alone, each measured per step of the block; a traced block whose steps run past the output's
+    end (k = 2, two blocks of 2 steps, 10 tokens: the fourth step, all drafts kept, has none left) is warned of."""
+    from ling_jax import profiling
+    from ling_jax.engine.drafters import PlannedDrafter
+    from ling_jax.spec_profile import profile_spec_step
+
+    cfg, params = toy
+    spec_events = [("gemv_rows_fwd_kernel", 0.0, 4.0), ("loop_select_fusion_2", 4.0, 1.0),
+                   ("gemv_rows_fwd_kernel", 6.0, 4.0), ("loop_select_fusion_2", 10.0, 1.0)]
+    verify_events = [("gemv_rows_fwd_kernel", 0.0, 4.0), ("gemv_rows_fwd_kernel", 5.0, 4.0)]
+    traced = []
+
+    def trace_events(run, n, *, device=None, pause_s=0.0):
+        for _ in range(n):
+            jax.block_until_ready(run())  # the real calls, so the donated state flows as on a GPU
+        traced.append(device)
+        return spec_events if len(traced) == 1 else verify_events
+
+    monkeypatch.setattr(profiling, "trace_events", trace_events)
+    aux = (jnp.asarray(PROMPT, jnp.int32), jnp.full((8,), accepted, jnp.int32))
+    prof = profile_spec_step(params, cfg, "reference", PROMPT, 2, drafter=PlannedDrafter(), aux=aux, k=2, max_new=10,
+                             pad_id=0, prefill_chunk=64)
+    assert set(prof) == {"backend", "k", "span_us_per_step", "busy_us_per_step", "kernels_per_step", "families",
+                         "verify"} and (prof["backend"], prof["k"], traced) == ("reference", 2, [None, None])
+    assert prof["span_us_per_step"] == 5.5 and prof["kernels_per_step"] == 2
+    assert prof["verify"] == profiling.step_families(verify_events, 2) and prof["verify"]["busy_us_per_step"] == 4.0
+    err = capsys.readouterr().err
+    assert (f"{past} of the profiled spec block's 2 steps ran past the output's end (10 tokens)" in err) == bool(past)
+
+
 def _planned_steps(plan, k, n_new):
     """(verify steps, accepted drafts) a run of `n_new` tokens takes when step j keeps plan[j] drafts (the last one
     repeated)."""
