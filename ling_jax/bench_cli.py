@@ -11,9 +11,8 @@ from pathlib import Path
 
 from ling_jax.cli_common import (DEFAULT_DRAFTS, DTYPES, FP8, HF_DIR_HELP, MAX_DRAFTS, PREFILL_CHUNK,
                                  _add_fp8_activations, _add_processes, _add_tp, _apply_fp8_activations, _check_backend,
-                                 _check_backend_fits, _check_checkpoint_fp8, _check_memory, _check_processes,
-                                 _check_tp, _in_mesh, _is_main_process, _mesh, _model_config, _param_shardings,
-                                 _start_processes)
+                                 _check_backend_fits, _check_memory, _check_processes, _check_tp, _in_mesh,
+                                 _is_main_process, _mesh, _param_shardings, _start_processes, _weights_config)
 
 RESULTS_NAME = "bench_<model>_<dtype>[_<spec><K>][_tp<N>].json"
 
@@ -72,7 +71,7 @@ def _bench(args, parser) -> int:
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(BENCH_MEM_FRACTION))
     from ling_jax import bench
 
-    cfg = _bench_config(args, parser)
+    cfg = _weights_config(args, parser, "ling-3.0-flash", "bench all of them, the MTP layer included")
     _check_bench_fits(args, cfg, parser)
     results = _results_path(args, cfg, parser)
     _start_processes(args, parser)
@@ -140,25 +139,6 @@ def _check_bench_fits(args, cfg, parser) -> None:
     parser.error(f"--prompt-len {args.prompt_len} + --output-len {args.output_len}{plus} exceeds the model's "
                  f"max_position_embeddings={limit}: {fix} (SGLang's 8192 + 1024 needs a model with more positions, "
                  "such as --preset ling-3.0-flash)")
-
-
-def _bench_config(args, parser):
-    from ling_jax import bench
-    from ling_jax.config import ConfigError, preset
-
-    if args.checkpoint or args.hf_dir:
-        cfg = _model_config(args, parser)
-        _check_checkpoint_fp8(args, cfg, parser)
-        return cfg.replace(quantization="fp8") if args.dtype == FP8 else cfg
-    name = args.preset or "ling-3.0-flash"
-    try:
-        layers = preset(name).num_layers
-        if args.layers is not None and not 1 <= args.layers <= layers:
-            parser.error(f"--layers {args.layers} must lie in 1..{layers}: preset {name} has {layers} layers (leave "
-                         "--layers out to bench all of them, the MTP layer included)")
-        return bench.bench_config(name, args.layers, args.dtype)
-    except ConfigError as e:
-        parser.error(f"--preset: {e}")
 
 
 def _check_bench_memory(args, cfg) -> None:

@@ -288,6 +288,26 @@ def _check_checkpoint_fp8(args, cfg, parser) -> None:
                      "`ling-jax convert --dtype fp8`, or run this one with --dtype bfloat16")
 
 
+def _weights_config(args, parser, default_preset: str, all_layers: str):
+    """The config of the weights a bench-style command will run: a checkpoint's (block-FP8 with --dtype fp8), or the
+    preset's (`default_preset` without --preset) sliced to --layers; `all_layers` ends the --layers range message."""
+    if args.checkpoint or args.hf_dir:
+        cfg = _model_config(args, parser)
+        _check_checkpoint_fp8(args, cfg, parser)
+        return cfg.replace(quantization="fp8") if args.dtype == FP8 else cfg
+    from ling_jax import bench
+    from ling_jax.config import ConfigError, preset
+
+    name = args.preset or default_preset
+    try:
+        layers = preset(name).num_layers
+        if args.layers is not None and not 1 <= args.layers <= layers:
+            parser.error(f"--layers {args.layers} must lie in 1..{layers}: preset {name} has {layers} layers (leave "
+                         f"--layers out to {all_layers})")
+        return bench.bench_config(name, args.layers, args.dtype)
+    except ConfigError as e:
+        parser.error(f"--preset: {e}")
+
 def _check_memory(cfg, dtype: str, prompt_len: int, new_tokens: int, chunk: int, *, with_mtp: bool,
                   device_gb: float | None = None, devices: int = 1) -> None:
     """The memory plan (ling_jax/memory.py) of each of `devices` against this process's first device, before any

@@ -9,7 +9,7 @@ import math
 import sys
 
 from ling_jax.cli_common import (DEFAULT_DRAFTS, DTYPES, FP8, HF_DIR_HELP, MAX_DRAFTS, PREFILL_CHUNK, _check_backend,
-                                 _check_backend_fits, _check_checkpoint_fp8, _check_memory, _id_list, _model_config)
+                                 _check_backend_fits, _check_memory, _id_list, _weights_config)
 from ling_jax.layercheck import MODES, PATHS
 
 DEFAULT_PROMPT_LEN = 64
@@ -61,7 +61,7 @@ def _layercheck(args, parser) -> int:
     """Check the options, load the weights, run ling_jax.layercheck.check, print the report; 0 when every layer is
     within the bound (or none applies), 1 otherwise."""
     _check_options(args, parser)
-    cfg = _config(args, parser)
+    cfg = _weights_config(args, parser, "toy", "check all of them")
     activations = args.activations or ("bfloat16" if args.dtype == FP8 else args.dtype)
     prompt, verify = _ids(args, cfg, parser)
     _check_backend_fits(args.backend, cfg, parser)  # the baseline's reference takes every config
@@ -119,26 +119,6 @@ def _check_options(args, parser) -> None:
     if args.num_draft is not None and not 1 <= args.num_draft <= MAX_DRAFTS:
         parser.error(f"--num-draft {args.num_draft} must lie in 1..{MAX_DRAFTS} (a verify runs K + 1 positions "
                      "through the verify kernels)")
-
-
-def _config(args, parser):
-    """The model's config as the weights will be: block-FP8 with --dtype fp8, the preset's slice with --layers."""
-    if args.checkpoint or args.hf_dir:
-        cfg = _model_config(args, parser)
-        _check_checkpoint_fp8(args, cfg, parser)
-        return cfg.replace(quantization="fp8") if args.dtype == FP8 else cfg
-    from ling_jax import bench
-    from ling_jax.config import ConfigError, preset
-
-    name = args.preset or "toy"
-    try:
-        layers = preset(name).num_layers
-        if args.layers is not None and not 1 <= args.layers <= layers:
-            parser.error(f"--layers {args.layers} must lie in 1..{layers}: preset {name} has {layers} layers (leave "
-                         "--layers out to check all of them)")
-        return bench.bench_config(name, args.layers, args.dtype)
-    except ConfigError as e:
-        parser.error(f"--preset: {e}")
 
 
 def _ids(args, cfg, parser) -> tuple[list[int], list[int]]:
