@@ -87,34 +87,6 @@ DOWN_T1_MODES = ("fused", "slots", "slots_last")
 T1_GATE_UP_MODES = ("fma", "dot")
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 @dataclasses.dataclass(frozen=True)
 class ExpertsTuning:
     # Field defaults = VERIFY_TUNING (T > FMA_TOKENS_MAX); DECODE_TUNING and FMA_TOKENS_TUNING below override some.
@@ -206,8 +178,6 @@ def default_tuning(n_tokens: int, fp8_weights: bool = False) -> ExpertsTuning:
     return FMA_TOKENS_TUNING if n_tokens <= FMA_TOKENS_MAX else VERIFY_TUNING
 
 
-
-
 def _gu_init(mode, bi, to, bw, scale_ref, lanes):
     if mode == "fma_acc" and scale_ref is not None:  # FP8: per-lane sums (lane_sums)
         return jnp.zeros((bi, bw // lane_group(bi, bw, lanes)), jnp.float32)
@@ -235,12 +205,6 @@ def _gu_final(mode, acc):
     if mode == "fma_acc":
         return jnp.sum(acc, axis=1)[None, :]
     return acc.T if mode == "dot_w" else acc
-
-
-
-
-
-
 
 
 def _gate_up_rows(x_ref, load_g, load_u, *, BK, BW, n_chunks, bi, to, mode, limit, dt, scales, lanes, n_tok=1,
@@ -288,10 +252,6 @@ def _gate_up_rows_tokens(x_ref, load_g, load_u, *, BK, BW, n_chunks, bi, to, lim
     return swiglu(acc_g.astype(dt), acc_u.astype(dt), limit)  # padded rows: SwiGLU(0, 0) = 0
 
 
-
-
-
-
 def experts_fwd_kernel_gate_up(x_ref, ids_ref, wg_ref, wu_ref, sg_ref, su_ref, wg_scale_ref, wu_scale_ref,
                                sg_scale_ref, su_scale_ref, h_ref, count_ref=None, *, BK, n_chunks, n_routed, limit,
                                shared_limit, has_shared, mode, eviction=None, n_tok=1, lanes=32, unroll=False):
@@ -329,16 +289,6 @@ def experts_fwd_kernel_gate_up(x_ref, ids_ref, wg_ref, wu_ref, sg_ref, su_ref, w
             compute(lambda ks: load_w(sg_ref, sg_scale_ref, (), rows, ks, None),
                     lambda ks: load_w(su_ref, su_scale_ref, (), rows, ks, None), shared_limit,
                     (sg_scale_ref, su_scale_ref))
-
-
-
-
-
-
-
-
-
-
 
 
 @functools.partial(jax.jit, static_argnames=("limit", "shared_limit", "tuning"))
@@ -407,22 +357,6 @@ def moe_experts_fused(x, weights, ids, we_gate, we_up, we_down, ws_gate, ws_up, 
     )(*inputs)
     return down_and_combine(h, ids, weights, we_down, ws_down, n=n, tuning=tuning, residual=residual, dtype=dt,
                             count=count[0] if count else None)[:n]
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 def moe_experts(x, weights, ids, we_gate, we_up, we_down, ws_gate=None, ws_up=None, ws_down=None, *, limit=0.0,
