@@ -13,11 +13,11 @@ loads to their products) and writes its weighted fp32 partial: "slots" (`experts
 sum to the T > 1 combine fusion below; "slots_last" (`experts_fwd_kernel_down_slots_last`) counts arrivals per
 feature block with an acq_rel atomic (counters zeroed by kernel 1), and the last program to arrive sums the routed
 partials in slot order, rounds once and adds the shared expert's and the residual, as the fused kernel does.
-Kernel 2 at T > 1 (`experts_fwd_kernel_down`), grid (K + 1, D / BD): group g < K walks its
-T slots, takes tensor-core dots h·W_down[BD rows]ᵀ over the TP token rows (fp32, rounded to the compute dtype as the
-reference rounds each expert's output), scales by each token's routing weight in fp32 and writes a fp32 partial;
-program row K writes the shared expert's output. XLA sums the K partials (fp32), rounds once and adds the shared
-output in the compute dtype: one small fusion.
+Kernel 2 at T > 1 (`experts_fwd_kernel_down`), grid (K + 1, D / BD): group g < K walks its T slots, takes
+tensor-core dots h·W_down[BD rows]ᵀ over the TP token rows (fp32, rounded to the compute dtype as the reference
+rounds each expert's output), scales by each token's routing weight in fp32 and writes a fp32 partial; program row
+K writes the shared expert's output. XLA sums the K partials (fp32), rounds once and adds the shared output in the
+compute dtype: one small fusion.
 """
 
 from __future__ import annotations
@@ -281,7 +281,7 @@ def down_and_combine(h, ids, weights, we_down, ws_down, *, n, tuning, residual=N
         return _down_t1(h, ids, weights, (wd, wd_s), (sd, sd_s), residual, bd=bd, bki=bki, tuning=tuning,
                         dtype=dtype)
     if n == 1 and tuning.down_t1 == "slots_last":
-        _check_counters(count, d, bd, "down_t1")
+        _check_counters(count, d, tuning)
         return _down_slots_last(h, ids, weights, (wd, wd_s), (sd, sd_s), residual, count, bd=bd, bki=bki,
                                 tuning=tuning, dtype=dtype)
     if n == 1:
@@ -306,10 +306,10 @@ def counter_shape(d, tuning):
     return (next_pow2(d // min(tuning.block_d, d & -d)),)
 
 
-def _check_counters(count, d, bd, field):
-    want = (next_pow2(d // bd),)
+def _check_counters(count, d, tuning):
+    want = counter_shape(d, tuning)
     if count is None or count.shape != want:
-        raise ValueError(f"{field}='slots_last' needs the zeroed int32 counters {list(want)} the gate/up launch "
+        raise ValueError(f"down_t1='slots_last' needs the zeroed int32 counters {list(want)} the gate/up launch "
                          "writes (count)")
 
 

@@ -704,6 +704,15 @@ def test_experts_tuning_errors():
     with pytest.raises(ValueError, match=r"block_d=1 at T=3: the T > 1 down kernel's tensor-core dots need >= 16"):
         moe_experts_fused(*args, *ws, limit=0.0, shared_limit=0.0,
                           tuning=dataclasses.replace(DECODE_TUNING, verify_gate_up="fma_tokens"))
+    from pallas_kernels.moe import down
+
+    d, i, k = 64, 32, 8  # the down launch alone, given no counters, or the wrong number, for its last programs
+    h, wd = jnp.ones((k + 1, 1, i), jnp.float32), jnp.ones((4, d, i), jnp.float32)
+    slots_last = dataclasses.replace(DECODE_TUNING, block_d=16, down_t1="slots_last")
+    for count in (None, jnp.zeros((2,), jnp.int32)):
+        with pytest.raises(ValueError, match=r"down_t1='slots_last' needs the zeroed int32 counters \[4\]"):
+            down.down_and_combine(h, jnp.zeros((1, k), jnp.int32), jnp.ones((1, k)), wd, wd[0], n=1,
+                                  tuning=slots_last, count=count)
 
 
 def lower_for_cuda(monkeypatch, modules, fn, *avals, gpu=None):
