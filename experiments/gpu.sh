@@ -64,7 +64,7 @@ suite_gemv_levers() {  # the FP8 GEMV levers side by side on every fused shape a
 }
 suite_fp8_ops() {  # the FP8 GEMV shapes with their tuning sweep, then the FP8 MoE layer's T = 1 sweep
   timeout 230 python3 experiments/bench_gemv.py --fp8 --sweep
-  timeout 280 python3 experiments/bench_moe.py --fp8 --no-ts --chain norm --layers 8 --router-dtype bfloat16 --iters 1
+  timeout 330 python3 experiments/bench_moe.py --fp8 --no-ts --chain norm --layers 8 --router-dtype bfloat16 --iters 1
 }
 suite_moe_fp8() {  # the FP8 MoE layer's T = 1 sweep (device time), then the bf16 layer beside it
   local t0=$SECONDS
@@ -79,14 +79,14 @@ suite_moe_fp8_ts() {  # the FP8 MoE layer at T = 2, 4, 9
     --chain norm --layers 8 --router-dtype bfloat16 --iters 1
   cp experiments/results/bench_moe_fp8.json "$OUT"/bench_moe_fp8_ts.json
 }
-suite_moe_tests() {  # the MoE decode / verify kernels compiled, every tuning the tests name
+suite_moe_tests() {  # the MoE decode / verify kernels and the router compiled, every tuning the tests name
   XLA_FLAGS="--xla_allow_excess_precision=false" timeout 200 python3 -m pytest -q -rf --tb=short \
     -p no:cacheprovider tests/ops/test_moe.py -k "pallas or fp8"
 }
 suite_moe_fp8_quick() {  # one call: the compiled FP8 MoE tests, the T = 1 down forms, the FP8 layer by T
   local t0=$SECONDS
   XLA_FLAGS="--xla_allow_excess_precision=false" timeout 200 python3 -m pytest -q -rf --tb=short -p no:cacheprovider \
-    tests/ops/test_moe.py -k "fp8_tunings or test_experts_pallas_fp8 or slots_last"
+    tests/ops/test_moe.py -k "test_experts_pallas_fp8 or slots_last"
   timeout $((370 - SECONDS + t0)) python3 experiments/bench_moe.py --fp8 --no-ts --chain norm --layers 8 \
     --router-dtype bfloat16 --iters 1 \
     --experts-sweep "default;down_t1=fused,block_d=2,warps_down=1;block_d=32;down_t1=slots"
@@ -131,13 +131,17 @@ suite_mla() {  # device time per call from the profiler, then bench_mla's compil
   timeout 300 python3 experiments/bench_mla.py --budget 200
 }
 
+SUITES="tests engine decode moe moe_fp8 moe_fp8_ts moe_fp8_quick moe_tests kda mla spec prefill prefill_check fp8 \
+fp8_ops gemv_levers slices full flax crosscheck"
 suites=()
 for s in "$@"; do
-  case "$s" in
-    all) suites+=(tests engine decode moe kda mla spec prefill) ;;
-    tests|engine|decode|moe|moe_fp8|moe_fp8_ts|moe_fp8_quick|moe_tests|kda|mla|spec|prefill|prefill_check|fp8|fp8_ops|gemv_levers|slices|full|flax|crosscheck) suites+=("$s") ;;
-    *) echo "unknown suite '$s' (tests engine decode moe moe_fp8 moe_fp8_ts moe_fp8_quick moe_tests kda mla spec prefill prefill_check fp8 fp8_ops gemv_levers slices full flax crosscheck all)"; exit 2 ;;
-  esac
+  if [ "$s" = all ]; then
+    suites+=(tests engine decode moe kda mla spec prefill)
+  elif [[ " $SUITES " == *" $s "* ]]; then
+    suites+=("$s")
+  else
+    echo "unknown suite '$s' ($SUITES all)"; exit 2
+  fi
 done
 [ ${#suites[@]} -gt 0 ] || { sed -n 2,8p "$0"; exit 2; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

@@ -7,12 +7,13 @@ written out, so the compiler overlaps one slot's loads with another's math), rou
 compute dtype as the reference does, sums the routed ones weighted in fp32, rounds once and adds the shared output
 (and the optional residual): the layer's output, no combine launch. Non-owner slots (a repeated id; the router never
 repeats one within a token) are masked, their owner taking every weight of the id. This is `down_t1="fused"`
-(DECODE_TUNING). The slot-parallel forms (DECODE_TUNING_FP8) give every (slot, BD features) pair a program over all
-of I instead, which loads all its weight tiles before its first product (a CTA barrier keeps ptxas from sinking the
-loads to their products) and writes its weighted fp32 partial: "slots" (`experts_fwd_kernel_down_slots`) leaves the
-sum to the T > 1 combine fusion below; "slots_last" (`experts_fwd_kernel_down_slots_last`) counts arrivals per
-feature block with an acq_rel atomic (counters zeroed by kernel 1), and the last program to arrive sums the routed
-partials in slot order, rounds once and adds the shared expert's and the residual, as the fused kernel does.
+(experts.DECODE_TUNING). The slot-parallel forms (experts.DECODE_TUNING_FP8) give every (slot, BD features) pair
+a program over all of I instead, which loads all its weight tiles before its first product (a CTA barrier keeps
+ptxas from sinking the loads to their products) and writes its weighted fp32 partial: "slots"
+(`experts_fwd_kernel_down_slots`) leaves the sum to the T > 1 combine fusion below; "slots_last"
+(`experts_fwd_kernel_down_slots_last`) counts arrivals per feature block with an acq_rel atomic (counters zeroed by
+the gate/up launch, experts.py), and the last program to arrive sums the routed partials in slot order, rounds once
+and adds the shared expert's and the residual, as the fused kernel does.
 Kernel 2 at T > 1 (`experts_fwd_kernel_down`), grid (K + 1, D / BD): group g < K walks its T slots, takes
 tensor-core dots h·W_down[BD rows]ᵀ over the TP token rows (fp32, rounded to the compute dtype as the reference
 rounds each expert's output), scales by each token's routing weight in fp32 and writes a fp32 partial; program row
@@ -253,15 +254,16 @@ def experts_fwd_kernel_down(h_ref, ids_ref, ids2_ref, w_ref, wd_ref, sd_ref, wd_
 
 
 def h_dtype(n, dt, *downs):
-    """The dtype of kernel 1's output h: the compute dtype dt, or at T = 1 with an FP8 down matrix float32 holding
-    the same dt values, so that the T = 1 down kernel's FMAs take them as loaded: each lane's E4M3 row segment meets
-    its own h values, and a bf16 h widened in registers took 5.0 SASS instructions per down weight against 3.6."""
+    """The dtype of the gate/up launch's output h (experts.py): the compute dtype dt, or at T = 1 with an FP8 down
+    matrix float32 holding the same dt values, so that the T = 1 down kernel's FMAs take them as loaded: each lane's
+    E4M3 row segment meets its own h values, and a bf16 h widened in registers took 5.0 SASS instructions per down
+    weight against 3.6."""
     fp8_down = any(isinstance(w, fp8.Fp8Weight) for w in downs)
     return jnp.float32 if n == 1 and fp8_down and jnp.dtype(dt) == jnp.bfloat16 else dt
 
 
 def down_and_combine(h, ids, weights, we_down, ws_down, *, n, tuning, residual=None, dtype=None, count=None):
-    """Kernel 2 and the combine: h [S, TO, I] after SwiGLU (slots as in kernel 1; `h_dtype`), ids/weights [TO, K]
+    """Kernel 2 and the combine: h [S, TO, I] after SwiGLU (slots as in gate/up; `h_dtype`), ids/weights [TO, K]
     (padded rows -1 / 0), we_down [E, D, I], ws_down [D, I] or None (each a plain array or an Fp8Weight), tuning
     an experts.ExpertsTuning, residual [n, D] or None, count: the zeroed arrival counters where `counters_needed` ->
     y [TO, D] in `dtype` (the compute dtype; None: h's) plus the residual (at T = 1 inside the down kernel, at T > 1
@@ -318,17 +320,17 @@ def _down_groups(h, ids, weights, routed, shared, *, n, bd, bki, tuning):
     to, k = ids.shape
     (wd, wd_s), (sd, sd_s) = routed, shared
     d, i = wd.shape[1:]
-    n_groups = k + int(sd is not None)
+    n_programs = k + int(sd is not None)  # the K slot groups and the shared expert's row
     kernel, inputs = with_optional(
         functools.partial(experts_fwd_kernel_down, BKI=bki, n_chunks=i // bki, n_routed=n * k, group=n, n_groups=k,
                           early_launch=tuning.early_launch_down, eviction=tuning.routed_eviction),
         [h, ids.reshape(-1), ids, weights, wd, sd, wd_s, sd_s])
     return pl.pallas_call(
         kernel,
-        grid=(n_groups, d // bd),
+        grid=(n_programs, d // bd),
         in_specs=[pl.no_block_spec] * len(inputs),
         out_specs=pl.BlockSpec((None, to, bd), lambda g, j: (g, 0, j)),
-        out_shape=jax.ShapeDtypeStruct((n_groups, to, d), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((n_programs, to, d), jnp.float32),
         compiler_params=pltriton.CompilerParams(num_warps=tuning.warps_down, num_stages=tuning.stages_down),
         interpret=interpret_mode(),
         name="experts_fwd_kernel_down",

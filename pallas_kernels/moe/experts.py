@@ -20,7 +20,8 @@ that read a layer's 70.8 MB of gate/up fastest in a read-only kernel, 17.8 µs).
 tokens are padded to TP = max(16, 2^⌈log2 T⌉) rows and every step is a tensor-core dot ("dot", orientation
 `dot_gate_up`), or each weight tile, read once, is reduced against the T real tokens one by one ("fma_tokens").
 Kernel 2, the down product and its combine, is in down.py (`down_and_combine`): at T = 1 the layer's output in the
-same launch ("fused", or the slot-parallel "slots_last"), at T > 1 per slot group plus an XLA combine fusion.
+same launch ("fused", or the slot-parallel "slots_last"; "slots" with an XLA combine), at T > 1 per slot group plus
+an XLA combine fusion.
 Tunings by T (`default_tuning`): `DECODE_TUNING` (T = 1), `FMA_TOKENS_TUNING` (2 <= T <= FMA_TOKENS_MAX) and
 `VERIFY_TUNING` (larger T, the dot path's field defaults); with FP8 routed experts `DECODE_TUNING_FP8` and
 `VERIFY_TUNING_FP8`. `t1_gate_up="dot"` takes T = 1 through the T > 1 dot gate/up (16 padded token rows).

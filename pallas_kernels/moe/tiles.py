@@ -1,6 +1,7 @@
 """Tile helpers of the small-T MoE kernels (experts.py's gate/up, down.py, grouped.py): weight-tile loads (an L2
 eviction policy; FP8: the E4M3 tile and its 128x128 block's one scale), activations loaded in a tile's register
-layout, the FP8 per-lane sums, the chunk loop, slot ownership, and the reference's roundings (SwiGLU, the combine).
+layout, the FP8 per-lane sums, the chunk loop, the transposed-operand dot, slot ownership, optional-input kernel
+bodies, exact bf16 -> fp32 widening, and the reference's roundings (SwiGLU, the combine).
 """
 
 from __future__ import annotations

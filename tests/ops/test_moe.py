@@ -979,7 +979,7 @@ def test_experts_pallas_fp8_tunings(n, tu):
     combine, both product forms, also after the T > 1 dot gate/up (16 token rows, the down reading the first), and
     with the last program combining; and the one-launch "fused" down of 2 one-warp features per program, both
     product forms."""
-    from pallas_kernels.moe import experts as em
+    from pallas_kernels.moe import experts as em, tiles
 
     f = em.DECODE_TUNING_FP8
     tunings = {"decode_bf16": em.DECODE_TUNING,
@@ -1001,7 +1001,7 @@ def test_experts_pallas_fp8_tunings(n, tu):
                "slots_last_dot": dataclasses.replace(em.VERIFY_TUNING_FP8, down_t1="slots_last", t1_gate_up="dot",
                                                      block_d=8, warps_down=2, t1_products="accumulate")}
     if tu in ("lanes4_unroll", "lanes1"):  # the per-lane groups these shapes give (2x64 and 4x16 tiles)
-        assert em.lane_group(2, 64, 32) == 4 and em.lane_group(4, 16, 128) == 1
+        assert tiles.lane_group(2, 64, 32) == 4 and tiles.lane_group(4, 16, 128) == 1
     args, ws, _ = _fp8_expert_inputs(100 + n, n)
     if tu == "plain_acc":
         args, ws = (*args[:3], *(fp8.dequantize(w) for w in args[3:])), tuple(fp8.dequantize(w) for w in ws)
