@@ -9,8 +9,8 @@ import os
 import sys
 from pathlib import Path
 
-from ling_jax.cli_common import (DEFAULT_DRAFTS, DTYPES, FP8, HF_DIR_HELP, MAX_DRAFTS, PREFILL_CHUNK,
-                                 _add_fp8_activations, _add_processes, _add_tp, _apply_fp8_activations, _check_backend,
+from ling_jax.cli_common import (DEFAULT_DRAFTS, DTYPES, FP8, MAX_DRAFTS, PREFILL_CHUNK, _add_fp8_activations,
+                                 _add_processes, _add_tp, _add_weights_source, _apply_fp8_activations, _check_backend,
                                  _check_backend_fits, _check_memory, _check_processes, _check_tp, _in_mesh,
                                  _is_main_process, _mesh, _param_shardings, _start_processes, _weights_config)
 
@@ -18,17 +18,11 @@ RESULTS_NAME = "bench_<model>_<dtype>[_<spec><K>][_tp<N>].json"
 
 
 def _add_bench(b: argparse.ArgumentParser) -> None:
-    src = b.add_mutually_exclusive_group()
-    src.add_argument("--preset", metavar="NAME", default=None,
-                     help="a preset's exact widths with random weights (needs --random-weights): ling-3.0-flash, "
-                          "ling-3.0-tiny, toy (default: ling-3.0-flash, when no checkpoint is given)")
-    src.add_argument("--checkpoint", metavar="DIR", help="ling-jax (orbax) checkpoint (default: none)")
-    src.add_argument("--hf-dir", metavar="DIR", help=f"{HF_DIR_HELP} (default: none)")
-    b.add_argument("--random-weights", action="store_true",
-                   help="with --preset: weights drawn leaf by leaf on the device (nothing on the host)")
-    b.add_argument("--layers", type=int, default=None, metavar="N",
-                   help="the preset's last N layers only, at its exact widths, no MTP layer (default: all, MTP "
-                        "layer included)")
+    _add_weights_source(b, "a preset's exact widths with random weights (needs --random-weights): ling-3.0-flash, "
+                           "ling-3.0-tiny, toy (default: ling-3.0-flash, when no checkpoint is given)",
+                        "with --preset: weights drawn leaf by leaf on the device (nothing on the host)",
+                        "the preset's last N layers only, at its exact widths, no MTP layer (default: all, MTP layer "
+                        "included)")
     b.add_argument("--dtype", choices=DTYPES + (FP8,), default="bfloat16",
                    help="weights and compute: bfloat16, float32, or fp8 (block-FP8 weights, bf16 activations)")
     b.add_argument("--prompt-len", type=int, default=8192, metavar="N", help="random prompt tokens (SGLang's 8192)")

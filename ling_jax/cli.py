@@ -196,14 +196,7 @@ def _prompt_ids(args, parser, tokenizer) -> list[int]:
         if not ids:
             parser.error(f"--prompt {args.prompt!r} encodes to no tokens: pass a prompt with some text")
         return ids
-    text = args.prompt_ids if args.prompt_ids is not None else DEFAULT_PROMPT_IDS
-    try:
-        ids = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        parser.error(f"--prompt-ids {text!r} must be comma-separated integers, e.g. 1,2,3")
-    if not ids:
-        parser.error(f"--prompt-ids {text!r} holds no token id: pass comma-separated integers, e.g. 1,2,3")
-    return ids
+    return _id_list(args.prompt_ids if args.prompt_ids is not None else DEFAULT_PROMPT_IDS, "--prompt-ids", parser)
 
 
 def _check_prompt_fits(ids: list[int], args, cfg, parser) -> None:

@@ -288,6 +288,16 @@ def _check_checkpoint_fp8(args, cfg, parser) -> None:
                      "`ling-jax convert --dtype fp8`, or run this one with --dtype bfloat16")
 
 
+def _add_weights_source(p: argparse.ArgumentParser, preset_help: str, random_help: str, layers_help: str) -> None:
+    """The options naming the weights of a bench-style command: a preset with --random-weights (sliced by --layers),
+    an orbax checkpoint or an HF directory (`_weights_config` reads them)."""
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--preset", metavar="NAME", default=None, help=preset_help)
+    src.add_argument("--checkpoint", metavar="DIR", help="ling-jax (orbax) checkpoint (default: none)")
+    src.add_argument("--hf-dir", metavar="DIR", help=f"{HF_DIR_HELP} (default: none)")
+    p.add_argument("--random-weights", action="store_true", help=random_help)
+    p.add_argument("--layers", type=int, default=None, metavar="N", help=layers_help)
+
 def _weights_config(args, parser, default_preset: str, all_layers: str):
     """The config of the weights a bench-style command will run: a checkpoint's (block-FP8 with --dtype fp8), or the
     preset's (`default_preset` without --preset) sliced to --layers; `all_layers` ends the --layers range message."""

@@ -8,24 +8,18 @@ import json
 import math
 import sys
 
-from ling_jax.cli_common import (DEFAULT_DRAFTS, DTYPES, FP8, HF_DIR_HELP, MAX_DRAFTS, PREFILL_CHUNK, _check_backend,
-                                 _check_backend_fits, _check_memory, _id_list, _weights_config)
+from ling_jax.cli_common import (DEFAULT_DRAFTS, DTYPES, FP8, MAX_DRAFTS, PREFILL_CHUNK, _check_backend,
+                                 _check_backend_fits, _check_memory, _id_list, _add_weights_source, _weights_config)
 from ling_jax.layercheck import MODES, PATHS
 
 DEFAULT_PROMPT_LEN = 64
 
 
 def _add_layercheck(p: argparse.ArgumentParser) -> None:
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--preset", metavar="NAME",
-                     help="a preset with random weights (needs --random-weights): toy, ling-3.0-tiny, ling-3.0-flash "
-                          "(default: toy, when no checkpoint is given)")
-    src.add_argument("--checkpoint", metavar="DIR", help="ling-jax (orbax) checkpoint (default: none)")
-    src.add_argument("--hf-dir", metavar="DIR", help=f"{HF_DIR_HELP} (default: none)")
-    p.add_argument("--random-weights", action="store_true",
-                   help="with --preset: weights drawn leaf by leaf on the device")
-    p.add_argument("--layers", type=int, default=None, metavar="N",
-                   help="with --preset: its last N layers only, at its exact widths (default: all)")
+    _add_weights_source(p, "a preset with random weights (needs --random-weights): toy, ling-3.0-tiny, "
+                           "ling-3.0-flash (default: toy, when no checkpoint is given)",
+                        "with --preset: weights drawn leaf by leaf on the device",
+                        "with --preset: its last N layers only, at its exact widths (default: all)")
     p.add_argument("--compare", choices=MODES, default="verify-vs-decode",
                    help="verify-vs-decode: the verify forward over K + 1 positions against K + 1 sequential decode "
                         "steps (the baseline); backends: --path on --backend against --path on the reference")
