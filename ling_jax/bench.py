@@ -356,13 +356,6 @@ def spec_runner(params, cfg, prompt, drafter, aux, *, k: int, output_len: int, b
                              ignore_eos=True, prefill_chunk=prefill_chunk)
 
 
-def spec_steps_run(verify_steps: int, output_len: int, block_size: int) -> int:
-    """The spec steps a generation ran on the device: `generate_speculative` reads a block's tokens after dispatching
-    the next block, so the block after the one that completes the output runs too (where one is left); its steps,
-    past the output's end, are timed but not counted in `verify_steps`."""
-    n_blocks = -(-(output_len - 1) // block_size)
-    return min(-(-verify_steps // block_size) + 1, n_blocks) * block_size
-
 
 def planned_accept_length(k: int, accept: float | None, steps: int) -> float:
     """The accept length the plan gives over the first `steps` verify steps (what the device's counts must show)."""
@@ -435,7 +428,7 @@ def bench(params, cfg, *, prompt_len: int, output_len: int, backend: str, block_
                output_len=output_len, block_size=block_size, repeats=repeats, warmup=warmup,
                prefill_chunk=prefill_chunk or PREFILL_CHUNK, spec=spec, **sglang_metrics(results, output_len))
     if spec != "none":
-        steps_run = [spec_steps_run(r.verify_steps, output_len, block_size) for r in results]
+        steps_run = [r.steps_run for r in results]
         row.update(num_draft=num_draft, accept_length=float(np.mean([r.accept_length for r in results])),
                    verify_steps=[r.verify_steps for r in results], steps_run=steps_run,
                    step_ms_median=float(np.median([r.decode_s * 1e3 / n for r, n in zip(results, steps_run)])),

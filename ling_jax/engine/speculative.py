@@ -77,6 +77,10 @@ class SpecResult:
     compiles: int = 0  # executables compiled inside the timed region
     agreed: int = 0  # greedy: drafts equal to the verify's argmax in those steps (0 when sampling)
     planned: bool = False  # the accepted counts followed a plan (drafters.PlannedDrafter): a timing mode
+    # Spec steps run on the device, timed in decode_s: the blocks dispatched × block_size. A block's tokens are read
+    # after the next block is dispatched (the device never waits on the host), so the block after the one that
+    # completes the output runs too, its steps past the end.
+    steps_run: int = 0
 
     @property
     def agreement(self) -> float | None:
@@ -227,10 +231,11 @@ def generate_speculative(params, cfg: LingConfig, prompt, *, max_new_tokens: int
                                   **statics)
         chunks = [host_values(first)[:, None]]
         t1 = time.perf_counter()
-        pending = None
+        pending, dispatched = None, 0
         for _ in range(n_blocks):
             state, out, count, done = spec_block(params, aux, state, eos, k=k, steps=block_size,
                                                  max_new=max_new_tokens, **statics)
+            dispatched += 1
             if pending is not None and _collect(pending, chunks, max_new_tokens, ignore_eos):
                 pending = None
                 break
@@ -244,7 +249,7 @@ def generate_speculative(params, cfg: LingConfig, prompt, *, max_new_tokens: int
     tokens = np.concatenate(chunks, axis=1)[:, :max_new_tokens]
     return SpecResult(_cut_after_eos(tokens, cfg.eos_token_ids, ignore_eos), t1 - t0, t2 - t1,
                       int(counters[VERIFY_STEPS]), int(counters[DRAFTED]), int(counters[ACCEPTED]), compiled.count,
-                      int(counters[AGREED]), getattr(drafter, "planned", False))
+                      int(counters[AGREED]), getattr(drafter, "planned", False), dispatched * block_size)
 
 
 def _collect(pending, chunks: list, max_new_tokens: int, ignore_eos: bool) -> bool:
